@@ -1,0 +1,23 @@
+"""hf_bpd: lossless blockwise parallel decoding (Kim et al., 2024) as a transformers plugin."""
+
+from .decoding import generate
+from .drafter import BlockDrafter, DecodingStats, Rescorer
+from .heads import BlockDraftHeads, BlockDraftHeadsConfig
+from .lattice import Lattice, ScoredPath
+from .packaged import load_packaged_model
+from .tree import DraftTree
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockDraftHeads",
+    "BlockDraftHeadsConfig",
+    "BlockDrafter",
+    "DecodingStats",
+    "DraftTree",
+    "Lattice",
+    "Rescorer",
+    "ScoredPath",
+    "generate",
+    "load_packaged_model",
+]

@@ -1,0 +1,23 @@
+"""`hf-bpd` command line: demo, distill, train-heads, ..."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {
+        "demo": "hf_bpd.demo",
+        "distill": "training.distill",
+    }
+    if not argv or argv[0] not in commands:
+        print("usage: hf-bpd {" + ",".join(commands) + "} [options]   (hf-bpd COMMAND --help for each)")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    import importlib
+
+    return importlib.import_module(commands[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

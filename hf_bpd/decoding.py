@@ -1,0 +1,288 @@
+"""The blockwise parallel decoding loop, as a transformers `custom_generate` function.
+
+    model.generate(**inputs, custom_generate=hf_bpd.generate, assistant=drafter, max_new_tokens=N)
+
+Phases, each a plain function below (gpt-fast style):
+  prefill        the prompt through the model exactly as `generate` does: its token is the first root
+  draft          heads on the last accepted hidden state -> lattice -> draft tree (`BlockDrafter.draft`)
+  verify_tree    ONE forward over the tree on the existing cache: 4D tree mask + depth-based position ids
+  accept_greedy  walk the tree along the base model's own (processed) greedy choices
+  compact_cache  keep only the accepted tree positions in the KV cache
+
+Only public extension points are used (4D attention masks, `position_ids`, the Cache API): no modeling
+file is copied or patched, so any causal LM whose attention honours a 4D mask works (sdpa, eager).
+
+Batching: every tensor keeps its batch dimension and the tree, mask and acceptance code already works
+row by row; `generate` itself still requires batch size 1 because rows accept different numbers of
+tokens per step. Batched decoding will keep all rows' caches the same length by leaving each row's
+rejected tree slots in the cache as padding (attention mask 0, exactly like left padding) instead of
+compacting it, with position ids computed from the 2D mask's cumulative sum as `generate` already does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.cache_utils import DynamicCache
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .drafter import BlockDrafter
+from .tree import DraftTree, TreeBatch, batch_trees
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass
+class AcceptResult:
+    """One row's outcome of a verification step."""
+
+    nodes: list[int]  # tree nodes whose KV entries are kept (root first)
+    tokens: list[int]  # new tokens appended to the sequence (len(nodes) of them unless stopped early)
+    scores: list[torch.Tensor]  # processed scores of each new token, [vocab]
+    logits: list[torch.Tensor]  # raw logits of each new token, [vocab]
+    finished: bool
+
+
+def check_model_supported(model, input_ids: torch.Tensor) -> None:
+    """Clear errors for models or inputs the tree-attention loop cannot serve."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError("hf_bpd.generate supports decoder-only causal LMs, not encoder-decoder models")
+    params = inspect.signature(model.forward).parameters
+    for name in ("attention_mask", "position_ids", "past_key_values"):
+        if name not in params:
+            raise ValueError(
+                f"{type(model).__name__}.forward has no `{name}` argument: tree verification needs a model that "
+                "accepts a 4D attention mask, position_ids and a KV cache"
+            )
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"attention implementation `{impl}` cannot take the custom 4D tree-attention mask; load the model "
+            f"with attn_implementation in {SUPPORTED_ATTENTION}"
+        )
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None and input_ids.shape[1] >= context:
+        raise ValueError(
+            f"input of {input_ids.shape[1]} tokens does not fit the model's context of {context} positions"
+        )
+
+
+def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, DynamicCache]:
+    """Run the prompt exactly as `generate` does. Returns (raw next-token logits [B, V] float32, last
+    hidden state [B, H], cache)."""
+    model_inputs = model.prepare_inputs_for_generation(input_ids, **model_kwargs)
+    model_inputs["output_hidden_states"] = True
+    out = model(**model_inputs, return_dict=True)
+    cache = out.past_key_values
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(f"hf_bpd needs a DynamicCache (the default), got {type(cache).__name__}")
+    logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+    return logits, out.hidden_states[-1][:, -1], cache
+
+
+def tree_attention_mask(tree: TreeBatch, past_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive float mask [B, 1, N, P+N]: 0 where attention is allowed, dtype-min elsewhere. Additive
+    float works with both eager and sdpa attention."""
+    b, n = tree.input_ids.shape
+    allowed = torch.cat([past_mask.bool()[:, None, :].expand(b, n, -1), tree.tree_mask], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def verify_tree(model, tree: TreeBatch, cache: DynamicCache, past_mask: torch.Tensor):
+    """One base-model forward over all tree nodes. `past_mask` [B, P] is 1 for real cached positions.
+    Appends N entries to every cache layer. Returns the model output (logits and hidden states of every
+    node)."""
+    positions = past_mask.long().sum(-1, keepdim=True) + tree.depths
+    dtype = next(model.parameters()).dtype
+    try:
+        return model(
+            input_ids=tree.input_ids,
+            attention_mask=tree_attention_mask(tree, past_mask, dtype),
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+            return_dict=True,
+        )
+    except Exception as err:  # name the cause: a model that rejects custom masks or position ids
+        raise RuntimeError(
+            f"{type(model).__name__} failed on the tree-attention forward (4D mask + position_ids): {err}"
+        ) from err
+
+
+def accept_greedy(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    sequence: torch.Tensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+) -> AcceptResult:
+    """Follow the base model's greedy choices through the tree for one row.
+
+    logits [N, V] are the raw logits of every node; `sequence` [1, L] ends with the root. At each visited
+    node the processors see exactly the sequence plain `generate` would have had, so the chosen token is
+    the one `generate` would choose. A matching child is followed; otherwise the chosen token is the
+    bonus token and the step ends. Stopping criteria are checked after every token, so eos or
+    max_new_tokens inside an accepted draft stop right there.
+    """
+    nodes, tokens, scores, raw = [], [], [], []
+    node = 0
+    while True:
+        nodes.append(node)
+        node_logits = logits[node : node + 1].float()
+        node_scores = logits_processor(sequence, node_logits)
+        token = int(node_scores.argmax(dim=-1))
+        sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=-1)
+        tokens.append(token)
+        scores.append(node_scores[0])
+        raw.append(node_logits[0])
+        if bool(stopping_criteria(sequence, node_scores).any()):
+            return AcceptResult(nodes, tokens, scores, raw, finished=True)
+        child = tree.child(node, token)
+        if child is None:
+            return AcceptResult(nodes, tokens, scores, raw, finished=False)
+        node = child
+
+
+def compact_cache(cache: DynamicCache, num_tree: int, keep: torch.Tensor) -> None:
+    """Drop rejected tree entries: of the last `num_tree` entries of every layer keep only the tree
+    indices `keep` (ascending, root first), moved to the front of the tree slot.
+
+    Touches only the tree slot, so its cost does not grow with the context length.
+    """
+    dropped = num_tree - keep.numel()
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None:  # a layer never written (not in real decoding)
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            start = t.shape[-2] - num_tree
+            t[..., start : start + keep.numel(), :] = t.index_select(-2, keep + start)
+            setattr(layer, name, t[..., : start + keep.numel(), :])
+        if hasattr(layer, "cumulative_length"):  # sliding-window layers count tokens seen
+            layer.cumulative_length -= dropped
+
+
+def check_window(cache: DynamicCache, num_cached: int, num_tree: int) -> None:
+    """Sliding-window layers drop entries older than the window during the tree forward; rejected tree
+    tokens would then have pushed out entries still needed, and the 4D mask would not match the layer's
+    key length. Refuse rather than decode wrongly."""
+    for layer in cache.layers:
+        window = getattr(layer, "sliding_window", None)
+        if window is not None and num_cached + num_tree >= window:
+            raise ValueError(
+                f"context of {num_cached} tokens + tree of {num_tree} reaches the sliding attention window "
+                f"({window}): hf_bpd does not yet verify trees beyond a sliding window"
+            )
+
+
+def generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer=None,
+    assistant: BlockDrafter | None = None,
+    **model_kwargs,
+):
+    """Lossless blockwise parallel decoding; see the module docstring. `assistant` is the `BlockDrafter`.
+
+    `streamer`: transformers does not hand `streamer` to a callable custom_generate; bind it with
+    `functools.partial(hf_bpd.generate, streamer=streamer)` (the Hub folder does this for you).
+    """
+    if not isinstance(assistant, BlockDrafter):
+        raise TypeError(
+            "hf_bpd.generate needs the drafter: model.generate(..., custom_generate=hf_bpd.generate, "
+            f"assistant=BlockDrafter(...)); got assistant={type(assistant).__name__}"
+        )
+    if generation_config.do_sample:
+        raise ValueError("hf_bpd.generate is lossless for greedy decoding only: pass do_sample=False")
+    if generation_config.num_beams not in (None, 1):
+        raise ValueError("hf_bpd.generate does not do beam search: pass num_beams=1")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"hf_bpd.generate decodes one sequence at a time for now, got batch size {input_ids.shape[0]}")
+    if synced_gpus:
+        raise ValueError("hf_bpd.generate does not support synced_gpus")
+    check_model_supported(model, input_ids)
+    drafter = assistant
+    drafter.prepare(model)
+    stats = drafter.stats
+    prompt_len = input_ids.shape[1]
+    want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    all_scores: list[torch.Tensor] = []
+    all_logits: list[torch.Tensor] = []
+    context = getattr(model.config, "max_position_embeddings", None)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+
+    t0 = time.perf_counter()
+    past_mask = model_kwargs.get("attention_mask")
+    if past_mask is None:
+        past_mask = torch.ones_like(input_ids)
+    logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
+    scores = logits_processor(input_ids, logits)
+    first = scores.argmax(dim=-1, keepdim=True)
+    input_ids = torch.cat([input_ids, first], dim=-1)
+    stats.time_prefill = time.perf_counter() - t0
+    stats.new_tokens = 1
+    all_scores.append(scores)
+    all_logits.append(logits)
+    if streamer is not None:
+        streamer.put(first[0].cpu())
+    finished = bool(stopping_criteria(input_ids, scores).any())
+
+    while not finished:
+        past_len = past_mask.shape[1]
+        # Positions past the model's context would be garbage drafts: cap the tree depth.
+        max_depth = None if context is None else max(context - past_len - 1, 0)
+        trees = drafter.draft(hidden_last, input_ids, max_depth)
+        t1 = drafter._sync(input_ids.device)
+        batch = batch_trees(trees, pad_token_id=int(input_ids[0, -1]), device=input_ids.device)
+        check_window(cache, past_len, batch.input_ids.shape[1])
+        out = verify_tree(model, batch, cache, past_mask)
+        t2 = drafter._sync(input_ids.device)
+        result = accept_greedy(trees[0], out.logits[0], input_ids, logits_processor, stopping_criteria)
+        t3 = time.perf_counter()
+        keep = torch.tensor(result.nodes, device=input_ids.device)
+        compact_cache(cache, batch.input_ids.shape[1], keep)
+        past_mask = torch.cat([past_mask, past_mask.new_ones(1, keep.numel())], dim=-1)
+        hidden_last = out.hidden_states[-1][:, result.nodes[-1]]
+        new = input_ids.new_tensor([result.tokens])
+        input_ids = torch.cat([input_ids, new], dim=-1)
+        t4 = drafter._sync(input_ids.device)
+        stats.time_verify += t2 - t1
+        stats.time_accept += t3 - t2
+        stats.time_cache += t4 - t3
+        stats.steps += 1
+        stats.new_tokens += len(result.tokens)
+        stats.accepted_lengths.append(len(result.tokens))
+        stats.tree_sizes.append(len(trees[0]))
+        if want_scores:
+            all_scores.extend(s[None] for s in result.scores)
+        if want_logits:
+            all_logits.extend(x[None] for x in result.logits)
+        if streamer is not None:
+            for token in result.tokens:
+                streamer.put(torch.tensor([token]))
+        finished = result.finished
+
+    if streamer is not None:
+        streamer.end()
+    assert input_ids.shape[1] - prompt_len == stats.new_tokens
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(
+            sequences=input_ids,
+            scores=tuple(all_scores) if want_scores else None,
+            logits=tuple(all_logits) if want_logits else None,
+            past_key_values=cache if generation_config.use_cache else None,
+        )
+    return input_ids

@@ -1,0 +1,176 @@
+"""`BlockDrafter`: what the user passes to `generate(..., assistant=drafter)`.
+
+One drafting step: head logits -> top-k `Lattice` -> (optional rescorer: scored paths) -> `DraftTree` of at
+most `max_tree_tokens` nodes. The rescorer only changes WHICH drafts are verified, never the output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .heads import BlockDraftHeads
+from .lattice import Lattice, ScoredPath
+from .tree import DraftTree
+
+
+@runtime_checkable
+class Rescorer(Protocol):
+    """Re-ranks a lattice's drafts. Called once per decoding step.
+
+    `context` is the accepted sequence `[batch, length]`, ending with the root token (the last token the
+    base model chose). Returns, per batch row, drafts (tokens after the root) best first; the drafter
+    merges them into the tree in that order and fills what budget is left with the heads' own best
+    prefixes. Stateful rescorers (their own KV cache) may use `reset()`, called at each new `generate`.
+    """
+
+    def __call__(self, lattice: Lattice, context: torch.Tensor) -> list[list[ScoredPath]]: ...
+
+
+@dataclass
+class DecodingStats:
+    """What one `generate` call did. `steps` counts base-model forwards after prefill (one per tree);
+    `accepted_lengths[i]` is the number of tokens step i added (accepted drafts + the base model's own
+    token). Times are seconds summed over steps, per phase."""
+
+    steps: int = 0
+    new_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+    time_prefill: float = 0.0
+    time_heads: float = 0.0
+    time_tree: float = 0.0
+    time_verify: float = 0.0
+    time_accept: float = 0.0
+    time_cache: float = 0.0
+
+    @property
+    def forwards(self) -> int:
+        """Base-model forward passes, prefill included (plain greedy decoding: one per new token)."""
+        return self.steps + 1
+
+    @property
+    def block_efficiency(self) -> float:
+        """tau = new tokens / base-model forwards (prefill included): exactly 1.0 for plain decoding,
+        up to h + 1 with h heads."""
+        return self.new_tokens / self.forwards if self.new_tokens else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens per verification step (excludes the prefill's token)."""
+        return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
+
+    def time_per_step(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {
+            "heads": self.time_heads / n,
+            "lattice_tree": self.time_tree / n,
+            "verify_forward": self.time_verify / n,
+            "accept": self.time_accept / n,
+            "cache_compaction": self.time_cache / n,
+        }
+
+
+class BlockDrafter:
+    """Drafts a tree per step from block draft heads.
+
+    top_k:           tokens kept per head (lattice width), >= 1.
+    max_tree_tokens: tokens verified per step, root included, >= 1 (1 = plain greedy decoding).
+    rescorer:        optional `Rescorer`; None uses the heads' probabilities alone.
+    profile:         synchronise the device around each phase so `stats` times are exact (CPU: free).
+    """
+
+    def __init__(
+        self,
+        heads: BlockDraftHeads,
+        top_k: int = 10,
+        max_tree_tokens: int = 32,
+        rescorer: Rescorer | None = None,
+        profile: bool = False,
+    ) -> None:
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
+        if top_k > heads.config.vocab_size:
+            raise ValueError(f"top_k={top_k} exceeds the vocabulary size {heads.config.vocab_size}")
+        if not isinstance(max_tree_tokens, int) or max_tree_tokens < 1:
+            raise ValueError(f"max_tree_tokens must be an integer >= 1, got {max_tree_tokens!r}")
+        if rescorer is not None and not isinstance(rescorer, Rescorer):
+            raise TypeError(f"rescorer must be callable as rescorer(lattice, context), got {type(rescorer).__name__}")
+        self.heads = heads
+        self.top_k = top_k
+        self.max_tree_tokens = max_tree_tokens
+        self.rescorer = rescorer
+        self.profile = profile
+        self.stats = DecodingStats()
+        self._bound_to: int | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs) -> BlockDrafter:
+        """Load heads saved with `save_pretrained` (a folder or Hub repo id) and wrap them."""
+        heads_kwargs = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
+        return cls(BlockDraftHeads.from_pretrained(path, **heads_kwargs), **kwargs)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.heads.save_pretrained(path)
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads.num_heads
+
+    def prepare(self, model) -> None:
+        """Bind the heads to `model` (checks they fit it) and start fresh stats. Called by `generate`."""
+        if self._bound_to != id(model):
+            self.heads.bind(model)
+            param = next(model.parameters())
+            self.heads.to(device=param.device, dtype=param.dtype)
+            self.heads.eval()
+            self._bound_to = id(model)
+        self.stats = DecodingStats()
+        if self.rescorer is not None and hasattr(self.rescorer, "reset"):
+            self.rescorer.reset()
+
+    def _sync(self, device: torch.device) -> float:
+        if self.profile and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def lattice(self, hidden_last: torch.Tensor) -> Lattice:
+        """Head logits on the last accepted hidden state `[batch, hidden]` -> top-k lattice."""
+        with torch.no_grad():
+            return Lattice.from_logits(self.heads(hidden_last.to(self.heads.dtype)), self.top_k)
+
+    def tree(self, lattice: Lattice, context: torch.Tensor, max_depth: int | None = None) -> list[DraftTree]:
+        """One draft tree per batch row: rescored drafts first (if any), then the heads' best prefixes."""
+        budget = self.max_tree_tokens
+        rescored = self.rescorer(lattice, context) if self.rescorer is not None and budget > 1 else None
+        trees = []
+        for b in range(lattice.batch_size):
+            tree = DraftTree.root_only(int(context[b, -1]))
+            if rescored is not None:
+                for path in rescored[b]:
+                    tree.add_path(path.tokens[:max_depth], budget)
+            if len(tree) < budget:
+                for prefix in lattice.best_prefixes(b, budget - 1, max_depth):
+                    tree.add_path(prefix.tokens, budget)
+                    if len(tree) >= budget:
+                        break
+            trees.append(tree)
+        return trees
+
+    def draft(
+        self, hidden_last: torch.Tensor, context: torch.Tensor, max_depth: int | None = None
+    ) -> Sequence[DraftTree]:
+        """Heads -> lattice -> trees, timing each phase into `stats`."""
+        t0 = self._sync(hidden_last.device)
+        lattice = self.lattice(hidden_last)
+        t1 = self._sync(hidden_last.device)
+        trees = self.tree(lattice, context, max_depth)
+        t2 = time.perf_counter()
+        self.stats.time_heads += t1 - t0
+        self.stats.time_tree += t2 - t1
+        return trees

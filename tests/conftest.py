@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny random-weight models of several architectures (fast), and the real packaged
+SmolLM2 (marked `real`; the long runs also `slow`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_dev.jsonl"
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def tiny_model(arch: str = "llama", attn: str = "sdpa", seed: int = 0, **overrides):
+    """A tiny random causal LM of architecture `arch` in eval mode (deterministic per seed)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }
+    config_cls, model_cls = classes[arch]
+    kwargs = dict(TINY, **overrides)
+    if arch == "mistral":
+        kwargs.setdefault("sliding_window", 4096)
+    torch.manual_seed(seed)
+    config = config_cls(**kwargs)
+    config._attn_implementation = attn
+    model = model_cls(config).eval()
+    # Sharpen the random model's distributions so greedy choices are far from ties.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0) if not config.tie_word_embeddings else None
+    return model
+
+
+def random_heads(model, num_heads: int = 3, seed: int = 0, std: float = 0.3):
+    from hf_bpd import BlockDraftHeads
+
+    heads = BlockDraftHeads.for_base_model(model, num_heads=num_heads)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return heads
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from hf_bpd import load_packaged_model
+
+    try:
+        return load_packaged_model()
+    except ModuleNotFoundError as err:
+        pytest.skip(f"packaged model unavailable: {err}")
+
+
+def spec_bench_prompts(n: int) -> list[str]:
+    """First-turn prompts of the first n rows, spread over categories (every 240/n-th row)."""
+    if not SPEC_BENCH.is_file():
+        pytest.skip(f"{SPEC_BENCH} not present (CI and dev machines have ../shared)")
+    rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
+    step = max(len(rows) // n, 1)
+    return [r["turns"][0] for r in rows[::step][:n]]

@@ -1,0 +1,359 @@
+"""The decoding loop: exact equality with `model.generate(do_sample=False)`, cache bookkeeping (oracle
+tau = h + 1), stopping, outputs, call styles and errors."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_heads, tiny_model
+from transformers import RepetitionPenaltyLogitsProcessor
+
+import hf_bpd
+from hf_bpd import BlockDrafter, Lattice, ScoredPath
+from hf_bpd.decoding import compact_cache
+
+
+def run_both(model, drafter, input_ids, **kw):
+    ref = model.generate(input_ids, do_sample=False, **kw)
+    out = model.generate(input_ids, do_sample=False, custom_generate=hf_bpd.generate, assistant=drafter, **kw)
+    return ref, out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_greedy_identical_tiny_models(arch, attn):
+    model = tiny_model(arch, attn=attn, eos_token_id=None)
+    drafter = BlockDrafter(random_heads(model, num_heads=3), top_k=4, max_tree_tokens=12)
+    g = torch.Generator().manual_seed(1)
+    for trial in range(6):
+        prompt_len = int(torch.randint(1, 20, (1,), generator=g))
+        ids = torch.randint(3, 97, (1, prompt_len), generator=g)
+        for max_new in (1, 2, 7, 33):
+            ref, out = run_both(model, drafter, ids, max_new_tokens=max_new)
+            assert out.shape == ref.shape == (1, prompt_len + max_new)
+            assert out.tolist() == ref.tolist(), (arch, attn, trial, max_new)
+            assert drafter.stats.new_tokens == max_new
+
+
+def copying_heads(model, num_heads=3):
+    """Heads that always predict the base model's own next token (zero residuals = the initialisation):
+    on a repetitive random model these drafts are often accepted, exercising multi-token acceptance."""
+    return hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=num_heads)
+
+
+def test_multi_token_acceptance_happens_and_is_exact():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(copying_heads(model, 4), top_k=3, max_tree_tokens=16)
+    ids = torch.tensor([[5, 6, 7]])
+    ref, out = run_both(model, drafter, ids, max_new_tokens=60)
+    assert out.tolist() == ref.tolist()
+    assert max(drafter.stats.accepted_lengths) > 1  # drafts were accepted, not just bonus tokens
+
+
+def test_eos_inside_accepted_draft_stops_exactly():
+    model = tiny_model("llama", eos_token_id=None)
+    ids = torch.tensor([[5, 6, 7]])
+    drafter = BlockDrafter(copying_heads(model, 4), top_k=3, max_tree_tokens=16)
+    ref_long = model.generate(ids, do_sample=False, max_new_tokens=60)
+    _ = model.generate(ids, do_sample=False, max_new_tokens=60, custom_generate=hf_bpd.generate, assistant=drafter)
+    # Pick as eos a token that the drafter produced INSIDE a multi-token step (not as a step's first token).
+    gen = ref_long[0, 3:].tolist()
+    pos, step_starts = 1, set()
+    for n in drafter.stats.accepted_lengths:
+        step_starts.add(pos)
+        pos += n
+    inside = [i for i in range(1, len(gen)) if i not in step_starts and gen[i] not in gen[:i]]
+    assert inside, "test needs a token first generated inside an accepted block"
+    eos = gen[inside[0]]
+    ref, out = run_both(model, drafter, ids, max_new_tokens=60, eos_token_id=eos, pad_token_id=0)
+    assert out.tolist() == ref.tolist()
+    assert out[0, -1].item() == eos and out.shape[1] == 3 + inside[0] + 1
+
+
+def test_repetition_penalty_processor_is_honoured():
+    model = tiny_model("qwen2", eos_token_id=None)
+    drafter = BlockDrafter(copying_heads(model, 3), top_k=4, max_tree_tokens=10)
+    ids = torch.tensor([[9, 10, 11, 12]])
+    for penalty in (1.3, 2.0):
+        ref, out = run_both(model, drafter, ids, max_new_tokens=40, repetition_penalty=penalty)
+        assert out.tolist() == ref.tolist()
+    # an explicit processor list works too
+    procs = [RepetitionPenaltyLogitsProcessor(1.5)]
+    ref = model.generate(ids, do_sample=False, max_new_tokens=30, logits_processor=procs)
+    out = model.generate(
+        ids,
+        do_sample=False,
+        max_new_tokens=30,
+        logits_processor=procs,
+        custom_generate=hf_bpd.generate,
+        assistant=drafter,
+    )
+    assert out.tolist() == ref.tolist()
+
+
+def test_attention_mask_with_prompt_given_by_tokenizer_style_inputs():
+    model = tiny_model("mistral", eos_token_id=None)
+    drafter = BlockDrafter(random_heads(model), top_k=4, max_tree_tokens=8)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    mask = torch.ones_like(ids)
+    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=20,
+        custom_generate=hf_bpd.generate,
+        assistant=drafter,
+    )
+    assert out.tolist() == ref.tolist()
+
+
+class OracleDrafter(BlockDrafter):
+    """Knows the true greedy continuation: puts each true token at a random rank of the heads' top-k
+    lattice, and (as its rescorer) picks the path of true tokens out of that lattice."""
+
+    def __init__(self, heads, reference: torch.Tensor, **kw):
+        super().__init__(heads, rescorer=self._pick_true_path, **kw)
+        self.reference = reference[0].tolist()
+        self.rng = torch.Generator().manual_seed(0)
+        self._context_len = 0
+
+    def lattice(self, hidden_last):
+        lattice = super().lattice(hidden_last)
+        tokens = lattice.tokens.clone()
+        start = self._context_len
+        for i in range(lattice.num_positions):
+            if start + i < len(self.reference):
+                true = self.reference[start + i]
+                if true not in tokens[0, i].tolist():
+                    tokens[0, i, int(torch.randint(0, lattice.top_k, (1,), generator=self.rng))] = true
+        return Lattice(tokens, lattice.logprobs)
+
+    def draft(self, hidden_last, context, max_depth=None):
+        self._context_len = context.shape[1]
+        return super().draft(hidden_last, context, max_depth)
+
+    def _pick_true_path(self, lattice, context):
+        truth = torch.tensor([self.reference[context.shape[1] : context.shape[1] + lattice.num_positions]])
+        n = int(lattice.oracle_length(truth)[0])
+        return [[ScoredPath(tuple(truth[0, :n].tolist()), 0.0)]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_oracle_drafter_reaches_h_plus_one(arch):
+    """Proof that tree, mask, positions and cache compaction are exact: with the true continuation in
+    the lattice every full step accepts all h drafts plus the bonus token."""
+    model = tiny_model(arch, eos_token_id=None)
+    h, max_new = 4, 41
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    reference = model.generate(ids, do_sample=False, max_new_tokens=max_new)
+    drafter = OracleDrafter(random_heads(model, num_heads=h), reference, top_k=5, max_tree_tokens=20)
+    out = model.generate(
+        ids, do_sample=False, max_new_tokens=max_new, custom_generate=hf_bpd.generate, assistant=drafter
+    )
+    assert out.tolist() == reference.tolist()
+    lengths = drafter.stats.accepted_lengths
+    assert lengths[:-1] == [h + 1] * (len(lengths) - 1)
+    assert 1 <= lengths[-1] <= h + 1
+    assert drafter.stats.steps == -(-(max_new - 1) // (h + 1))  # ceil((N - 1) / (h + 1))
+
+
+def test_local_custom_generate_folder_matches_callable(tmp_path):
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(copying_heads(model, 3), top_k=4, max_tree_tokens=10)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    folder = Path(hf_bpd.__file__).parent  # holds custom_generate/
+    callable_out = model.generate(
+        ids, do_sample=False, max_new_tokens=25, custom_generate=hf_bpd.generate, assistant=drafter
+    )
+    callable_steps = drafter.stats.accepted_lengths
+    folder_out = model.generate(
+        ids, do_sample=False, max_new_tokens=25, custom_generate=str(folder), trust_remote_code=True, assistant=drafter
+    )
+    assert folder_out.tolist() == callable_out.tolist()
+    assert drafter.stats.accepted_lengths == callable_steps
+
+
+class RecordingStreamer:
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_prompt_then_every_token_then_end():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(copying_heads(model, 3), top_k=3, max_tree_tokens=8)
+    ids = torch.tensor([[5, 6, 7]])
+    plain, ours = RecordingStreamer(), RecordingStreamer()
+    ref = model.generate(ids, do_sample=False, max_new_tokens=20, streamer=plain)
+    out = model.generate(
+        ids,
+        do_sample=False,
+        max_new_tokens=20,
+        assistant=drafter,
+        custom_generate=functools.partial(hf_bpd.generate, streamer=ours),
+    )
+    assert out.tolist() == ref.tolist()
+    assert ours.puts == plain.puts and ours.ended and plain.ended
+    folder_streamer = RecordingStreamer()
+    model.generate(
+        ids,
+        do_sample=False,
+        max_new_tokens=20,
+        assistant=drafter,
+        streamer=folder_streamer,
+        custom_generate=str(Path(hf_bpd.__file__).parent),
+        trust_remote_code=True,
+    )
+    assert folder_streamer.puts == plain.puts and folder_streamer.ended
+
+
+def test_return_dict_scores_and_logits_match_generate():
+    model = tiny_model("qwen2", eos_token_id=None)
+    drafter = BlockDrafter(copying_heads(model, 3), top_k=3, max_tree_tokens=8)
+    ids = torch.tensor([[5, 6, 7]])
+    kw = dict(
+        do_sample=False,
+        max_new_tokens=15,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        repetition_penalty=1.2,
+    )
+    ref = model.generate(ids, **kw)
+    out = model.generate(ids, custom_generate=hf_bpd.generate, assistant=drafter, **kw)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert len(out.scores) == len(ref.scores) == 15 and len(out.logits) == 15
+    for a, b in zip(out.scores, ref.scores):
+        assert a.shape == b.shape and a.argmax() == b.argmax()
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    assert out.past_key_values.get_seq_length() >= ids.shape[1] + 14
+
+
+def test_stats_are_consistent():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(copying_heads(model, 4), top_k=3, max_tree_tokens=16)
+    model.generate(
+        torch.tensor([[5, 6, 7]]),
+        do_sample=False,
+        max_new_tokens=50,
+        custom_generate=hf_bpd.generate,
+        assistant=drafter,
+    )
+    s = drafter.stats
+    assert s.new_tokens == 50 == 1 + sum(s.accepted_lengths)
+    assert s.steps == len(s.accepted_lengths) and s.forwards == s.steps + 1
+    assert s.block_efficiency == pytest.approx(50 / (s.steps + 1))
+    assert all(1 <= n <= 16 for n in s.tree_sizes)
+    assert set(s.time_per_step()) == {"heads", "lattice_tree", "verify_forward", "accept", "cache_compaction"}
+
+
+def test_max_tree_tokens_one_is_plain_decoding():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(random_heads(model), top_k=3, max_tree_tokens=1)
+    ref, out = run_both(model, drafter, torch.tensor([[5, 6]]), max_new_tokens=12)
+    assert out.tolist() == ref.tolist()
+    assert drafter.stats.accepted_lengths == [1] * 11 and drafter.stats.block_efficiency == 1.0
+
+
+def test_compact_cache_keeps_exactly_the_accepted_tree_entries():
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    keys = torch.arange(2 * 1 * 9 * 4, dtype=torch.float32).view(1, 2, 9, 4)
+    cache.update(keys.clone(), -keys.clone(), layer_idx=0)  # 5 cached + 4 tree entries
+    compact_cache(cache, num_tree=4, keep=torch.tensor([0, 2, 3]))
+    k, v = cache.layers[0].keys, cache.layers[0].values
+    assert k.shape == (1, 2, 8, 4)
+    assert torch.equal(k, keys[:, :, [0, 1, 2, 3, 4, 5, 7, 8]]) and torch.equal(v, -k)
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+
+
+def test_bad_drafter_arguments_raise():
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    with pytest.raises(ValueError, match="top_k"):
+        BlockDrafter(heads, top_k=0)
+    with pytest.raises(ValueError, match="top_k"):
+        BlockDrafter(heads, top_k=10_000)
+    with pytest.raises(ValueError, match="max_tree_tokens"):
+        BlockDrafter(heads, max_tree_tokens=0)
+    with pytest.raises(TypeError, match="rescorer"):
+        BlockDrafter(heads, rescorer="ngram")
+
+
+def test_heads_for_another_model_raise():
+    model = tiny_model("llama")
+    other = tiny_model("llama", seed=1)
+    drafter = BlockDrafter(random_heads(other))
+    with pytest.raises(ValueError, match="fingerprint"):
+        model.generate(torch.tensor([[5, 6]]), max_new_tokens=3, custom_generate=hf_bpd.generate, assistant=drafter)
+    wider = tiny_model("llama", hidden_size=48)
+    with pytest.raises(ValueError, match="hidden size"):
+        model.generate(
+            torch.tensor([[5, 6]]),
+            max_new_tokens=3,
+            custom_generate=hf_bpd.generate,
+            assistant=BlockDrafter(random_heads(wider)),
+        )
+
+
+def test_input_longer_than_context_raises():
+    model = tiny_model("llama", max_position_embeddings=32)
+    drafter = BlockDrafter(random_heads(model))
+    with pytest.raises(ValueError, match="context"):
+        model.generate(
+            torch.randint(3, 90, (1, 40)), max_new_tokens=3, custom_generate=hf_bpd.generate, assistant=drafter
+        )
+
+
+def test_model_rejecting_4d_masks_raises():
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flash_attention_2"  # cannot take an arbitrary tree mask
+    with pytest.raises(ValueError, match="4D"):
+        hf_bpd.decoding.check_model_supported(model, torch.tensor([[1, 2]]))
+
+    class NoMaskLM(torch.nn.Module):
+        config = model.config
+
+        def forward(self, input_ids, past_key_values=None):
+            raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match="attention_mask"):
+        hf_bpd.decoding.check_model_supported(NoMaskLM(), torch.tensor([[1, 2]]))
+
+
+def test_missing_or_wrong_assistant_and_sampling_raise():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="BlockDrafter"):
+        model.generate(torch.tensor([[5, 6]]), max_new_tokens=3, custom_generate=hf_bpd.generate)
+    drafter = BlockDrafter(random_heads(model))
+    with pytest.raises(ValueError, match="greedy"):
+        model.generate(
+            torch.tensor([[5, 6]]), max_new_tokens=3, do_sample=True, custom_generate=hf_bpd.generate, assistant=drafter
+        )
+    with pytest.raises(ValueError, match="batch size"):
+        model.generate(
+            torch.tensor([[5, 6], [7, 8]]), max_new_tokens=3, custom_generate=hf_bpd.generate, assistant=drafter
+        )
+
+
+def test_sliding_window_overflow_raises_instead_of_decoding_wrongly():
+    model = tiny_model("mistral", sliding_window=24, eos_token_id=None)
+    drafter = BlockDrafter(random_heads(model), top_k=3, max_tree_tokens=8)
+    ids = torch.tensor([[5, 6, 7]])
+    ref, out = run_both(model, drafter, ids, max_new_tokens=10)  # stays inside the window
+    assert out.tolist() == ref.tolist()
+    with pytest.raises(ValueError, match="sliding attention window"):
+        model.generate(ids, max_new_tokens=40, custom_generate=hf_bpd.generate, assistant=drafter)
