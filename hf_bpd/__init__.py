@@ -3,6 +3,7 @@
 from .decoding import generate
 from .drafter import BlockDrafter, DecodingStats, Rescorer
 from .heads import BlockDraftHeads, BlockDraftHeadsConfig
+from .joint import load_joint_model
 from .lattice import Lattice, ScoredPath
 from .packaged import load_packaged_model
 from .tree import DraftTree
@@ -19,5 +20,6 @@ __all__ = [
     "Rescorer",
     "ScoredPath",
     "generate",
+    "load_joint_model",
     "load_packaged_model",
 ]

@@ -10,6 +10,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "demo": "hf_bpd.demo",
         "distill": "training.distill",
+        "train-heads": "training.train_heads",
     }
     if not argv or argv[0] not in commands:
         print("usage: hf-bpd {" + ",".join(commands) + "} [options]   (hf-bpd COMMAND --help for each)")

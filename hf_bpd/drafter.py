@@ -95,8 +95,9 @@ class BlockDrafter:
     ) -> None:
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
-        if top_k > heads.config.vocab_size:
-            raise ValueError(f"top_k={top_k} exceeds the vocabulary size {heads.config.vocab_size}")
+        draft_vocab = heads.config.draft_vocab_size or heads.config.vocab_size
+        if top_k > draft_vocab:
+            raise ValueError(f"top_k={top_k} exceeds the heads' draft vocabulary of {draft_vocab} tokens")
         if not isinstance(max_tree_tokens, int) or max_tree_tokens < 1:
             raise ValueError(f"max_tree_tokens must be an integer >= 1, got {max_tree_tokens!r}")
         if rescorer is not None and not isinstance(rescorer, Rescorer):
@@ -142,7 +143,9 @@ class BlockDrafter:
     def lattice(self, hidden_last: torch.Tensor) -> Lattice:
         """Head logits on the last accepted hidden state `[batch, hidden]` -> top-k lattice."""
         with torch.no_grad():
-            return Lattice.from_logits(self.heads(hidden_last.to(self.heads.dtype)), self.top_k)
+            logits = self.heads(hidden_last.to(self.heads.dtype))
+            ids = self.heads.draft_vocab if self.heads.config.draft_vocab_size else None
+            return Lattice.from_logits(logits, self.top_k, ids)
 
     def tree(self, lattice: Lattice, context: torch.Tensor, max_depth: int | None = None) -> list[DraftTree]:
         """One draft tree per batch row: rescored drafts first (if any), then the heads' best prefixes."""

@@ -5,6 +5,11 @@ the same hidden state. Each head is `num_layers` residual blocks `x + SiLU(W x +
 softmax layer. By default the softmax layer IS the base model's LM head (tied, not copied), so a
 checkpoint holds only the residual blocks: ~1.3 MB per head for a 576-wide model.
 
+Optional draft vocabulary (`draft_vocab`): the heads' softmax may cover only the S most frequent tokens of
+the distilled data instead of the whole vocabulary (frequency-ranked drafting). A rare token can then not
+be drafted, which only costs speed, never correctness (verification uses the base model's full
+vocabulary), while the heads' softmax layer becomes V/S times cheaper in training and at every step.
+
 The residual weights start at zero, so an untrained head is the base LM head applied to the base hidden
 state: it repeats the base model's own next-token guess (the paper's and Medusa's initialisation).
 """
@@ -31,6 +36,7 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         num_layers: int = 1,
         tie_lm_head: bool = True,
         base_lm_head_fingerprint: list[float] | None = None,
+        draft_vocab_size: int = 0,
         **kwargs,
     ) -> None:
         self.base_model_name = base_model_name
@@ -41,6 +47,7 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         self.num_layers = num_layers
         self.tie_lm_head = tie_lm_head
         self.base_lm_head_fingerprint = base_lm_head_fingerprint
+        self.draft_vocab_size = draft_vocab_size  # 0: the full vocabulary
         super().__init__(**kwargs)
 
 
@@ -92,10 +99,15 @@ class BlockDraftHeads(PreTrainedModel):
             nn.Sequential(*[ResidualBlock(config.hidden_size) for _ in range(config.num_layers)])
             for _ in range(config.num_heads)
         )
-        # Own softmax layer only when not tied; a tied head borrows the base model's at `bind` time and
-        # keeps it out of the state dict (it is not a submodule).
-        self.lm_head = None if config.tie_lm_head else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.__dict__["_base_lm_head"] = None
+        if not 0 <= config.draft_vocab_size <= config.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [0, vocab_size], got {config.draft_vocab_size}")
+        out_size = config.draft_vocab_size or config.vocab_size
+        # Token ids of the draft vocabulary (identity when it is the full vocabulary).
+        self.register_buffer("draft_vocab", torch.arange(out_size), persistent=config.draft_vocab_size > 0)
+        # Own softmax layer only when not tied; a tied head borrows the base model's rows at `bind` time and
+        # keeps them out of the state dict (they are not parameters).
+        self.lm_head = None if config.tie_lm_head else nn.Linear(config.hidden_size, out_size, bias=False)
+        self.__dict__["_tied_weight"] = None
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -105,9 +117,15 @@ class BlockDraftHeads(PreTrainedModel):
 
     @classmethod
     def for_base_model(
-        cls, model: PreTrainedModel, num_heads: int = 4, num_layers: int = 1, tie_lm_head: bool = True
+        cls,
+        model: PreTrainedModel,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        tie_lm_head: bool = True,
+        draft_vocab: torch.Tensor | None = None,
     ) -> BlockDraftHeads:
-        """Untrained heads that fit `model` (hidden size, vocabulary, LM head fingerprint), bound to it."""
+        """Untrained heads that fit `model` (hidden size, vocabulary, LM head fingerprint), bound to it.
+        `draft_vocab`: token ids the heads may draft (default: all)."""
         lm_head = _output_embeddings(model)
         config = BlockDraftHeadsConfig(
             base_model_name=getattr(model.config, "_name_or_path", "") or "",
@@ -118,10 +136,17 @@ class BlockDraftHeads(PreTrainedModel):
             num_layers=num_layers,
             tie_lm_head=tie_lm_head,
             base_lm_head_fingerprint=lm_head_fingerprint(lm_head.weight),
+            draft_vocab_size=0 if draft_vocab is None else int(draft_vocab.numel()),
         )
-        heads = cls(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        heads = cls(config)
+        if draft_vocab is not None:
+            ids = torch.as_tensor(draft_vocab, dtype=torch.long)
+            if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
+                raise ValueError("draft_vocab must hold distinct token ids inside the vocabulary")
+            heads.draft_vocab.copy_(ids)
+        heads = heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
         if not tie_lm_head:
-            heads.lm_head.weight.data.copy_(lm_head.weight.data)
+            heads.lm_head.weight.data.copy_(lm_head.weight.data[heads.draft_vocab])
         return heads.bind(model)
 
     def check_compatible(self, model: PreTrainedModel) -> None:
@@ -147,7 +172,10 @@ class BlockDraftHeads(PreTrainedModel):
     def bind(self, model: PreTrainedModel) -> BlockDraftHeads:
         """Check compatibility with `model` and borrow its LM head (when tied). Returns self."""
         self.check_compatible(model)
-        self.__dict__["_base_lm_head"] = _output_embeddings(model)
+        weight = _output_embeddings(model).weight
+        if self.config.draft_vocab_size:  # a copy of the draft rows: S x hidden, not the full V x hidden
+            weight = weight.detach()[self.draft_vocab.to(weight.device)]
+        self.__dict__["_tied_weight"] = weight
         return self
 
     @property
@@ -160,11 +188,18 @@ class BlockDraftHeads(PreTrainedModel):
         return torch.stack([head(hidden_states) for head in self.heads], dim=-2)
 
     def project(self, states: torch.Tensor) -> torch.Tensor:
-        """The softmax layer: `[..., hidden] -> [..., vocab]` logits."""
-        lm_head = self.lm_head if self.lm_head is not None else self.__dict__["_base_lm_head"]
-        if lm_head is None:
+        """The softmax layer: `[..., hidden] -> [..., S]` logits over the draft vocabulary (`draft_vocab`
+        maps index -> token id; S = vocab size unless a draft vocabulary is set)."""
+        if self.lm_head is not None:
+            return self.lm_head(states)
+        weight = self.__dict__["_tied_weight"]
+        if weight is None:
             raise RuntimeError("tied draft heads need the base model's LM head: call `heads.bind(model)` first")
-        return lm_head(states)
+        if weight.device != states.device or weight.dtype != states.dtype:
+            weight = weight.to(device=states.device, dtype=states.dtype)
+            self.__dict__["_tied_weight"] = weight
+        return torch.nn.functional.linear(states, weight)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[..., hidden]` base hidden states -> `[..., h, S]` draft logits."""
         return self.project(self.head_states(hidden_states))

@@ -40,12 +40,15 @@ class Lattice:
             )
 
     @classmethod
-    def from_logits(cls, head_logits: torch.Tensor, top_k: int) -> Lattice:
-        """Build the lattice from head logits `[batch, num_heads, vocab]`."""
+    def from_logits(cls, head_logits: torch.Tensor, top_k: int, token_ids: torch.Tensor | None = None) -> Lattice:
+        """Build the lattice from head logits `[batch, num_heads, S]`. `token_ids` [S] maps logit index to
+        token id when the heads use a draft vocabulary (default: index = token id)."""
         if not 1 <= top_k <= head_logits.shape[-1]:
-            raise ValueError(f"top_k must be in [1, vocab size {head_logits.shape[-1]}], got {top_k}")
+            raise ValueError(f"top_k must be in [1, draft vocabulary size {head_logits.shape[-1]}], got {top_k}")
         logprobs = torch.log_softmax(head_logits.float(), dim=-1)
         values, indices = logprobs.topk(top_k, dim=-1)
+        if token_ids is not None:
+            indices = token_ids.to(indices.device)[indices]
         return cls(tokens=indices, logprobs=values)
 
     @property

@@ -177,7 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         "decoding": "greedy, chat template with generation prompt",
         "versions": _versions(),
     }
-    (output / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    previous = output / "manifest.json"
+    if previous.is_file():  # resuming: the recipe must be the same, or the data would mix two recipes
+        old = json.loads(previous.read_text())
+        changed = [k for k in manifest if k != "versions" and old.get(k) != manifest[k]]
+        if changed:
+            raise SystemExit(
+                f"{output} was distilled with another recipe ({', '.join(changed)} differ): "
+                "use a new --output or the same arguments"
+            )
+    previous.write_text(json.dumps(manifest, indent=2))
     path = distill(
         model,
         tokenizer,

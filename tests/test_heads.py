@@ -1,0 +1,224 @@
+"""Block draft heads: shapes, the zero-residual initialisation, save/load round trips (tied and untied),
+binding, and the compatibility checks against a base model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import random_heads, tiny_model
+from safetensors.torch import load_file
+
+import hf_bpd
+from hf_bpd import BlockDraftHeads, BlockDraftHeadsConfig
+from hf_bpd.heads import MAX_HEADS
+
+VOCAB, HIDDEN = 97, 32  # conftest.TINY
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def hidden(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype, name
+        assert torch.equal(sa[name], sb[name]), name
+
+
+# ---------------------------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("lead", [(), (2,), (2, 5)])
+def test_forward_shape(model, lead):
+    heads = random_heads(model, num_heads=3)
+    x = hidden(*lead)
+    out = heads(x)
+    assert out.shape == (*lead, 3, VOCAB)
+    assert heads.head_states(x).shape == (*lead, 3, HIDDEN)
+    assert heads.num_heads == 3
+    # forward is project(head_states) and head i depends only on its own block.
+    torch.testing.assert_close(out, heads.project(heads.head_states(x)))
+    torch.testing.assert_close(out[..., 1, :], model.lm_head(heads.heads[1](x)))
+
+
+def test_random_heads_differ_from_each_other(model):
+    heads = random_heads(model, num_heads=3)
+    out = heads(hidden(4))
+    assert not torch.allclose(out[:, 0], out[:, 1])
+    assert not torch.allclose(out[:, 1], out[:, 2])
+
+
+def test_untrained_tied_heads_repeat_base_lm_head(model):
+    heads = BlockDraftHeads.for_base_model(model, num_heads=4)
+    assert heads.config.tie_lm_head and heads.lm_head is None
+    for p in heads.parameters():
+        assert torch.count_nonzero(p) == 0  # zero residual blocks
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        h = out.hidden_states[-1]  # final-norm output: what the LM head sees
+        draft = heads(h)
+    assert draft.shape == (2, 7, 4, VOCAB)
+    for i in range(4):
+        assert torch.equal(heads.head_states(h)[..., i, :], h)
+        torch.testing.assert_close(draft[..., i, :], out.logits, rtol=0, atol=1e-5)
+        assert torch.equal(draft[..., i, :].argmax(-1), out.logits.argmax(-1))
+    # On a single vector the projection is bit-identical to the LM head's.
+    x = hidden(HIDDEN)[0]
+    with torch.no_grad():
+        assert torch.equal(heads(x)[0], model.lm_head(x))
+
+
+def test_tied_forward_without_bind_raises(model):
+    config = BlockDraftHeads.for_base_model(model, num_heads=2).config
+    with pytest.raises(RuntimeError, match="bind"):
+        BlockDraftHeads(config)(hidden(1))
+
+
+def test_tied_heads_borrow_lm_head_not_copy(model):
+    heads = BlockDraftHeads.for_base_model(model, num_heads=2)
+    names = [n for n, _ in heads.named_parameters()]
+    assert not any("lm_head" in n for n in names)
+    assert all(p.data_ptr() != model.lm_head.weight.data_ptr() for p in heads.parameters())
+    assert heads.project(hidden(1)).shape == (1, VOCAB)
+
+
+# ---------------------------------------------------------------------------------------------- save / load
+
+
+def test_save_load_tied_round_trip(model, tmp_path):
+    heads = random_heads(model, num_heads=3, seed=4)
+    heads.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert not list(tmp_path.glob("*.bin"))
+
+    saved = load_file(tmp_path / "model.safetensors")
+    assert not any("lm_head" in k for k in saved)
+    assert not any("lm_head" in k for k in heads.state_dict())
+    assert sum(t.numel() for t in saved.values()) == 3 * (HIDDEN * HIDDEN + HIDDEN)
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "block_draft_heads"
+    assert (config["hidden_size"], config["vocab_size"], config["num_heads"]) == (HIDDEN, VOCAB, 3)
+    assert config["tie_lm_head"] is True
+    assert config["base_lm_head_fingerprint"] == pytest.approx(heads.config.base_lm_head_fingerprint)
+
+    loaded = BlockDraftHeads.from_pretrained(tmp_path)
+    assert isinstance(loaded.config, BlockDraftHeadsConfig)
+    assert loaded.lm_head is None
+    assert_same_params(heads, loaded)
+    with pytest.raises(RuntimeError, match="bind"):
+        loaded(hidden(1))
+    assert loaded.bind(model) is loaded
+    x = hidden(3, 2)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), heads(x))
+
+
+def test_save_load_untied_round_trip(model, tmp_path):
+    heads = BlockDraftHeads.for_base_model(model, num_heads=2, tie_lm_head=False)
+    assert heads.lm_head is not None
+    assert torch.equal(heads.lm_head.weight, model.lm_head.weight)
+    assert heads.lm_head.weight.data_ptr() != model.lm_head.weight.data_ptr()  # a copy, not shared
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for block in heads.heads:
+            for p in block.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    heads.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    saved = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(saved["lm_head.weight"], model.lm_head.weight)
+
+    loaded = BlockDraftHeads.from_pretrained(tmp_path)  # no bind: it has its own softmax layer
+    assert loaded.config.tie_lm_head is False
+    assert_same_params(heads, loaded)
+    x = hidden(4)
+    with torch.no_grad():
+        out = loaded(x)
+        assert torch.equal(out, heads(x))
+        torch.testing.assert_close(out[:, 0], model.lm_head(heads.heads[0](x)))
+
+
+def test_drafter_from_pretrained_loads_saved_heads(model, tmp_path):
+    heads = random_heads(model, num_heads=3, seed=5)
+    heads.save_pretrained(tmp_path)
+    drafter = hf_bpd.BlockDrafter.from_pretrained(tmp_path, top_k=3)
+    assert isinstance(drafter, hf_bpd.BlockDrafter)
+    assert drafter.top_k == 3
+    assert drafter.num_heads == 3
+    assert_same_params(heads, drafter.heads)
+    drafter.prepare(model)
+    lat = drafter.lattice(hidden(2))
+    assert lat.tokens.shape == (2, 3, 3)
+    with torch.no_grad():
+        want = hf_bpd.Lattice.from_logits(heads(hidden(2)), top_k=3)
+    assert torch.equal(lat.tokens, want.tokens)
+    assert torch.equal(lat.logprobs, want.logprobs)
+
+
+# ---------------------------------------------------------------------------------------------- compatibility
+
+
+def test_check_compatible_same_model_passes(model):
+    heads = random_heads(model)
+    heads.check_compatible(model)
+    heads.check_compatible(tiny_model(seed=0))  # an identical re-creation has the same fingerprint
+
+
+def test_check_compatible_other_hidden_size(model):
+    heads = random_heads(model)
+    other = tiny_model(hidden_size=48)
+    with pytest.raises(ValueError, match="hidden size"):
+        heads.check_compatible(other)
+    with pytest.raises(ValueError, match="hidden size"):
+        heads.bind(other)
+
+
+def test_check_compatible_other_vocab_size(model):
+    heads = random_heads(model)
+    other = tiny_model(vocab_size=101)
+    with pytest.raises(ValueError, match="vocabulary size"):
+        heads.check_compatible(other)
+    with pytest.raises(ValueError, match="vocabulary size"):
+        heads.bind(other)
+
+
+def test_check_compatible_other_weights_same_shape(model, tmp_path):
+    heads = random_heads(model)
+    other = tiny_model(seed=1)
+    assert other.lm_head.weight.shape == model.lm_head.weight.shape
+    with pytest.raises(ValueError, match="fingerprint"):
+        heads.check_compatible(other)
+    # The saved config carries the fingerprint, so a reloaded copy refuses too, and keeps its old binding.
+    heads.save_pretrained(tmp_path)
+    loaded = BlockDraftHeads.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="fingerprint"):
+        loaded.bind(other)
+    with pytest.raises(RuntimeError, match="bind"):
+        loaded(hidden(1))
+
+
+@pytest.mark.parametrize("num_heads", [0, -1, MAX_HEADS + 1])
+def test_num_heads_out_of_range(model, num_heads):
+    assert MAX_HEADS == 32
+    with pytest.raises(ValueError, match="num_heads"):
+        BlockDraftHeads.for_base_model(model, num_heads=num_heads)
+    with pytest.raises(ValueError, match="num_heads"):
+        BlockDraftHeads(BlockDraftHeadsConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=num_heads))
+
+
+@pytest.mark.parametrize("num_heads", [1, MAX_HEADS])
+def test_num_heads_at_bounds(model, num_heads):
+    heads = BlockDraftHeads.for_base_model(model, num_heads=num_heads)
+    assert heads(hidden(1)).shape == (1, num_heads, VOCAB)

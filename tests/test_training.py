@@ -1,0 +1,138 @@
+"""Head training on a tiny model: loss falls, heads reload bit-identical, joint LoRA reloads and drafts,
+distillation resumes without redoing or duplicating samples."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import hf_bpd
+from training import distill, train_heads
+from training.train_heads import IGNORE, head_targets
+
+datasets = pytest.importorskip("datasets")
+
+
+def tiny_distilled(model, n=24, prompt_len=6, new=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = {"id": [], "prompt_ids": [], "response_ids": []}
+    for i in range(n):
+        prompt = torch.randint(3, 97, (1, prompt_len), generator=g)
+        out = model.generate(prompt, do_sample=False, max_new_tokens=new)
+        rows["id"].append(str(i))
+        rows["prompt_ids"].append(prompt[0].tolist())
+        rows["response_ids"].append(out[0, prompt_len:].tolist())
+    return datasets.Dataset.from_dict(rows)
+
+
+def args_for(tmp_path, **kw):
+    parser = argparse.ArgumentParser()
+    train_heads.add_args(parser)
+    base = ["--data", "unused", "--output", str(tmp_path), "--no-progress", "--log-every", "0"]
+    for k, v in kw.items():
+        base += [f"--{k.replace('_', '-')}", str(v)]
+    return parser.parse_args(base)
+
+
+def test_head_targets_shift():
+    t = head_targets([10, 11, 12, 13, 14], start=1, num_heads=2)
+    # positions 1, 2, 3: head 1 -> token at t+2, head 2 -> token at t+3
+    assert t.tolist() == [[13, 14], [14, IGNORE], [IGNORE, IGNORE]]
+
+
+def test_frozen_training_loss_falls_and_reloads_bit_identical(tmp_path):
+    model = tiny_model("llama", eos_token_id=None)
+    data = tiny_distilled(model)
+    args = args_for(
+        tmp_path, num_heads=2, epochs=30, lr=3e-2, batch_size=64, val_fraction=0.2, top_k=3, draft_vocab_size=64
+    )
+    heads, history = train_heads.train_frozen(model, data, args)
+    losses = [r["train_loss"] for r in history]
+    assert losses[-1] < 0.8 * losses[0]
+    assert len(history[-1]["top1"]) == 2 and 0.0 <= history[-1]["oracle_top3"] <= 2.0
+    heads.save_pretrained(tmp_path / "heads")
+    again = hf_bpd.BlockDraftHeads.from_pretrained(tmp_path / "heads").bind(model)
+    assert heads.config.draft_vocab_size == 64 and torch.equal(again.draft_vocab, heads.draft_vocab)
+    for (name, a), (_, b) in zip(sorted(heads.state_dict().items()), sorted(again.state_dict().items())):
+        assert torch.equal(a, b), name
+    # the trained heads decode losslessly
+    drafter = hf_bpd.BlockDrafter(again, top_k=3, max_tree_tokens=8)
+    ids = torch.tensor([data[0]["prompt_ids"]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=20)
+    out = model.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist()
+
+
+def test_joint_lora_checkpoint_reloads_and_drafts(tmp_path):
+    pytest.importorskip("peft")
+    from training.joint import train_joint
+
+    model = tiny_model("llama", eos_token_id=None)
+    data = tiny_distilled(model, n=8)
+    args = args_for(tmp_path, mode="joint", num_heads=2, epochs=2, lr=1e-3, batch_size=4, lora_r=4)
+    heads, history = train_joint(model, data, args)
+    assert len(history) == 2 and all(torch.isfinite(torch.tensor(r["train_loss"])) for r in history)
+    heads.save_pretrained(tmp_path)
+    assert not any("lora" in n for n, _ in model.named_parameters())  # the base model was left untouched
+    merged, drafter = hf_bpd.load_joint_model(tiny_model("llama", eos_token_id=None), tmp_path, top_k=3)
+    assert drafter.num_heads == 2
+    ids = torch.tensor([[5, 6, 7]])
+    ref = merged.generate(ids, do_sample=False, max_new_tokens=16)
+    out = merged.generate(ids, do_sample=False, max_new_tokens=16, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist() and drafter.stats.steps >= 1
+    with pytest.raises(FileNotFoundError, match="LoRA"):
+        hf_bpd.load_joint_model(merged, tmp_path / "nowhere")
+
+
+class FakeTokenizer:
+    pad_token_id = 0
+    eos_token_id = 2
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return [3 + (ord(c) % 90) for c in messages[0]["content"]][:8]
+
+
+def test_distill_interrupted_and_restarted_finishes_without_duplicates(tmp_path, monkeypatch):
+    model = tiny_model("llama", eos_token_id=None)
+    prompts = [(str(i), f"prompt number {i}") for i in range(10)]
+    calls = {"n": 0}
+    real_generate = model.generate
+
+    def flaky_generate(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # interrupted during the third batch
+        return real_generate(*a, **kw)
+
+    monkeypatch.setattr(model, "generate", flaky_generate)
+    with pytest.raises(KeyboardInterrupt):
+        distill.distill(
+            model, FakeTokenizer(), prompts, tmp_path, max_new_tokens=4, batch_size=2, shard_size=4, progress=False
+        )
+    done_before = distill.done_ids(tmp_path / "shards")
+    assert done_before == {"0", "1", "2", "3"}  # only the finished shard was written
+    monkeypatch.setattr(model, "generate", real_generate)
+    calls["n"] = 0
+    path = distill.distill(
+        model, FakeTokenizer(), prompts, tmp_path, max_new_tokens=4, batch_size=2, shard_size=4, progress=False
+    )
+    data = datasets.load_from_disk(str(path))
+    assert sorted(data["id"], key=int) == [str(i) for i in range(10)]  # each prompt exactly once
+    assert all(len(r) == 4 for r in data["response_ids"])
+    fresh = distill.distill(
+        model,
+        FakeTokenizer(),
+        prompts,
+        tmp_path / "fresh",
+        max_new_tokens=4,
+        batch_size=2,
+        shard_size=4,
+        progress=False,
+    )
+    by_id = {r["id"]: r["response_ids"] for r in datasets.load_from_disk(str(fresh))}
+    assert all(by_id[r["id"]] == r["response_ids"] for r in data)  # resumed data equals uninterrupted data
+    assert json.dumps(sorted(by_id)) == json.dumps(sorted(data["id"]))

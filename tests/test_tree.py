@@ -1,0 +1,231 @@
+"""Draft trees: prefix merging, the node budget, lookups, the ancestor mask, and batching with padding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_bpd import DraftTree
+from hf_bpd.tree import TreeBatch, batch_trees
+
+
+def brute_ancestors(parents: list[int]) -> torch.Tensor:
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def check_invariants(tree: DraftTree) -> None:
+    n = len(tree)
+    assert len(tree.tokens) == len(tree.parents) == len(tree.depths) == n
+    assert tree.parents[0] == -1 and tree.depths[0] == 0
+    for i in range(1, n):
+        assert 0 <= tree.parents[i] < i
+        assert tree.depths[i] == tree.depths[tree.parents[i]] + 1
+        assert tree.child(tree.parents[i], tree.tokens[i]) == i
+    # No two children of one node carry the same token.
+    pairs = [(tree.parents[i], tree.tokens[i]) for i in range(1, n)]
+    assert len(set(pairs)) == len(pairs)
+
+
+def drafts_in(tree: DraftTree) -> set[tuple[int, ...]]:
+    """Every root-to-node token path (root excluded)."""
+    return {tuple(tree.tokens[j] for j in tree.path_to(i)[1:]) for i in range(1, len(tree))}
+
+
+# ---------------------------------------------------------------------------------------------- from_paths
+
+
+def test_from_paths_merges_shared_prefixes():
+    paths = [(1, 2, 3), (1, 2, 4), (1, 5), (6,), (1, 2, 3)]
+    tree = DraftTree.from_paths(9, paths, max_nodes=100)
+    # root, 1, 1-2, 1-2-3, 1-2-4, 1-5, 6 -> 7 nodes (the repeated path adds nothing).
+    assert len(tree) == 7
+    assert tree.tokens == [9, 1, 2, 3, 4, 5, 6]
+    assert tree.parents == [-1, 0, 1, 2, 2, 1, 0]
+    assert tree.depths == [0, 1, 2, 3, 3, 2, 1]
+    assert drafts_in(tree) == {(1,), (1, 2), (1, 2, 3), (1, 2, 4), (1, 5), (6,)}
+    check_invariants(tree)
+
+
+def test_from_paths_no_paths_is_root_only():
+    tree = DraftTree.from_paths(4, [], max_nodes=10)
+    assert tree.tokens == [4] and tree.parents == [-1] and tree.depths == [0]
+    assert len(tree) == 1
+    assert tree.ancestor_mask().tolist() == [[True]]
+
+
+def test_from_paths_same_token_under_different_parents_is_not_merged():
+    tree = DraftTree.from_paths(0, [(1, 7), (2, 7), (7,)], max_nodes=100)
+    assert len(tree) == 6
+    assert tree.tokens.count(7) == 3
+    check_invariants(tree)
+
+
+def test_from_paths_truncates_at_max_nodes():
+    paths = [(1, 2, 3), (4, 5, 6), (7,)]
+    tree = DraftTree.from_paths(0, paths, max_nodes=5)
+    # root + 1,2,3 (4 nodes) + 4 = 5: the second path is truncated to its first token, the third dropped.
+    assert len(tree) == 5
+    assert tree.tokens == [0, 1, 2, 3, 4]
+    assert tree.parents == [-1, 0, 1, 2, 0]
+    assert drafts_in(tree) == {(1,), (1, 2), (1, 2, 3), (4,)}
+    check_invariants(tree)
+
+
+def test_from_paths_truncation_still_follows_existing_nodes():
+    # A full tree: a path sharing (1, 2) walks the existing nodes but must not add its new suffix.
+    tree = DraftTree.from_paths(0, [(1, 2), (3,)], max_nodes=4)
+    assert tree.tokens == [0, 1, 2, 3]
+    tree.add_path([1, 2, 8], max_nodes=4)
+    tree.add_path([3, 9], max_nodes=4)
+    assert tree.tokens == [0, 1, 2, 3]
+    # One more node allowed: the shared prefix is reused, only the first new token is added.
+    tree.add_path([1, 2, 8, 9], max_nodes=5)
+    assert tree.tokens == [0, 1, 2, 3, 8]
+    assert tree.parents == [-1, 0, 1, 0, 2]
+    check_invariants(tree)
+
+
+@pytest.mark.parametrize("max_nodes", [1, 2, 3, 5, 8, 13, 40])
+def test_from_paths_never_exceeds_max_nodes(max_nodes):
+    rng = random.Random(max_nodes)
+    paths = [tuple(rng.randrange(3) for _ in range(rng.randint(1, 4))) for _ in range(30)]
+    tree = DraftTree.from_paths(0, paths, max_nodes=max_nodes)
+    unlimited = DraftTree.from_paths(0, paths, max_nodes=10**6)
+    assert len(tree) == min(max_nodes, len(unlimited))
+    check_invariants(tree)
+    # The budgeted tree is the first nodes of the unlimited one (same insertion order).
+    assert tree.tokens == unlimited.tokens[: len(tree)]
+    assert tree.parents == unlimited.parents[: len(tree)]
+    assert drafts_in(tree) <= drafts_in(unlimited)
+
+
+def test_max_nodes_one_is_root_only():
+    tree = DraftTree.from_paths(3, [(1, 2)], max_nodes=1)
+    assert tree.tokens == [3]
+
+
+@pytest.mark.parametrize("max_nodes", [0, -1])
+def test_max_nodes_below_one_raises(max_nodes):
+    with pytest.raises(ValueError, match="max_nodes"):
+        DraftTree.from_paths(0, [(1,)], max_nodes=max_nodes)
+
+
+def test_add_path_respects_budget():
+    tree = DraftTree.root_only(0)
+    tree.add_path([1, 2, 3], max_nodes=3)
+    assert tree.tokens == [0, 1, 2]
+    tree.add_path([1, 2, 3], max_nodes=3)
+    assert len(tree) == 3
+    tree.add_path([1, 2, 3], max_nodes=4)
+    assert tree.tokens == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------- lookups
+
+
+def test_child_lookup():
+    tree = DraftTree.from_paths(9, [(1, 2), (1, 3), (4,)], max_nodes=100)
+    assert tree.child(0, 1) == 1
+    assert tree.child(1, 2) == 2
+    assert tree.child(1, 3) == 3
+    assert tree.child(0, 4) == 4
+    assert tree.child(0, 2) is None  # 2 exists, but under node 1
+    assert tree.child(2, 2) is None
+    assert tree.child(4, 1) is None
+    assert tree.child(0, 9) is None  # the root token is not its own child
+
+
+def test_depths_and_path_to():
+    tree = DraftTree.from_paths(0, [(1, 2, 3), (1, 4), (5, 6)], max_nodes=100)
+    # nodes: 0 root, 1:1, 2:2, 3:3, 4:4 (under 1), 5:5, 6:6 (under 5)
+    assert tree.depths == [0, 1, 2, 3, 2, 1, 2]
+    assert tree.path_to(0) == [0]
+    assert tree.path_to(3) == [0, 1, 2, 3]
+    assert tree.path_to(4) == [0, 1, 4]
+    assert tree.path_to(6) == [0, 5, 6]
+    for i in range(len(tree)):
+        assert len(tree.path_to(i)) == tree.depths[i] + 1
+        assert tree.path_to(i)[-1] == i
+
+
+# ---------------------------------------------------------------------------------------------- ancestor mask
+
+
+def test_ancestor_mask_hand_built():
+    tree = DraftTree.from_paths(0, [(1, 2), (3,)], max_nodes=100)
+    assert tree.ancestor_mask().tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, True, True, False],
+        [True, False, False, True],
+    ]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ancestor_mask_matches_brute_force(seed):
+    rng = random.Random(seed)
+    paths = [tuple(rng.randrange(4) for _ in range(rng.randint(1, 5))) for _ in range(20)]
+    tree = DraftTree.from_paths(0, paths, max_nodes=rng.randint(1, 30))
+    mask = tree.ancestor_mask()
+    assert mask.dtype == torch.bool
+    assert mask.shape == (len(tree), len(tree))
+    assert torch.equal(mask, brute_ancestors(tree.parents))
+    # Lower-triangular (parents precede children), diagonal set, row i has depth+1 entries.
+    assert torch.equal(mask, mask.tril())
+    assert mask.diagonal().all()
+    assert mask.sum(1).tolist() == [d + 1 for d in tree.depths]
+    for i in range(len(tree)):
+        assert mask[i].nonzero().flatten().tolist() == tree.path_to(i)
+
+
+# ---------------------------------------------------------------------------------------------- batch_trees
+
+
+def test_batch_trees_pads_smaller_trees():
+    big = DraftTree.from_paths(5, [(1, 2), (3,), (1, 4)], max_nodes=100)  # 5 nodes
+    small = DraftTree.from_paths(6, [(7,)], max_nodes=100)  # 2 nodes
+    single = DraftTree.root_only(8)  # 1 node
+    batch = batch_trees([small, big, single], pad_token_id=0, device=torch.device("cpu"))
+    assert isinstance(batch, TreeBatch)
+    assert batch.sizes == [2, 5, 1]
+    assert batch.input_ids.shape == batch.depths.shape == (3, 5)
+    assert batch.tree_mask.shape == (3, 5, 5)
+    assert batch.input_ids.dtype == batch.depths.dtype == torch.long
+    assert batch.tree_mask.dtype == torch.bool
+
+    assert batch.input_ids.tolist() == [[6, 7, 0, 0, 0], big.tokens, [8, 0, 0, 0, 0]]
+    assert batch.depths.tolist() == [[0, 1, 0, 0, 0], big.depths, [0, 0, 0, 0, 0]]
+
+    for b, tree in enumerate([small, big, single]):
+        m = len(tree)
+        mask = batch.tree_mask[b]
+        assert torch.equal(mask[:m, :m], tree.ancestor_mask())
+        # Padding rows attend only to themselves; nobody else attends to a padding column.
+        for i in range(m, 5):
+            assert mask[i].nonzero().flatten().tolist() == [i]
+            assert mask[:, i].nonzero().flatten().tolist() == [i]
+        # Real rows never see padding.
+        assert not mask[:m, m:].any()
+
+
+def test_batch_trees_pad_token_and_equal_sizes():
+    a = DraftTree.from_paths(1, [(2, 3)], max_nodes=100)
+    b = DraftTree.from_paths(4, [(5,), (6,)], max_nodes=100)
+    batch = batch_trees([a, b], pad_token_id=42, device=torch.device("cpu"))
+    assert batch.sizes == [3, 3]
+    assert batch.input_ids.tolist() == [[1, 2, 3], [4, 5, 6]]  # no padding needed, 42 never appears
+    assert batch.depths.tolist() == [[0, 1, 2], [0, 1, 1]]
+    assert torch.equal(batch.tree_mask[0], a.ancestor_mask())
+    assert torch.equal(batch.tree_mask[1], b.ancestor_mask())
+
+    padded = batch_trees([DraftTree.root_only(1), a], pad_token_id=42, device=torch.device("cpu"))
+    assert padded.input_ids.tolist() == [[1, 42, 42], [1, 2, 3]]

@@ -1,0 +1,89 @@
+"""Joint training (Medusa-2): LoRA on the base model (PEFT) + the draft heads, in one loss.
+
+loss = base_loss_weight * CE(base next token) + sum_i w_i * CE(head i). The base targets are the base
+model's own distilled tokens, so the adapted model keeps saying what it said; the heads see hidden states
+that the adapter has made easier to draft from. `hf_bpd.load_joint_model` merges the adapter for use.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from hf_bpd.heads import BlockDraftHeads
+from training.train_heads import IGNORE, head_targets, heads_loss, loss_weights, response_positions
+
+
+def collate(rows, num_heads: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch with base labels (response tokens) and head targets at every position."""
+    seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, IGNORE)
+    targets = torch.full((len(seqs), width, num_heads), IGNORE, dtype=torch.long)
+    for b, (row, s) in enumerate(zip(rows, seqs)):
+        ids[b, : len(s)] = torch.tensor(s)
+        mask[b, : len(s)] = 1
+        start = response_positions(len(row["prompt_ids"]))
+        labels[b, start : len(s) - 1] = ids[b, start + 1 : len(s)]  # label at t = token t+1
+        t = head_targets(s, start, num_heads)
+        targets[b, start : start + t.shape[0]] = t
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "targets": targets}
+
+
+def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
+    from accelerate import Accelerator
+    from peft import LoraConfig, get_peft_model
+
+    accelerator = Accelerator(mixed_precision=args.mixed_precision)
+    torch.manual_seed(args.seed)
+    heads = BlockDraftHeads.for_base_model(model, args.num_heads, args.num_layers)
+    heads.float()
+    lora = LoraConfig(
+        r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+    peft_model = get_peft_model(model, lora)
+    weights = loss_weights(args.num_heads, args.loss_decay)
+    params = [p for p in peft_model.parameters() if p.requires_grad] + list(heads.parameters())
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    loader = torch.utils.data.DataLoader(
+        list(data),
+        batch_size=args.batch_size,
+        shuffle=True,
+        collate_fn=lambda rows: collate(rows, args.num_heads),
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    peft_model, heads, optimizer, loader = accelerator.prepare(peft_model, heads, optimizer, loader)
+    bare_heads = accelerator.unwrap_model(heads)
+    history = []
+    for epoch in range(args.epochs):
+        peft_model.train()
+        t0, running, steps = time.time(), 0.0, 0
+        for batch in loader:
+            with accelerator.autocast():
+                out = peft_model(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
+                )
+                base = torch.nn.functional.cross_entropy(
+                    out.logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE
+                )
+                valid = batch["attention_mask"].bool()
+                hidden = out.hidden_states[-1][valid]
+                head_loss, _ = heads_loss(bare_heads, hidden, batch["targets"][valid], weights, None)
+                loss = args.base_loss_weight * base + head_loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            running += float(loss.detach())
+            steps += 1
+        record = {"epoch": epoch, "train_loss": running / max(steps, 1), "seconds": time.time() - t0}
+        history.append(record)
+        if accelerator.is_main_process:
+            print(json.dumps(record), flush=True)
+    unwrapped = accelerator.unwrap_model(peft_model)
+    unwrapped.save_pretrained(f"{args.output}/lora")
+    unwrapped.unload()  # leave the caller's base model as it was
+    return bare_heads, history

@@ -1,0 +1,300 @@
+"""Train block draft heads on self-distilled data.
+
+From the base model's last hidden state at position t, head i (1..h) learns the token at t+1+i (the base
+model itself predicts t+1). Loss = sum_i w_i * CE_i with per-head weights w_i (the paper's lambda_h).
+
+Modes
+  frozen  (Medusa-1) the base model is frozen: its last hidden states are computed once and cached to
+          disk (`features.pt`), so an epoch only runs the small heads. Practical on a CPU.
+  joint   (Medusa-2) the base model is adapted with LoRA (PEFT) together with the heads; the base model's
+          own next-token loss is kept so its outputs stay what they were. Saves the heads at the output
+          root and the adapter under `lora/`; `hf_bpd.load_joint_model` applies it.
+
+Runs as is on one CPU/GPU or under `accelerate launch` on several GPUs or nodes (data parallel through
+`accelerate.Accelerator`; mixed precision with `--mixed-precision bf16|fp16` where the device has it).
+
+Validation each epoch on held-out distilled samples: per-head top-1 / top-k accuracy, and the lattice
+oracle (mean longest prefix of the true continuation inside the top-k lattice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hf_bpd.heads import BlockDraftHeads
+
+IGNORE = -100
+
+
+@dataclass
+class Features:
+    """Cached training positions: hidden [n, H] (base last hidden state at t), targets [n, h] (token at
+    t+1+i for head i, IGNORE past the end), sample [n] (index of the distilled sample)."""
+
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    sample: torch.Tensor
+
+
+def head_targets(sequence: list[int], start: int, num_heads: int) -> torch.Tensor:
+    """Targets [L - start - 1, h] for positions t = start .. L-2 of `sequence`: row t holds the tokens at
+    t+2 .. t+1+h (IGNORE past the end)."""
+    seq = torch.tensor(sequence)
+    n = len(sequence) - start - 1
+    out = torch.full((max(n, 0), num_heads), IGNORE, dtype=torch.long)
+    for i in range(1, num_heads + 1):
+        src = seq[start + 1 + i :]
+        m = min(n, src.numel())
+        out[:m, i - 1] = src[:m]
+    return out
+
+
+def response_positions(prompt_len: int) -> int:
+    """First position trained on: the last prompt token (its hidden state drafts the response start)."""
+    return max(prompt_len - 1, 0)
+
+
+@torch.no_grad()
+def compute_features(model, data, num_heads: int, batch_tokens: int = 4096, progress: bool = True) -> Features:
+    """Base last hidden states for every response position of every sample (length-sorted batches)."""
+    from tqdm import tqdm
+
+    device = next(model.parameters()).device
+    order = sorted(range(len(data)), key=lambda i: len(data[i]["prompt_ids"]) + len(data[i]["response_ids"]))
+    hidden, targets, sample = [], [], []
+    bar = tqdm(total=len(order), disable=not progress, desc="features")
+    i = 0
+    while i < len(order):
+        longest = len(data[order[i]]["prompt_ids"]) + len(data[order[i]]["response_ids"])
+        batch = [order[i]]
+        while i + len(batch) < len(order):
+            nxt = order[i + len(batch)]
+            width = len(data[nxt]["prompt_ids"]) + len(data[nxt]["response_ids"])
+            if width * (len(batch) + 1) > batch_tokens:
+                break
+            batch.append(nxt)
+            longest = width
+        seqs = [data[j]["prompt_ids"] + data[j]["response_ids"] for j in batch]
+        ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+        mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+        for r, s in enumerate(seqs):  # right padding: positions stay 0..L-1, padded keys are masked
+            ids[r, : len(s)] = torch.tensor(s)
+            mask[r, : len(s)] = 1
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+        last = out.hidden_states[-1].float().cpu()
+        for r, j in enumerate(batch):
+            start = response_positions(len(data[j]["prompt_ids"]))
+            t = head_targets(seqs[r], start, num_heads)
+            hidden.append(last[r, start : start + t.shape[0]].half())
+            targets.append(t)
+            sample.append(torch.full((t.shape[0],), j, dtype=torch.long))
+        i += len(batch)
+        bar.update(len(batch))
+    bar.close()
+    return Features(torch.cat(hidden), torch.cat(targets), torch.cat(sample))
+
+
+def draft_vocabulary(data, size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent response tokens (plus `always`, e.g. eos), as sorted token ids."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in data:
+        counts += torch.bincount(torch.tensor(row["response_ids"], dtype=torch.long), minlength=vocab_size)
+    counts[torch.tensor(always, dtype=torch.long)] = counts.max() + 1
+    return counts.topk(size).indices.sort().values
+
+
+def loss_weights(num_heads: int, decay: float) -> list[float]:
+    """w_i = decay**(i-1): later heads are less accurate and matter less for acceptance."""
+    return [decay**i for i in range(num_heads)]
+
+
+def heads_loss(
+    heads: BlockDraftHeads,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weights: list[float],
+    vocab_index: torch.Tensor | None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Weighted CE over heads, computed head by head (a [n, h, V] logit tensor would not fit)."""
+    states = heads.head_states(hidden)
+    total, per_head = hidden.new_zeros(()).float(), []
+    for i, w in enumerate(weights):
+        tgt = targets[:, i] if vocab_index is None else vocab_index[targets[:, i].clamp(min=0)]
+        tgt = torch.where(targets[:, i] == IGNORE, IGNORE, tgt)
+        logits = heads.project(states[:, i]).float()
+        loss = torch.nn.functional.cross_entropy(logits, tgt, ignore_index=IGNORE)
+        loss = torch.nan_to_num(loss)  # a batch with no target for this head
+        per_head.append(loss.detach())
+        total = total + w * loss
+    return total, per_head
+
+
+@torch.no_grad()
+def evaluate(heads: BlockDraftHeads, feats: Features, top_k: int, batch: int = 512) -> dict:
+    """Per-head top-1 / top-k accuracy (over positions with a target) and the top-k lattice oracle."""
+    device = next(heads.parameters()).device
+    h = heads.num_heads
+    hit1, hitk, count = torch.zeros(h), torch.zeros(h), torch.zeros(h)
+    oracle_sum, n_pos = 0.0, 0
+    ids = heads.draft_vocab
+    for s in range(0, feats.hidden.shape[0], batch):
+        x = feats.hidden[s : s + batch].to(device=device, dtype=heads.dtype)
+        t = feats.targets[s : s + batch].to(device)
+        logits = heads(x)  # [n, h, S]
+        topk = ids[logits.topk(top_k, dim=-1).indices]  # token ids [n, h, k]
+        valid = t != IGNORE
+        in_k = (topk == t[..., None]).any(-1) & valid
+        hit1 += ((topk[..., 0] == t) & valid).sum(0).cpu().float()
+        hitk += in_k.sum(0).cpu().float()
+        count += valid.sum(0).cpu().float()
+        oracle_sum += float(in_k.long().cumprod(dim=1).sum())
+        n_pos += x.shape[0]
+    return {
+        "top1": (hit1 / count.clamp(min=1)).tolist(),
+        f"top{top_k}": (hitk / count.clamp(min=1)).tolist(),
+        f"oracle_top{top_k}": oracle_sum / max(n_pos, 1),
+        "positions": n_pos,
+    }
+
+
+def split_by_sample(feats: Features, val_fraction: float, seed: int) -> tuple[Features, Features]:
+    num_samples = int(feats.sample.max()) + 1
+    g = torch.Generator().manual_seed(seed)
+    val_samples = torch.randperm(num_samples, generator=g)[: max(1, int(num_samples * val_fraction))]
+    is_val = torch.isin(feats.sample, val_samples)
+    pick = lambda m: Features(feats.hidden[m], feats.targets[m], feats.sample[m])  # noqa: E731
+    return pick(~is_val), pick(is_val)
+
+
+def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision=args.mixed_precision)
+    torch.manual_seed(args.seed)
+    out_dir = Path(args.output)
+    cache = out_dir / "features.pt"
+    if cache.is_file():
+        feats = Features(**torch.load(cache))
+        if feats.targets.shape[1] < args.num_heads:
+            raise ValueError(f"{cache} was computed for fewer heads; delete it")
+        feats.targets = feats.targets[:, : args.num_heads]
+    else:
+        feats = compute_features(model, data, args.num_heads, progress=not args.no_progress)
+        if accelerator.is_main_process:
+            torch.save(feats.__dict__, cache)
+    train, val = split_by_sample(feats, args.val_fraction, args.seed)
+    if args.max_positions and train.hidden.shape[0] > args.max_positions:
+        keep = torch.randperm(train.hidden.shape[0], generator=torch.Generator().manual_seed(args.seed))
+        keep = keep[: args.max_positions]
+        train = Features(train.hidden[keep], train.targets[keep], train.sample[keep])
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    draft_vocab = None
+    if args.draft_vocab_size:
+        eos = model.generation_config.eos_token_id
+        always = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        train_samples = set(train.sample.unique().tolist())
+        draft_vocab = draft_vocabulary([data[i] for i in sorted(train_samples)], args.draft_vocab_size, vocab, always)
+    heads = BlockDraftHeads.for_base_model(model, args.num_heads, args.num_layers, draft_vocab=draft_vocab)
+    heads.float()
+    vocab_index = None
+    if draft_vocab is not None:  # token id -> draft index; tokens outside the draft vocabulary are ignored
+        vocab_index = torch.full((vocab,), IGNORE, dtype=torch.long)
+        vocab_index[draft_vocab] = torch.arange(draft_vocab.numel())
+    weights = loss_weights(args.num_heads, args.loss_decay)
+    params = [p for p in heads.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    dataset = torch.utils.data.TensorDataset(train.hidden, train.targets)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(args.seed)
+    )
+    total_steps = max(1, args.epochs * len(loader))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s / total_steps, 1.0)))
+    )
+    heads, optimizer, loader, scheduler = accelerator.prepare(heads, optimizer, loader, scheduler)
+    bare = accelerator.unwrap_model(heads)
+    if vocab_index is not None:
+        vocab_index = vocab_index.to(accelerator.device)
+    history = []
+    for epoch in range(args.epochs):
+        heads.train()
+        t0, running, steps = time.time(), 0.0, 0
+        for hidden, targets in loader:
+            with accelerator.autocast():
+                loss, _ = heads_loss(bare, hidden.float(), targets, weights, vocab_index)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            running += float(loss.detach())
+            steps += 1
+            if args.log_every and steps % args.log_every == 0 and accelerator.is_main_process:
+                print(f"epoch {epoch} step {steps}/{len(loader)} loss {running / steps:.4f}", flush=True)
+        heads.eval()
+        metrics = evaluate(bare, val, args.top_k) if accelerator.is_main_process else {}
+        record = {"epoch": epoch, "train_loss": running / max(steps, 1), "seconds": time.time() - t0, **metrics}
+        history.append(record)
+        if accelerator.is_main_process:
+            print(json.dumps(record), flush=True)
+    return bare, history
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="packaged", help="base model path or 'packaged'")
+    parser.add_argument("--data", required=True, help="distilled dataset folder (hf-bpd distill --output X: X/dataset)")
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--mode", choices=["frozen", "joint"], default="frozen")
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-layers", type=int, default=1)
+    parser.add_argument("--draft-vocab-size", type=int, default=0, help="0: full vocabulary")
+    parser.add_argument("--loss-decay", type=float, default=0.8, help="head i loss weight = decay**(i-1)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch-size", type=int, default=256, help="positions (frozen) or samples (joint)")
+    parser.add_argument("--max-positions", type=int, default=0, help="cap on training positions (0: all)")
+    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--top-k", type=int, default=5, help="k of the top-k accuracy and lattice oracle")
+    parser.add_argument("--lora-r", type=int, default=8)
+    parser.add_argument("--base-loss-weight", type=float, default=1.0, help="joint mode: weight of the base LM loss")
+    parser.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-bpd train-heads", description=__doc__.split("\n\n")[0])
+    add_args(parser)
+    args = parser.parse_args(argv)
+    from datasets import load_from_disk
+
+    from hf_bpd.models import load_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, _ = load_model(args.model, device=device)
+    data = load_from_disk(args.data)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.mode == "frozen":
+        heads, history = train_frozen(model, data, args)
+    else:
+        from training.joint import train_joint
+
+        heads, history = train_joint(model, data, args)
+    heads.save_pretrained(out)
+    (out / "training_log.json").write_text(json.dumps({"args": vars(args), "epochs": history}, indent=2))
+    print(f"saved heads to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
