@@ -4,7 +4,6 @@ block efficiency, tokens/s and whether the outputs are identical."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from importlib import resources
 
@@ -13,11 +12,12 @@ import torch
 from .decoding import generate as bpd_generate
 from .drafter import BlockDrafter
 from .heads import BlockDraftHeads
+from .jsonl import parse_jsonl
 
 
 def demo_prompts() -> list[str]:
     text = resources.files("hf_bpd").joinpath("data/demo_prompts.jsonl").read_text(encoding="utf-8")
-    return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    return [row["prompt"] for row in parse_jsonl(text)]
 
 
 def packaged_or_untrained_drafter(model) -> tuple[BlockDrafter, str]:

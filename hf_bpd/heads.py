@@ -55,6 +55,9 @@ class ResidualBlock(nn.Module):
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
         self.linear = nn.Linear(hidden_size, hidden_size)
+        # transformers initialises leaf modules (it never calls _init_weights on this container for
+        # custom code), so the tag lets `_init_weights` find the residual Linear.
+        self.linear._bpd_zero_init = True
         self.act = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,9 +114,9 @@ class BlockDraftHeads(PreTrainedModel):
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, ResidualBlock):
-            nn.init.zeros_(module.linear.weight)
-            nn.init.zeros_(module.linear.bias)
+        if getattr(module, "_bpd_zero_init", False):
+            nn.init.zeros_(module.weight)
+            nn.init.zeros_(module.bias)
 
     @classmethod
     def for_base_model(

@@ -46,15 +46,16 @@ class DraftTree:
         tree holds `max_nodes` nodes: a truncated draft is still a valid (shorter) draft."""
         node = 0
         for token in path:
+            token = int(token)
             nxt = self._children.get((node, token))
             if nxt is None:
                 if len(self.tokens) >= max_nodes:
                     return
                 nxt = len(self.tokens)
-                self.tokens.append(int(token))
+                self.tokens.append(token)
                 self.parents.append(node)
                 self.depths.append(self.depths[node] + 1)
-                self._children[(node, int(token))] = nxt
+                self._children[(node, token)] = nxt
             node = nxt
 
     @classmethod

@@ -3,11 +3,12 @@ SmolLM2 (marked `real`; the long runs also `slow`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+
+from hf_bpd.jsonl import read_jsonl
 
 SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_dev.jsonl"
 
@@ -80,6 +81,6 @@ def spec_bench_prompts(n: int) -> list[str]:
     """First-turn prompts of the first n rows, spread over categories (every 240/n-th row)."""
     if not SPEC_BENCH.is_file():
         pytest.skip(f"{SPEC_BENCH} not present (CI and dev machines have ../shared)")
-    rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(SPEC_BENCH)
     step = max(len(rows) // n, 1)
     return [r["turns"][0] for r in rows[::step][:n]]

@@ -57,11 +57,19 @@ def test_random_heads_differ_from_each_other(model):
     assert not torch.allclose(out[:, 1], out[:, 2])
 
 
+def zero_residual_heads(model, num_heads: int) -> BlockDraftHeads:
+    return BlockDraftHeads.for_base_model(model, num_heads=num_heads)  # untrained heads start at zero
+
+
+def test_for_base_model_starts_with_zero_residuals(model):
+    heads = BlockDraftHeads.for_base_model(model, num_heads=2)
+    for name, p in heads.named_parameters():
+        assert torch.count_nonzero(p) == 0, name
+
+
 def test_untrained_tied_heads_repeat_base_lm_head(model):
-    heads = BlockDraftHeads.for_base_model(model, num_heads=4)
+    heads = zero_residual_heads(model, num_heads=4)
     assert heads.config.tie_lm_head and heads.lm_head is None
-    for p in heads.parameters():
-        assert torch.count_nonzero(p) == 0  # zero residual blocks
     ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
@@ -72,10 +80,11 @@ def test_untrained_tied_heads_repeat_base_lm_head(model):
         assert torch.equal(heads.head_states(h)[..., i, :], h)
         torch.testing.assert_close(draft[..., i, :], out.logits, rtol=0, atol=1e-5)
         assert torch.equal(draft[..., i, :].argmax(-1), out.logits.argmax(-1))
-    # On a single vector the projection is bit-identical to the LM head's.
-    x = hidden(HIDDEN)[0]
+    # Bit-identical to the LM head applied to h copies of the hidden state (same matmul shape).
+    x = hidden(1)[0]
     with torch.no_grad():
-        assert torch.equal(heads(x)[0], model.lm_head(x))
+        assert torch.equal(heads(x), model.lm_head(x.expand(4, HIDDEN)))
+        torch.testing.assert_close(heads(x), model.lm_head(x).expand(4, VOCAB), rtol=0, atol=1e-5)
 
 
 def test_tied_forward_without_bind_raises(model):
@@ -222,3 +231,10 @@ def test_num_heads_out_of_range(model, num_heads):
 def test_num_heads_at_bounds(model, num_heads):
     heads = BlockDraftHeads.for_base_model(model, num_heads=num_heads)
     assert heads(hidden(1)).shape == (1, num_heads, VOCAB)
+
+
+def test_zero_init_survives_a_bare_config_construction():
+    from hf_bpd import BlockDraftHeadsConfig
+
+    heads = BlockDraftHeads(BlockDraftHeadsConfig(hidden_size=8, vocab_size=11, num_heads=2))
+    assert all(torch.count_nonzero(p) == 0 for p in heads.parameters())

@@ -83,6 +83,17 @@ def test_from_logits_full_vocab_sums_to_one():
     torch.testing.assert_close(lat.logprobs.exp().sum(-1), torch.ones(1, 3))
 
 
+def test_from_logits_token_ids_map_draft_vocabulary():
+    # Logits over a 4-token draft vocabulary whose index i stands for token id token_ids[i].
+    logits = torch.tensor([[[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 4.0]]])
+    token_ids = torch.tensor([40, 10, 30, 20])
+    lat = Lattice.from_logits(logits, top_k=2, token_ids=token_ids)
+    assert lat.tokens.tolist() == [[[10, 20], [40, 20]]]
+    plain = Lattice.from_logits(logits, top_k=2)
+    assert plain.tokens.tolist() == [[[1, 3], [0, 3]]]
+    assert torch.equal(lat.logprobs, plain.logprobs)
+
+
 @pytest.mark.parametrize("top_k", [0, -1, 14])
 def test_from_logits_top_k_out_of_range(top_k):
     with pytest.raises(ValueError, match="top_k"):

@@ -229,3 +229,8 @@ def test_batch_trees_pad_token_and_equal_sizes():
 
     padded = batch_trees([DraftTree.root_only(1), a], pad_token_id=42, device=torch.device("cpu"))
     assert padded.input_ids.tolist() == [[1, 42, 42], [1, 2, 3]]
+
+
+def test_tensor_tokens_merge_like_ints():
+    tree = DraftTree.from_paths(0, [torch.tensor([1, 2]), torch.tensor([1, 2]), (1, 3)], 100)
+    assert tree.tokens == [0, 1, 2, 3] and tree.parents == [-1, 0, 1, 1]

