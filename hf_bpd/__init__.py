@@ -5,7 +5,7 @@ from .drafter import BlockDrafter, DecodingStats, Rescorer
 from .heads import BlockDraftHeads, BlockDraftHeadsConfig
 from .joint import load_joint_model
 from .lattice import Lattice, ScoredPath
-from .packaged import load_packaged_model
+from .packaged import load_packaged_drafter, load_packaged_model
 from .tree import DraftTree
 
 __version__ = "0.1.0"
@@ -21,5 +21,6 @@ __all__ = [
     "ScoredPath",
     "generate",
     "load_joint_model",
+    "load_packaged_drafter",
     "load_packaged_model",
 ]

@@ -9,6 +9,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
         "demo": "hf_bpd.demo",
+        "bench": "hf_bpd.bench",
         "distill": "training.distill",
         "train-heads": "training.train_heads",
     }

@@ -21,13 +21,12 @@ def demo_prompts() -> list[str]:
 
 
 def packaged_or_untrained_drafter(model) -> tuple[BlockDrafter, str]:
-    from . import packaged
+    from .packaged import load_packaged_drafter
 
-    if hasattr(packaged, "load_packaged_drafter"):
-        try:
-            return packaged.load_packaged_drafter(), "shipped trained heads"
-        except FileNotFoundError:
-            pass
+    try:
+        return load_packaged_drafter(), "shipped trained heads"
+    except FileNotFoundError:
+        pass
     heads = BlockDraftHeads.for_base_model(model, num_heads=4)
     return BlockDrafter(heads, top_k=8, max_tree_tokens=16), "UNTRAINED heads (no trained heads shipped yet): tau ~ 1"
 

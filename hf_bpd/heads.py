@@ -17,6 +17,7 @@ state: it repeats the base model's own next-token guess (the paper's and Medusa'
 from __future__ import annotations
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -119,6 +120,24 @@ class BlockDraftHeads(PreTrainedModel):
             nn.init.zeros_(module.bias)
 
     @classmethod
+    def from_pretrained(cls, path, *args, **kwargs) -> BlockDraftHeads:
+        """Load saved heads; a folder that is not draft heads, or a corrupt file, raises ValueError
+        naming the folder."""
+        try:
+            config_dict, _ = BlockDraftHeadsConfig.get_config_dict(path, **kwargs)
+        except OSError as err:
+            raise ValueError(f"{path} holds no readable draft-heads config.json: {err}") from err
+        if config_dict.get("model_type") != BlockDraftHeadsConfig.model_type:
+            raise ValueError(
+                f"{path} is not a draft-heads checkpoint (model_type {config_dict.get('model_type')!r}, expected "
+                f"{BlockDraftHeadsConfig.model_type!r})"
+            )
+        try:
+            return super().from_pretrained(path, *args, **kwargs)
+        except (OSError, RuntimeError, ValueError, SafetensorError) as err:
+            raise ValueError(f"could not load the draft heads in {path} (corrupt or incomplete file?): {err}") from err
+
+    @classmethod
     def for_base_model(
         cls,
         model: PreTrainedModel,
@@ -202,6 +221,29 @@ class BlockDraftHeads(PreTrainedModel):
             weight = weight.to(device=states.device, dtype=states.dtype)
             self.__dict__["_tied_weight"] = weight
         return torch.nn.functional.linear(states, weight)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        private: bool | None = None,
+        token: str | None = None,
+        commit_message: str = "Upload block draft heads",
+        **card_kwargs,
+    ) -> str:
+        """Upload weights, config and a model card rendered with real numbers (`card_kwargs`:
+        training_log, bench, manifest, top_k, max_tree_tokens; see `hf_bpd.card.render_card`)."""
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        from .card import save_hub_folder
+
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as folder:
+            save_hub_folder(self, folder, repo_id, **card_kwargs)
+            info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
+        return str(info)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[..., hidden]` base hidden states -> `[..., h, S]` draft logits."""

@@ -88,3 +88,36 @@ def load_packaged_model(dtype: str = "float32", attn_implementation: str = "sdpa
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+SHIPPED_HEADS = "assets/smollm2/heads"
+
+
+def packaged_heads_dir() -> Path:
+    """Folder of the trained heads shipped for SmolLM2-135M-Instruct (inside the package)."""
+    from importlib import resources
+
+    path = Path(str(resources.files("hf_bpd").joinpath(SHIPPED_HEADS)))
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no trained heads shipped at {path}")
+    return path
+
+
+def load_packaged_drafter(rescorer=None, **drafter_kwargs):
+    """The shipped trained heads for the packaged SmolLM2 as a `BlockDrafter`, with the tree settings
+    chosen by measurement (`drafter.json` beside the heads); keyword arguments override them.
+
+    rescorer: None (heads alone) or a `Rescorer` instance; named shipped rescorers arrive with the
+    lattice-rescoring work and are listed in the error until then.
+    """
+    import json
+
+    from .drafter import BlockDrafter
+
+    if isinstance(rescorer, str):
+        raise ValueError(f"no shipped rescorer named {rescorer!r} (shipped: none yet); pass None or a Rescorer")
+    path = packaged_heads_dir()
+    settings_file = path.parent / "drafter.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+    settings.update(drafter_kwargs)
+    return BlockDrafter.from_pretrained(path, rescorer=rescorer, **settings)

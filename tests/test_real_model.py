@@ -15,12 +15,10 @@ from hf_bpd import packaged
 
 def real_drafter(model):
     """The shipped trained heads when present, else untrained heads (copying the base model's guess)."""
-    loader = getattr(hf_bpd, "load_packaged_drafter", None)
-    if loader is not None:
-        try:
-            return loader()
-        except FileNotFoundError:
-            pass
+    try:
+        return hf_bpd.load_packaged_drafter()
+    except FileNotFoundError:
+        pass
     return hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=4), top_k=8, max_tree_tokens=16)
 
 

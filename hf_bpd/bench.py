@@ -1,0 +1,261 @@
+"""`hf-bpd bench`: Spec-Bench-format prompts, several decoding methods in ONE process, interleaved per
+prompt so machine drift hits every method alike.
+
+Per category and overall: tau (new tokens / base-model forwards; 1.00 for greedy), tokens/s, speedup over
+greedy on the same prompts, and whether every output equals greedy's (the run exits 1 if one does not).
+MT-bench rows: the second turn is asked after greedy's own first answer (the same input for every
+method; a lossless method gives that answer too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .decoding import generate as bpd_generate
+from .drafter import BlockDrafter
+from .jsonl import read_jsonl
+
+DEFAULT_DATA = "../shared/data/spec_bench_dev.jsonl"
+
+
+@dataclass
+class MethodTotals:
+    tokens: int = 0
+    forwards: int = 0
+    seconds: float = 0.0
+    greedy_seconds: float = 0.0  # greedy's time on the same turns
+    identical: bool = True
+    step_times: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    steps: int = 0
+
+    def add(self, tokens: int, forwards: int, seconds: float, greedy_seconds: float, identical: bool) -> None:
+        self.tokens += tokens
+        self.forwards += forwards
+        self.seconds += seconds
+        self.greedy_seconds += greedy_seconds
+        self.identical &= identical
+
+    def summary(self) -> dict:
+        out = {
+            "tau": self.tokens / max(self.forwards, 1),
+            "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
+            "speedup": self.greedy_seconds / max(self.seconds, 1e-9),
+            "identical": self.identical,
+            "tokens": self.tokens,
+            "forwards": self.forwards,
+            "seconds": self.seconds,
+        }
+        if self.steps:
+            out["ms_per_step"] = {k: 1000 * v / self.steps for k, v in self.step_times.items()}
+        return out
+
+
+@dataclass
+class Method:
+    """A decoding method: `run(inputs, max_new_tokens) -> (sequences, forwards, stats or None)`."""
+
+    name: str
+    run: Callable
+
+
+def greedy_method(model) -> Method:
+    def run(inputs, max_new_tokens):
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        return out, out.shape[1] - inputs["input_ids"].shape[1], None
+
+    return Method("greedy", run)
+
+
+def bpd_method(model, drafter: BlockDrafter, name: str = "hf_bpd") -> Method:
+    def run(inputs, max_new_tokens):
+        out = model.generate(
+            **inputs, do_sample=False, max_new_tokens=max_new_tokens, custom_generate=bpd_generate, assistant=drafter
+        )
+        return out, drafter.stats.forwards, drafter.stats
+
+    return Method(name, run)
+
+
+def chat_inputs(tokenizer, messages: list[dict], device) -> dict:
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return {k: v.to(device) for k, v in enc.items()}
+
+
+def select_rows(
+    rows: list[dict],
+    categories: list[str] | None,
+    per_category: int | None,
+    limit: int | None,
+    spread: int | None = None,
+) -> list[dict]:
+    """Filter by category, keep the first `per_category` of each, or `spread` rows evenly spaced over the
+    file (every len/spread-th row: all categories represented), then the first `limit`."""
+    if categories:
+        unknown = set(categories) - {r["category"] for r in rows}
+        if unknown:
+            raise SystemExit(f"unknown categories: {sorted(unknown)}")
+        rows = [r for r in rows if r["category"] in categories]
+    if per_category:
+        seen: dict[str, int] = defaultdict(int)
+        kept = []
+        for r in rows:
+            if seen[r["category"]] < per_category:
+                kept.append(r)
+                seen[r["category"]] += 1
+        rows = kept
+    if spread:
+        rows = rows[:: max(len(rows) // spread, 1)][:spread]
+    return rows[:limit] if limit else rows
+
+
+def run_bench(
+    model, tokenizer, rows: list[dict], methods: list[Method], max_new_tokens: int, progress: bool = True
+) -> dict:
+    """Run every method on every turn of every row (greedy first: it is the reference and gives the
+    MT-bench first answers). Returns {method: {"overall": summary, "categories": {cat: summary}}}."""
+    from tqdm import tqdm
+
+    device = next(model.parameters()).device
+    totals = {m.name: {"overall": MethodTotals(), "categories": defaultdict(MethodTotals)} for m in methods}
+    greedy = methods[0]
+    for i, row in enumerate(tqdm(rows, disable=not progress, desc="bench")):
+        messages: list[dict] = []
+        for turn in row["turns"]:
+            messages.append({"role": "user", "content": turn})
+            inputs = chat_inputs(tokenizer, messages, device)
+            n = inputs["input_ids"].shape[1]
+            # interleave: rotate the order of the non-reference methods from row to row
+            others = methods[1:]
+            others = others[i % len(others) :] + others[: i % len(others)] if others else []
+            t0 = time.perf_counter()
+            ref, ref_forwards, _ = greedy.run(inputs, max_new_tokens)
+            greedy_s = time.perf_counter() - t0
+            results = {greedy.name: (ref, ref_forwards, None, greedy_s)}
+            for m in others:
+                t0 = time.perf_counter()
+                out, forwards, stats = m.run(inputs, max_new_tokens)
+                results[m.name] = (out, forwards, stats, time.perf_counter() - t0)
+            for name, (out, forwards, stats, secs) in results.items():
+                same = out.tolist() == ref.tolist()
+                for bucket in (totals[name]["overall"], totals[name]["categories"][row["category"]]):
+                    bucket.add(out.shape[1] - n, forwards, secs, greedy_s, same)
+                    if stats is not None:
+                        bucket.steps += stats.steps
+                        for k, v in stats.time_per_step().items():
+                            bucket.step_times[k] += v * stats.steps
+            messages.append({"role": "assistant", "content": tokenizer.decode(ref[0, n:], skip_special_tokens=True)})
+    return {
+        name: {
+            "overall": t["overall"].summary(),
+            "categories": {c: s.summary() for c, s in sorted(t["categories"].items())},
+        }
+        for name, t in totals.items()
+    }
+
+
+def markdown_table(results: dict) -> str:
+    methods = list(results)
+    cats = list(next(iter(results.values()))["categories"])
+    head = "| category | " + " | ".join(f"{m} τ | {m} tok/s | {m} speedup" for m in methods[1:]) + " | greedy tok/s |"
+    lines = [head, "|" + " --- |" * (1 + 3 * (len(methods) - 1) + 1)]
+    for cat in [*cats, "overall"]:
+        cells = []
+        for m in methods[1:]:
+            s = results[m]["overall"] if cat == "overall" else results[m]["categories"][cat]
+            flag = "" if s["identical"] else " ✗"
+            cells.append(f"{s['tau']:.2f}{flag} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}×")
+        g = results[methods[0]]["overall"] if cat == "overall" else results[methods[0]]["categories"][cat]
+        name = f"**{cat}**" if cat == "overall" else cat
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {g['tokens_per_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def environment(device: str, dtype: str) -> dict:
+    import transformers
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": device
+        if device != "cpu"
+        else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "dtype": dtype,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-bpd bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("data", nargs="?", default=DEFAULT_DATA, help="Spec-Bench-format jsonl")
+    parser.add_argument("--model", default="packaged")
+    parser.add_argument("--heads", default="packaged", help="heads folder, 'packaged', or 'untrained'")
+    parser.add_argument("--num-heads", type=int, default=4, help="with --heads untrained")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--max-tree-tokens", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--limit", type=int, default=None, help="rows in all")
+    parser.add_argument("--per-category", type=int, default=None, help="rows per category")
+    parser.add_argument("--spread", type=int, default=None, help="rows evenly spaced over the file")
+    parser.add_argument("--categories", nargs="*", default=None)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--output", default=None, help="JSON results file (a .md table is written beside it)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    from .heads import BlockDraftHeads
+    from .models import load_model
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    kwargs = {k: v for k, v in (("top_k", args.top_k), ("max_tree_tokens", args.max_tree_tokens)) if v is not None}
+    if args.heads == "untrained":
+        drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=args.num_heads), profile=True, **kwargs)
+    elif args.heads == "packaged":
+        from .packaged import load_packaged_drafter
+
+        drafter = load_packaged_drafter(**kwargs)
+        drafter.profile = True
+    else:
+        drafter = BlockDrafter.from_pretrained(args.heads, profile=True, **kwargs)
+    methods = [greedy_method(model), bpd_method(model, drafter)]
+    rows = select_rows(read_jsonl(args.data), args.categories, args.per_category, args.limit, args.spread)
+    results = run_bench(model, tokenizer, rows, methods, args.max_new_tokens, progress=not args.no_progress)
+    report = {
+        "environment": environment(args.device, args.dtype),
+        "args": vars(args),
+        "drafter": {
+            "heads": args.heads,
+            "num_heads": drafter.num_heads,
+            "top_k": drafter.top_k,
+            "max_tree_tokens": drafter.max_tree_tokens,
+        },
+        "rows": len(rows),
+        "methods": results,
+    }
+    table = markdown_table(results)
+    print(table)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report, indent=2))
+        Path(args.output).with_suffix(".md").write_text(table + "\n")
+    bad = [m for m, r in results.items() if not r["overall"]["identical"]]
+    if bad:
+        print(f"NOT LOSSLESS: {bad} differ from greedy", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

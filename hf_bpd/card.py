@@ -1,0 +1,98 @@
+"""Model cards for draft heads: rendered from `model_cards/draft_heads.md` with real numbers, and the
+Hub folder (weights + config + README.md) that `BlockDraftHeads.push_to_hub` uploads."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from .heads import BlockDraftHeads
+
+TEMPLATE = "draft_heads.md"
+
+
+def accuracy_table(training_log: dict | None) -> str:
+    """Markdown table of the last epoch's per-head top-1 / top-k accuracy."""
+    if not training_log or not training_log.get("epochs"):
+        return "_not recorded_"
+    last = training_log["epochs"][-1]
+    topk = next((k for k in last if k.startswith("top") and k != "top1"), None)
+    head = "| head | top-1 |" + (f" {topk} |" if topk else "")
+    rows = [head, "| --- | --- |" + (" --- |" if topk else "")]
+    for i, acc in enumerate(last["top1"]):
+        rows.append(f"| {i + 1} | {acc:.3f} |" + (f" {last[topk][i]:.3f} |" if topk else ""))
+    oracle = next((k for k in last if k.startswith("oracle")), None)
+    if oracle:
+        rows.append(
+            f"\nLattice oracle ({oracle}): {last[oracle]:.2f} drafted tokens per step "
+            f"on {last.get('positions', '?')} held-out positions."
+        )
+    return "\n".join(rows)
+
+
+def tau_table(bench: dict | None, method: str = "hf_bpd") -> str:
+    """Markdown table of τ / speedup per category from an `hf-bpd bench --output` JSON."""
+    if not bench or method not in bench.get("methods", {}):
+        return "_not measured_"
+    res = bench["methods"][method]
+    rows = ["| category | τ | speedup | identical |", "| --- | --- | --- | --- |"]
+    for cat, s in [*res["categories"].items(), ("**overall**", res["overall"])]:
+        rows.append(f"| {cat} | {s['tau']:.2f} | {s['speedup']:.2f}× | {s['identical']} |")
+    env = bench.get("environment", {})
+    rows.append(
+        f"\nMeasured {env.get('date', '?')} on {env.get('device', '?')}, "
+        f"max_new_tokens={bench.get('args', {}).get('max_new_tokens', '?')}, {bench.get('rows', '?')} prompts."
+    )
+    return "\n".join(rows)
+
+
+def data_recipe(manifest: dict | None) -> str:
+    if not manifest:
+        return "_not recorded_"
+    return (
+        f"Greedy answers of the base model itself to {manifest.get('num_prompts', '?')} prompts of "
+        f"`{Path(str(manifest.get('prompts', '?'))).name}` (shuffle seed {manifest.get('seed', '?')}), chat "
+        f"template, prompts truncated to {manifest.get('max_prompt_tokens', '?')} tokens, "
+        f"max_new_tokens={manifest.get('max_new_tokens', '?')}; produced with `hf-bpd distill`."
+    )
+
+
+def render_card(
+    heads: BlockDraftHeads,
+    repo_id: str = "<repo_id>",
+    training_log: dict | None = None,
+    bench: dict | None = None,
+    manifest: dict | None = None,
+    top_k: int = 10,
+    max_tree_tokens: int = 32,
+) -> str:
+    cfg = heads.config
+    template = resources.files("model_cards").joinpath(TEMPLATE).read_text(encoding="utf-8")
+    softmax = "tied to the base LM head" if cfg.tie_lm_head else "of its own"
+    if cfg.draft_vocab_size:
+        softmax += f", over a {cfg.draft_vocab_size}-token draft vocabulary"
+    return template.format(
+        base_model=cfg.base_model_name or "unknown",
+        repo_id=repo_id,
+        num_heads=cfg.num_heads,
+        num_layers=cfg.num_layers,
+        softmax=softmax,
+        top_k=top_k,
+        max_tree_tokens=max_tree_tokens,
+        data_recipe=data_recipe(manifest),
+        accuracy_table=accuracy_table(training_log),
+        tau_table=tau_table(bench),
+    )
+
+
+def save_hub_folder(heads: BlockDraftHeads, folder: str | Path, repo_id: str = "<repo_id>", **card_kwargs) -> Path:
+    """Everything `push_to_hub` uploads: safetensors weights, config.json and README.md."""
+    folder = Path(folder)
+    heads.save_pretrained(folder)
+    (folder / "README.md").write_text(render_card(heads, repo_id, **card_kwargs), encoding="utf-8")
+    return folder
+
+
+def load_json(path: str | Path | None) -> dict | None:
+    return json.loads(Path(path).read_text()) if path and Path(path).is_file() else None
