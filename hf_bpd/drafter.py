@@ -6,6 +6,7 @@ most `max_tree_tokens` nodes. The rescorer only changes WHICH drafts are verifie
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .cost import ForwardCost, best_tree_size, measure_forward_cost
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
 from .tree import DraftTree
@@ -80,7 +82,11 @@ class BlockDrafter:
     """Drafts a tree per step from block draft heads.
 
     top_k:           tokens kept per head (lattice width), >= 1.
-    max_tree_tokens: tokens verified per step, root included, >= 1 (1 = plain greedy decoding).
+    max_tree_tokens: tokens verified per step, root included, >= 1 (1 = plain greedy decoding), or "auto":
+                     measure the base model's forward-time curve on its device at first use and verify,
+                     each step, the tree prefix with the most expected accepted tokens per second.
+    forward_cost:    a `ForwardCost` curve to size trees by (instead of measuring it); with an integer
+                     max_tree_tokens it sizes each step's tree up to that bound.
     rescorer:        optional `Rescorer`; None uses the heads' probabilities alone.
     profile:         synchronise the device around each phase so `stats` times are exact (CPU: free).
     """
@@ -89,17 +95,18 @@ class BlockDrafter:
         self,
         heads: BlockDraftHeads,
         top_k: int = 10,
-        max_tree_tokens: int = 32,
+        max_tree_tokens: int | str = 32,
         rescorer: Rescorer | None = None,
         profile: bool = False,
+        forward_cost: ForwardCost | None = None,
     ) -> None:
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
         draft_vocab = heads.config.draft_vocab_size or heads.config.vocab_size
         if top_k > draft_vocab:
             raise ValueError(f"top_k={top_k} exceeds the heads' draft vocabulary of {draft_vocab} tokens")
-        if not isinstance(max_tree_tokens, int) or max_tree_tokens < 1:
-            raise ValueError(f"max_tree_tokens must be an integer >= 1, got {max_tree_tokens!r}")
+        if max_tree_tokens != "auto" and (not isinstance(max_tree_tokens, int) or max_tree_tokens < 1):
+            raise ValueError(f"max_tree_tokens must be an integer >= 1 or 'auto', got {max_tree_tokens!r}")
         if rescorer is not None and not isinstance(rescorer, Rescorer):
             raise TypeError(f"rescorer must be callable as rescorer(lattice, context), got {type(rescorer).__name__}")
         self.heads = heads
@@ -107,6 +114,7 @@ class BlockDrafter:
         self.max_tree_tokens = max_tree_tokens
         self.rescorer = rescorer
         self.profile = profile
+        self.forward_cost = forward_cost
         self.stats = DecodingStats()
         self._bound_to: int | None = None
 
@@ -130,6 +138,8 @@ class BlockDrafter:
             param = next(model.parameters())
             self.heads.to(device=param.device, dtype=param.dtype)
             self.heads.eval()
+            if self.max_tree_tokens == "auto" and self.forward_cost is None:
+                self.forward_cost = measure_forward_cost(model)
             self._bound_to = id(model)
         self.stats = DecodingStats()
         if self.rescorer is not None and hasattr(self.rescorer, "reset"):
@@ -147,9 +157,17 @@ class BlockDrafter:
             ids = self.heads.draft_vocab if self.heads.config.draft_vocab_size else None
             return Lattice.from_logits(logits, self.top_k, ids)
 
+    @property
+    def tree_budget(self) -> int:
+        """Most tree tokens a step may verify."""
+        if self.max_tree_tokens == "auto":
+            return self.forward_cost.max_size if self.forward_cost is not None else 64
+        return self.max_tree_tokens
+
     def tree(self, lattice: Lattice, context: torch.Tensor, max_depth: int | None = None) -> list[DraftTree]:
-        """One draft tree per batch row: rescored drafts first (if any), then the heads' best prefixes."""
-        budget = self.max_tree_tokens
+        """One draft tree per batch row: rescored drafts first (if any), then the heads' best prefixes;
+        with a forward-cost curve, cut to the prefix with the best expected tokens per second."""
+        budget = self.tree_budget
         rescored = self.rescorer(lattice, context) if self.rescorer is not None and budget > 1 else None
         trees = []
         for b in range(lattice.batch_size):
@@ -162,6 +180,11 @@ class BlockDrafter:
                     tree.add_path(prefix.tokens, budget)
                     if len(tree) >= budget:
                         break
+            if self.forward_cost is not None and len(tree) > 1:
+                tokens, logprobs = lattice.row(b)
+                tables = [dict(zip(t, lp)) for t, lp in zip(tokens, logprobs)]
+                probs = [math.exp(lp) for lp in tree.node_logprobs(tables)]
+                tree = tree.truncated(best_tree_size(probs, self.forward_cost))
             trees.append(tree)
         return trees
 

@@ -70,6 +70,21 @@ class DraftTree:
             tree.add_path(path, max_nodes)
         return tree
 
+    def truncated(self, n: int) -> DraftTree:
+        """The first n nodes (insertion order keeps parents before children, so it is still a tree)."""
+        tree = DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n])
+        tree._children = {key: child for key, child in self._children.items() if child < n}
+        return tree
+
+    def node_logprobs(self, position_logprob: list[dict[int, float]]) -> list[float]:
+        """Summed log-probability of each node's path, from per-position {token: logprob} tables (root 0;
+        a token absent from a table gets -inf)."""
+        out = [0.0]
+        for i in range(1, len(self.tokens)):
+            table = position_logprob[self.depths[i] - 1] if self.depths[i] - 1 < len(position_logprob) else {}
+            out.append(out[self.parents[i]] + table.get(self.tokens[i], float("-inf")))
+        return out
+
     def ancestor_mask(self) -> torch.Tensor:
         """Bool [N, N]: mask[i, j] is True when node j is node i or one of its ancestors."""
         n = len(self.tokens)

@@ -357,3 +357,26 @@ def test_sliding_window_overflow_raises_instead_of_decoding_wrongly():
     assert out.tolist() == ref.tolist()
     with pytest.raises(ValueError, match="sliding attention window"):
         model.generate(ids, max_new_tokens=40, custom_generate=hf_bpd.generate, assistant=drafter)
+
+
+def test_forward_cost_sizes_trees_and_stays_lossless():
+    from hf_bpd.cost import ForwardCost, best_tree_size
+
+    cpu_like = ForwardCost((1, 2, 4, 8, 16), (0.066, 0.127, 0.131, 0.140, 0.140))
+    assert cpu_like(3) == pytest.approx(0.129) and cpu_like(32) == pytest.approx(0.140)
+    assert best_tree_size([1.0, 0.2, 0.1], cpu_like) == 1  # unsure heads: plain step
+    assert best_tree_size([1.0, 0.9, 0.8, 0.7, 0.6], cpu_like) == 5  # sure heads: the whole tree
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(copying_heads(model, 4), top_k=3, max_tree_tokens=16, forward_cost=cpu_like)
+    ref, out = run_both(model, drafter, torch.tensor([[5, 6, 7]]), max_new_tokens=40)
+    assert out.tolist() == ref.tolist()
+    assert 1 in drafter.stats.tree_sizes or max(drafter.stats.tree_sizes) <= 16
+
+
+def test_auto_tree_size_measures_the_model():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(copying_heads(model, 3), top_k=3, max_tree_tokens="auto")
+    ref, out = run_both(model, drafter, torch.tensor([[5, 6, 7]]), max_new_tokens=12)
+    assert out.tolist() == ref.tolist()
+    assert drafter.forward_cost is not None and drafter.forward_cost.sizes[0] == 1
+    assert all(t > 0 for t in drafter.forward_cost.seconds)
