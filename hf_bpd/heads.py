@@ -200,6 +200,18 @@ class BlockDraftHeads(PreTrainedModel):
         self.__dict__["_tied_weight"] = weight
         return self
 
+    def first_heads(self, n: int) -> BlockDraftHeads:
+        """A copy with only heads 1..n (the later heads are the least accurate; measuring τ with fewer
+        heads is how the shipped h is chosen). Bound to the same base model."""
+        if not 1 <= n <= self.num_heads:
+            raise ValueError(f"n must be in [1, {self.num_heads}], got {n}")
+        config = BlockDraftHeadsConfig.from_dict({**self.config.to_dict(), "num_heads": n})
+        fewer = type(self)(config).to(device=self.device, dtype=self.dtype)
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("heads.") or int(k.split(".")[1]) < n}
+        fewer.load_state_dict(state)
+        fewer.__dict__["_tied_weight"] = self.__dict__["_tied_weight"]
+        return fewer
+
     @property
     def num_heads(self) -> int:
         return self.config.num_heads

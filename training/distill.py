@@ -49,6 +49,22 @@ def load_prompts(
     return out[:limit] if limit else out
 
 
+def load_distilled(path: str | Path):
+    """A distilled dataset: `hf-bpd distill --output X` given as X (its `dataset/`, or while a run is
+    still going, its finished shards) or as X/dataset."""
+    from datasets import load_dataset, load_from_disk
+
+    path = Path(path)
+    if (path / "dataset").is_dir():
+        return load_from_disk(str(path / "dataset"))
+    if (path / "shards").is_dir():
+        shards = sorted(str(p) for p in (path / "shards").glob("shard-*.parquet"))
+        if not shards:
+            raise FileNotFoundError(f"{path}/shards holds no finished shard yet")
+        return load_dataset("parquet", data_files=shards, split="train")
+    return load_from_disk(str(path))
+
+
 def done_ids(shard_dir: Path) -> set[str]:
     import pyarrow.parquet as pq
 

@@ -102,12 +102,16 @@ def compute_features(model, data, num_heads: int, batch_tokens: int = 4096, prog
 
 
 def draft_vocabulary(data, size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
-    """The `size` most frequent response tokens (plus `always`, e.g. eos), as sorted token ids."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
+    """The `size` most frequent tokens of the distilled responses and prompts (prompts matter for copying
+    tasks: summaries, RAG), plus `always` (e.g. eos), as sorted token ids. Ties, including the many unseen
+    tokens of a small data set, go to the lower BPE id: earlier merges are the more frequent ones."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
     for row in data:
-        counts += torch.bincount(torch.tensor(row["response_ids"], dtype=torch.long), minlength=vocab_size)
+        ids = torch.tensor(row["response_ids"] + row["prompt_ids"], dtype=torch.long)
+        counts += torch.bincount(ids, minlength=vocab_size).double()
     counts[torch.tensor(always, dtype=torch.long)] = counts.max() + 1
-    return counts.topk(size).indices.sort().values
+    score = counts * vocab_size + (vocab_size - torch.arange(vocab_size, dtype=torch.float64))
+    return score.topk(size).indices.sort().values
 
 
 def loss_weights(num_heads: int, decay: float) -> list[float]:
@@ -249,7 +253,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="packaged", help="base model path or 'packaged'")
-    parser.add_argument("--data", required=True, help="distilled dataset folder (hf-bpd distill --output X: X/dataset)")
+    parser.add_argument("--data", required=True, help="hf-bpd distill --output folder (or its dataset/)")
     parser.add_argument("--output", required=True)
     parser.add_argument("--mode", choices=["frozen", "joint"], default="frozen")
     parser.add_argument("--num-heads", type=int, default=4)
@@ -275,13 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-bpd train-heads", description=__doc__.split("\n\n")[0])
     add_args(parser)
     args = parser.parse_args(argv)
-    from datasets import load_from_disk
-
     from hf_bpd.models import load_model
+    from training.distill import load_distilled
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, _ = load_model(args.model, device=device)
-    data = load_from_disk(args.data)
+    data = load_distilled(args.data)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     if args.mode == "frozen":

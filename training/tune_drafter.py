@@ -1,0 +1,92 @@
+"""Choose the shipped drafter settings (number of heads, top-k, tree size) by measurement.
+
+Tuning prompts are prompts of the training prompt file that were NOT distilled (so neither the heads'
+training data nor the Spec-Bench evaluation data): the settings must generalise, not fit the benchmark.
+Each configuration decodes every tuning prompt with hf_bpd; reported: τ, tokens/s (same process, same
+prompts, configurations interleaved per prompt), and the best by tokens/s is written to `drafter.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from hf_bpd.decoding import generate as bpd_generate
+from hf_bpd.drafter import BlockDrafter
+from hf_bpd.heads import BlockDraftHeads
+from training.distill import DEFAULT_PROMPTS, load_distilled, load_prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.tune_drafter", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="packaged")
+    parser.add_argument("--heads", required=True)
+    parser.add_argument("--distilled", required=True, help="distilled dataset folder: its prompt ids are excluded")
+    parser.add_argument("--prompts", default=DEFAULT_PROMPTS)
+    parser.add_argument("--num-prompts", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--num-heads", type=int, nargs="+", default=None)
+    parser.add_argument("--top-k", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--tree", nargs="+", default=["auto", "16"], help="max_tree_tokens values ('auto' or int)")
+    parser.add_argument("--output", default=None, help="drafter.json to write with the best settings")
+    args = parser.parse_args(argv)
+
+    from hf_bpd.cost import measure_forward_cost
+    from hf_bpd.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    heads = BlockDraftHeads.from_pretrained(args.heads).bind(model)
+    used = set(load_distilled(args.distilled)["id"])
+    prompts = [p for i, p in load_prompts(args.prompts, "prompt", "id", None, seed=1) if i not in used]
+    prompts = prompts[: args.num_prompts]
+    cost = measure_forward_cost(model)
+    print("forward cost (ms):", {n: round(1000 * t, 1) for n, t in zip(cost.sizes, cost.seconds)})
+    configs = []
+    for h, k, tree in itertools.product(args.num_heads or [heads.num_heads], args.top_k, args.tree):
+        tree_arg = "auto" if tree == "auto" else int(tree)
+        drafter = BlockDrafter(
+            heads.first_heads(h), top_k=k, max_tree_tokens=tree_arg, forward_cost=cost if tree == "auto" else None
+        )
+        configs.append(({"num_heads": h, "top_k": k, "max_tree_tokens": tree_arg}, drafter))
+    totals = {i: [0, 0, 0.0] for i in range(len(configs))}  # tokens, forwards, seconds
+    for j, prompt in enumerate(prompts):
+        inputs = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        order = list(range(len(configs)))
+        order = order[j % len(order) :] + order[: j % len(order)]
+        for i in order:
+            drafter = configs[i][1]
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                model.generate(
+                    **inputs,
+                    do_sample=False,
+                    max_new_tokens=args.max_new_tokens,
+                    custom_generate=bpd_generate,
+                    assistant=drafter,
+                )
+            totals[i][2] += time.perf_counter() - t0
+            totals[i][0] += drafter.stats.new_tokens
+            totals[i][1] += drafter.stats.forwards
+    rows = []
+    for i, (settings, _) in enumerate(configs):
+        tokens, forwards, secs = totals[i]
+        rows.append({**settings, "tau": tokens / forwards, "tokens_per_s": tokens / secs})
+        print(json.dumps(rows[-1]))
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    print("best:", json.dumps(best))
+    if args.output:
+        Path(args.output).write_text(
+            json.dumps({"top_k": best["top_k"], "max_tree_tokens": best["max_tree_tokens"]}, indent=2) + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
