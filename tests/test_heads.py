@@ -185,21 +185,15 @@ def test_check_compatible_same_model_passes(model):
     heads.check_compatible(tiny_model(seed=0))  # an identical re-creation has the same fingerprint
 
 
-def test_check_compatible_other_hidden_size(model):
+@pytest.mark.parametrize(
+    ("change", "message"), [({"hidden_size": 48}, "hidden size"), ({"vocab_size": 101}, "vocabulary size")]
+)
+def test_check_compatible_other_shape(model, change, message):
     heads = random_heads(model)
-    other = tiny_model(hidden_size=48)
-    with pytest.raises(ValueError, match="hidden size"):
+    other = tiny_model(**change)
+    with pytest.raises(ValueError, match=message):
         heads.check_compatible(other)
-    with pytest.raises(ValueError, match="hidden size"):
-        heads.bind(other)
-
-
-def test_check_compatible_other_vocab_size(model):
-    heads = random_heads(model)
-    other = tiny_model(vocab_size=101)
-    with pytest.raises(ValueError, match="vocabulary size"):
-        heads.check_compatible(other)
-    with pytest.raises(ValueError, match="vocabulary size"):
+    with pytest.raises(ValueError, match=message):
         heads.bind(other)
 
 
