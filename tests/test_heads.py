@@ -232,3 +232,13 @@ def test_zero_init_survives_a_bare_config_construction():
 
     heads = BlockDraftHeads(BlockDraftHeadsConfig(hidden_size=8, vocab_size=11, num_heads=2))
     assert all(torch.count_nonzero(p) == 0 for p in heads.parameters())
+
+
+def test_first_heads_keeps_the_first_n_heads_exactly(model):
+    heads = random_heads(model, num_heads=4)
+    fewer = heads.first_heads(2)
+    assert fewer.num_heads == 2 and fewer.config.num_heads == 2
+    x = torch.randn(3, model.config.hidden_size)
+    assert torch.equal(fewer(x), heads(x)[:, :2])
+    with pytest.raises(ValueError, match="n must be"):
+        heads.first_heads(5)

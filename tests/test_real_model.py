@@ -93,3 +93,8 @@ def test_two_processes_building_the_cache_at_once(tmp_path):
     assert all(p.returncode == 0 for p in procs)
     assert outs[0] == outs[1] and (tmp_path / os.path.basename(outs[0]) / "config.json").is_file()
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(outs[0])]
+
+
+def test_packaged_drafter_rejects_unknown_rescorer_names():
+    with pytest.raises(ValueError, match="rescorer"):
+        hf_bpd.load_packaged_drafter(rescorer="no-such-rescorer")

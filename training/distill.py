@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = output / "manifest.json"
     if previous.is_file():  # resuming: the recipe must be the same, or the data would mix two recipes
         old = json.loads(previous.read_text())
-        changed = [k for k in manifest if k != "versions" and old.get(k) != manifest[k]]
+        # --limit may change: the seeded order is fixed, so a run of N prompts is a prefix of a run of M > N.
+        changed = [k for k in manifest if k not in ("versions", "num_prompts") and old.get(k) != manifest[k]]
         if changed:
             raise SystemExit(
                 f"{output} was distilled with another recipe ({', '.join(changed)} differ): "

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The exact recipe of the heads shipped in hf_bpd/assets/smollm2 (SmolLM2-135M-Instruct, CPU).
+# Each step resumes or reuses its output when rerun. RUNS defaults to ./runs.
+set -euo pipefail
+RUNS=${RUNS:-runs}
+LIMIT=${LIMIT:-1200}
+# 1. self-distillation: the model's own greedy answers (prompts shuffled with seed 0, then the first $LIMIT)
+hf-bpd distill --output "$RUNS/distill2" --limit "$LIMIT" --max-new-tokens 128 --max-prompt-tokens 256 \
+  --batch-size 32 --shard-size 64
+# 2. frozen-base heads over an 8,192-token draft vocabulary
+hf-bpd train-heads --data "$RUNS/distill2" --output "$RUNS/heads" --num-heads 5 --num-layers 1 \
+  --draft-vocab-size 8192 --loss-decay 0.8 --epochs 8 --lr 2e-3 --batch-size 256 --top-k 5
+# 3. number of heads, top-k and tree size by measurement on held-out (not distilled) training prompts
+python -m training.tune_drafter --heads "$RUNS/heads" --distilled "$RUNS/distill2" --num-prompts 8 \
+  --max-new-tokens 96 --num-heads 3 4 5 --top-k 4 8 --tree auto 16 --output "$RUNS/drafter.json"
