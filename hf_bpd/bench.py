@@ -63,26 +63,42 @@ class MethodTotals:
 
 @dataclass
 class Method:
-    """A decoding method: `run(inputs, max_new_tokens) -> (sequences, forwards, stats or None)`."""
+    """A decoding method: `run(inputs, max_new_tokens) -> (sequences, stats or None)`."""
 
     name: str
     run: Callable
 
 
-def greedy_method(model) -> Method:
-    def run(inputs, max_new_tokens):
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
-        return out, out.shape[1] - inputs["input_ids"].shape[1], None
+class ForwardCounter:
+    """Counts calls of the base model's forward (a hook): the same τ denominator for every method."""
 
-    return Method("greedy", run)
+    def __init__(self, model) -> None:
+        self.count = 0
+        model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args) -> None:
+        self.count += 1
+
+
+def greedy_method(model) -> Method:
+    return Method("greedy", lambda inputs, n: (model.generate(**inputs, do_sample=False, max_new_tokens=n), None))
+
+
+def prompt_lookup_method(model, num_tokens: int = 10) -> Method:
+    """transformers' prompt-lookup decoding: drafts copied from n-gram matches in the prompt."""
+
+    def run(inputs, n):
+        return model.generate(**inputs, do_sample=False, max_new_tokens=n, prompt_lookup_num_tokens=num_tokens), None
+
+    return Method("prompt_lookup", run)
 
 
 def bpd_method(model, drafter: BlockDrafter, name: str = "hf_bpd") -> Method:
-    def run(inputs, max_new_tokens):
+    def run(inputs, n):
         out = model.generate(
-            **inputs, do_sample=False, max_new_tokens=max_new_tokens, custom_generate=bpd_generate, assistant=drafter
+            **inputs, do_sample=False, max_new_tokens=n, custom_generate=bpd_generate, assistant=drafter
         )
-        return out, drafter.stats.forwards, drafter.stats
+        return out, drafter.stats
 
     return Method(name, run)
 
@@ -127,6 +143,7 @@ def run_bench(
     from tqdm import tqdm
 
     device = next(model.parameters()).device
+    counter = ForwardCounter(model)
     totals = {m.name: {"overall": MethodTotals(), "categories": defaultdict(MethodTotals)} for m in methods}
     greedy = methods[0]
     for i, row in enumerate(tqdm(rows, disable=not progress, desc="bench")):
@@ -138,14 +155,17 @@ def run_bench(
             # interleave: rotate the order of the non-reference methods from row to row
             others = methods[1:]
             others = others[i % len(others) :] + others[: i % len(others)] if others else []
-            t0 = time.perf_counter()
-            ref, ref_forwards, _ = greedy.run(inputs, max_new_tokens)
-            greedy_s = time.perf_counter() - t0
-            results = {greedy.name: (ref, ref_forwards, None, greedy_s)}
-            for m in others:
+            results = {}
+            for m in [greedy, *others]:
+                counter.count = 0
                 t0 = time.perf_counter()
-                out, forwards, stats = m.run(inputs, max_new_tokens)
-                results[m.name] = (out, forwards, stats, time.perf_counter() - t0)
+                out, stats = m.run(inputs, max_new_tokens)
+                results[m.name] = (out, counter.count, stats, time.perf_counter() - t0)
+                if stats is not None and stats.forwards != counter.count:
+                    raise RuntimeError(
+                        f"{m.name}: stats count {stats.forwards} forwards, the model ran {counter.count}"
+                    )
+            ref, greedy_s = results[greedy.name][0], results[greedy.name][3]
             for name, (out, forwards, stats, secs) in results.items():
                 same = out.tolist() == ref.tolist()
                 for bucket in (totals[name]["overall"], totals[name]["categories"][row["category"]]):
@@ -209,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-category", type=int, default=None, help="rows per category")
     parser.add_argument("--spread", type=int, default=None, help="rows evenly spaced over the file")
     parser.add_argument("--categories", nargs="*", default=None)
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["greedy", "prompt_lookup", "hf_bpd"],
+        help="greedy (always run: the reference), prompt_lookup, hf_bpd",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output", default=None, help="JSON results file (a .md table is written beside it)")
@@ -229,7 +255,15 @@ def main(argv: list[str] | None = None) -> int:
         drafter.profile = True
     else:
         drafter = BlockDrafter.from_pretrained(args.heads, profile=True, **kwargs)
-    methods = [greedy_method(model), bpd_method(model, drafter)]
+    available = {
+        "greedy": lambda: greedy_method(model),
+        "prompt_lookup": lambda: prompt_lookup_method(model),
+        "hf_bpd": lambda: bpd_method(model, drafter),
+    }
+    unknown = set(args.methods) - set(available)
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; available: {sorted(available)}")
+    methods = [available["greedy"]()] + [available[m]() for m in args.methods if m != "greedy"]
     rows = select_rows(read_jsonl(args.data), args.categories, args.per_category, args.limit, args.spread)
     results = run_bench(model, tokenizer, rows, methods, args.max_new_tokens, progress=not args.no_progress)
     report = {

@@ -1,0 +1,48 @@
+"""The bench on a tiny model: per-category aggregates, forward counting, lossless check, table."""
+
+from __future__ import annotations
+
+import torch
+from conftest import tiny_model
+
+import hf_bpd
+from hf_bpd import bench
+
+
+class TinyChatTokenizer:
+    def apply_chat_template(self, messages, add_generation_prompt=True, return_tensors="pt", return_dict=True):
+        ids = [3 + (ord(c) % 90) for m in messages for c in m["content"]][-24:]
+        return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + int(i) % 26) for i in ids)
+
+
+ROWS = [
+    {"question_id": 1, "category": "writing", "turns": ["hello there", "and again"]},
+    {"question_id": 2, "category": "qa", "turns": ["what is it"]},
+    {"question_id": 3, "category": "qa", "turns": ["tell me more"]},
+]
+
+
+def test_bench_counts_forwards_and_checks_identity():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3,
+                                  max_tree_tokens=8)
+    methods = [bench.greedy_method(model), bench.prompt_lookup_method(model), bench.bpd_method(model, drafter)]
+    results = bench.run_bench(model, TinyChatTokenizer(), ROWS, methods, max_new_tokens=12, progress=False)
+    g, p, b = (results[m]["overall"] for m in ("greedy", "prompt_lookup", "hf_bpd"))
+    assert g["tau"] == 1.0 and g["speedup"] == 1.0 and g["tokens"] == 4 * 12 == b["tokens"] == p["tokens"]
+    assert b["identical"] and p["identical"] and b["forwards"] <= g["forwards"]
+    assert set(results["hf_bpd"]["categories"]) == {"qa", "writing"}
+    assert results["hf_bpd"]["categories"]["writing"]["tokens"] == 24  # two turns
+    assert set(b["ms_per_step"]) == {"heads", "lattice_tree", "verify_forward", "accept", "cache_compaction"}
+    table = bench.markdown_table(results)
+    assert "| **overall** |" in table and "hf_bpd τ" in table
+
+
+def test_select_rows():
+    rows = [{"category": c, "turns": ["x"]} for c in "aabbbc"]
+    assert [r["category"] for r in bench.select_rows(rows, None, 1, None)] == ["a", "b", "c"]
+    assert [r["category"] for r in bench.select_rows(rows, ["b"], None, 2)] == ["b", "b"]
+    assert len(bench.select_rows(rows, None, None, None, spread=3)) == 3
