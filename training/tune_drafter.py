@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     print("best:", json.dumps(best))
     if args.output:
         Path(args.output).write_text(
-            json.dumps({"top_k": best["top_k"], "max_tree_tokens": best["max_tree_tokens"]}, indent=2) + "\n"
+            json.dumps({k: best[k] for k in ("num_heads", "top_k", "max_tree_tokens")}, indent=2) + "\n"
         )
     return 0
 

@@ -13,3 +13,6 @@ hf-bpd train-heads --data "$RUNS/distill2" --output "$RUNS/heads" --num-heads 5 
 # 3. number of heads, top-k and tree size by measurement on held-out (not distilled) training prompts
 python -m training.tune_drafter --heads "$RUNS/heads" --distilled "$RUNS/distill2" --num-prompts 8 \
   --max-new-tokens 96 --num-heads 3 4 5 --top-k 4 8 --tree auto 16 --output "$RUNS/drafter.json"
+# 4. into the package (heads, drafter.json, training log, distillation manifest)
+python -m training.ship --heads "$RUNS/heads" --distilled "$RUNS/distill2" --drafter "$RUNS/drafter.json" \
+  --to hf_bpd/assets/smollm2
