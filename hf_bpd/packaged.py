@@ -85,6 +85,8 @@ def load_packaged_model(dtype: str = "float32", attn_implementation: str = "sdpa
 
     path = packaged_model_dir()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    # Name it after what it is (draft heads, manifests and model cards record this), not the cache folder.
+    model.config._name_or_path = PACKAGED_MODEL_NAME
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

@@ -45,6 +45,7 @@ def test_packaged_model_loads_and_knows_its_vocabulary(smollm2):
     assert model.config.vocab_size == 49152 and model.config.num_hidden_layers == 30
     assert model.config.model_type == "llama" and tokenizer.eos_token_id == 2
     assert model.get_output_embeddings().weight.dtype == torch.float32
+    assert model.config._name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.mark.real
