@@ -10,25 +10,13 @@ from importlib import resources
 import torch
 
 from .decoding import generate as bpd_generate
-from .drafter import BlockDrafter
-from .heads import BlockDraftHeads
 from .jsonl import parse_jsonl
+from .models import chat_inputs
 
 
 def demo_prompts() -> list[str]:
     text = resources.files("hf_bpd").joinpath("data/demo_prompts.jsonl").read_text(encoding="utf-8")
     return [row["prompt"] for row in parse_jsonl(text)]
-
-
-def packaged_or_untrained_drafter(model) -> tuple[BlockDrafter, str]:
-    from .packaged import load_packaged_drafter
-
-    try:
-        return load_packaged_drafter(), "shipped trained heads"
-    except FileNotFoundError:
-        pass
-    heads = BlockDraftHeads.for_base_model(model, num_heads=4)
-    return BlockDrafter(heads, top_k=8, max_tree_tokens=16), "UNTRAINED heads (no trained heads shipped yet): tau ~ 1"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,17 +25,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="number of demo prompts")
     args = parser.parse_args(argv)
 
-    from .packaged import load_packaged_model
+    from .packaged import load_packaged_drafter, load_packaged_model
 
     model, tokenizer = load_packaged_model()
-    drafter, what = packaged_or_untrained_drafter(model)
-    print(f"SmolLM2-135M-Instruct, {what}; greedy, max_new_tokens={args.max_new_tokens}\n")
+    drafter = load_packaged_drafter()
+    print(
+        f"SmolLM2-135M-Instruct with the shipped heads (h={drafter.num_heads}, top-k {drafter.top_k}, "
+        f"tree {drafter.max_tree_tokens}); greedy, max_new_tokens={args.max_new_tokens}\n"
+    )
     totals = {"plain_s": 0.0, "bpd_s": 0.0, "tokens": 0, "forwards": 0}
     all_same = True
     for prompt in demo_prompts()[: args.limit]:
-        inputs = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
+        inputs = chat_inputs(tokenizer, [{"role": "user", "content": prompt}])
         n = inputs["input_ids"].shape[1]
         with torch.no_grad():
             t0 = time.perf_counter()

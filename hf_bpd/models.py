@@ -15,3 +15,9 @@ def load_model(name: str = "packaged", dtype: str = "float32", device: str = "cp
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
         tokenizer = AutoTokenizer.from_pretrained(name)
     return model.to(device).eval(), tokenizer
+
+
+def chat_inputs(tokenizer, messages: list[dict], device="cpu") -> dict:
+    """`generate` inputs for a chat: the model's chat template with the generation prompt."""
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return {k: v.to(device) for k, v in enc.items()}

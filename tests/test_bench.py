@@ -27,8 +27,7 @@ ROWS = [
 
 def test_bench_counts_forwards_and_checks_identity():
     model = tiny_model("llama", eos_token_id=None)
-    drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3,
-                                  max_tree_tokens=8)
+    drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8)
     methods = [bench.greedy_method(model), bench.prompt_lookup_method(model), bench.bpd_method(model, drafter)]
     results = bench.run_bench(model, TinyChatTokenizer(), ROWS, methods, max_new_tokens=12, progress=False)
     g, p, b = (results[m]["overall"] for m in ("greedy", "prompt_lookup", "hf_bpd"))
@@ -46,3 +45,12 @@ def test_select_rows():
     assert [r["category"] for r in bench.select_rows(rows, None, 1, None)] == ["a", "b", "c"]
     assert [r["category"] for r in bench.select_rows(rows, ["b"], None, 2)] == ["b", "b"]
     assert len(bench.select_rows(rows, None, None, None, spread=3)) == 3
+
+
+def test_auto_tree_measurement_is_not_counted_as_decoding():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2), top_k=3,
+                                  max_tree_tokens="auto")
+    methods = [bench.greedy_method(model), bench.bpd_method(model, drafter)]
+    results = bench.run_bench(model, TinyChatTokenizer(), ROWS[1:2], methods, max_new_tokens=8, progress=False)
+    assert results["hf_bpd"]["overall"]["forwards"] == drafter.stats.forwards

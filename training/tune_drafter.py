@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from hf_bpd.cost import measure_forward_cost
-    from hf_bpd.models import load_model
+    from hf_bpd.models import chat_inputs, load_model
 
     model, tokenizer = load_model(args.model)
     heads = BlockDraftHeads.from_pretrained(args.heads).bind(model)
@@ -55,9 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         configs.append(({"num_heads": h, "top_k": k, "max_tree_tokens": tree_arg}, drafter))
     totals = {i: [0, 0, 0.0] for i in range(len(configs))}  # tokens, forwards, seconds
     for j, prompt in enumerate(prompts):
-        inputs = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
+        inputs = chat_inputs(tokenizer, [{"role": "user", "content": prompt}])
         order = list(range(len(configs)))
         order = order[j % len(order) :] + order[: j % len(order)]
         for i in order:
