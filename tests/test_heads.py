@@ -238,7 +238,11 @@ def test_first_heads_keeps_the_first_n_heads_exactly(model):
     heads = random_heads(model, num_heads=4)
     fewer = heads.first_heads(2)
     assert fewer.num_heads == 2 and fewer.config.num_heads == 2
+    for i in range(2):  # the kept heads' weights are copied exactly
+        for a, b in zip(fewer.heads[i].parameters(), heads.heads[i].parameters()):
+            assert torch.equal(a, b)
     x = torch.randn(3, model.config.hidden_size)
-    assert torch.equal(fewer(x), heads(x)[:, :2])
+    # outputs agree up to float rounding (a different GEMM shape may round differently with 2 threads)
+    torch.testing.assert_close(fewer(x), heads(x)[:, :2], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="n must be"):
         heads.first_heads(5)
