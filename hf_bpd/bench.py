@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .decoding import generate as bpd_generate
-from .drafter import BlockDrafter
+from .drafter import BlockDrafter, DecodingStats
 from .jsonl import read_jsonl
 from .models import chat_inputs
 
@@ -40,12 +40,24 @@ class MethodTotals:
     step_times: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     steps: int = 0
 
-    def add(self, tokens: int, forwards: int, seconds: float, greedy_seconds: float, identical: bool) -> None:
+    def add(
+        self,
+        tokens: int,
+        forwards: int,
+        seconds: float,
+        greedy_seconds: float,
+        identical: bool,
+        stats: DecodingStats | None = None,
+    ) -> None:
         self.tokens += tokens
         self.forwards += forwards
         self.seconds += seconds
         self.greedy_seconds += greedy_seconds
         self.identical &= identical
+        if stats is not None:  # hf_bpd's per-phase times, weighted by its steps
+            self.steps += stats.steps
+            for k, v in stats.time_per_step().items():
+                self.step_times[k] += v * stats.steps
 
     def summary(self) -> dict:
         out = {
@@ -71,11 +83,19 @@ class Method:
 
 
 class ForwardCounter:
-    """Counts calls of the base model's forward (a hook): the same τ denominator for every method."""
+    """Counts calls of the base model's forward (a hook, removed on exit): the same τ denominator for
+    every method."""
 
     def __init__(self, model) -> None:
+        self.model = model
         self.count = 0
-        model.register_forward_pre_hook(self._hook)
+
+    def __enter__(self) -> ForwardCounter:
+        self._handle = self.model.register_forward_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
 
     def _hook(self, module, args) -> None:
         self.count += 1
@@ -143,38 +163,35 @@ def run_bench(
     from tqdm import tqdm
 
     device = next(model.parameters()).device
-    counter = ForwardCounter(model)
     totals = {m.name: {"overall": MethodTotals(), "categories": defaultdict(MethodTotals)} for m in methods}
     greedy = methods[0]
-    for i, row in enumerate(tqdm(rows, disable=not progress, desc="bench")):
-        messages: list[dict] = []
-        for turn in row["turns"]:
-            messages.append({"role": "user", "content": turn})
-            inputs = chat_inputs(tokenizer, messages, device)
-            n = inputs["input_ids"].shape[1]
-            # interleave: rotate the order of the non-reference methods from row to row
-            others = methods[1:]
-            others = others[i % len(others) :] + others[: i % len(others)] if others else []
-            results = {}
-            for m in [greedy, *others]:
-                counter.count = 0
-                t0 = time.perf_counter()
-                out, stats = m.run(inputs, max_new_tokens)
-                results[m.name] = (out, counter.count, stats, time.perf_counter() - t0)
-                if stats is not None and stats.forwards != counter.count:
-                    raise RuntimeError(
-                        f"{m.name}: stats count {stats.forwards} forwards, the model ran {counter.count}"
-                    )
-            ref, greedy_s = results[greedy.name][0], results[greedy.name][3]
-            for name, (out, forwards, stats, secs) in results.items():
-                same = out.tolist() == ref.tolist()
-                for bucket in (totals[name]["overall"], totals[name]["categories"][row["category"]]):
-                    bucket.add(out.shape[1] - n, forwards, secs, greedy_s, same)
-                    if stats is not None:
-                        bucket.steps += stats.steps
-                        for k, v in stats.time_per_step().items():
-                            bucket.step_times[k] += v * stats.steps
-            messages.append({"role": "assistant", "content": tokenizer.decode(ref[0, n:], skip_special_tokens=True)})
+    with ForwardCounter(model) as counter:
+        for i, row in enumerate(tqdm(rows, disable=not progress, desc="bench")):
+            messages: list[dict] = []
+            for turn in row["turns"]:
+                messages.append({"role": "user", "content": turn})
+                inputs = chat_inputs(tokenizer, messages, device)
+                n = inputs["input_ids"].shape[1]
+                # interleave: rotate the order of the non-reference methods from row to row
+                others = methods[1:]
+                others = others[i % len(others) :] + others[: i % len(others)] if others else []
+                results = {}
+                for m in [greedy, *others]:
+                    counter.count = 0
+                    t0 = time.perf_counter()
+                    out, stats = m.run(inputs, max_new_tokens)
+                    results[m.name] = (out, counter.count, stats, time.perf_counter() - t0)
+                    if stats is not None and stats.forwards != counter.count:
+                        raise RuntimeError(
+                            f"{m.name}: stats count {stats.forwards} forwards, the model ran {counter.count}"
+                        )
+                ref, greedy_s = results[greedy.name][0], results[greedy.name][3]
+                for name, (out, forwards, stats, secs) in results.items():
+                    same = out.tolist() == ref.tolist()
+                    for bucket in (totals[name]["overall"], totals[name]["categories"][row["category"]]):
+                        bucket.add(out.shape[1] - n, forwards, secs, greedy_s, same, stats)
+                answer = tokenizer.decode(ref[0, n:], skip_special_tokens=True)
+                messages.append({"role": "assistant", "content": answer})
     return {
         name: {
             "overall": t["overall"].summary(),

@@ -49,8 +49,9 @@ def test_select_rows():
 
 def test_auto_tree_measurement_is_not_counted_as_decoding():
     model = tiny_model("llama", eos_token_id=None)
-    drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2), top_k=3,
-                                  max_tree_tokens="auto")
+    drafter = hf_bpd.BlockDrafter(
+        hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2), top_k=3, max_tree_tokens="auto"
+    )
     methods = [bench.greedy_method(model), bench.bpd_method(model, drafter)]
     results = bench.run_bench(model, TinyChatTokenizer(), ROWS[1:2], methods, max_new_tokens=8, progress=False)
     assert results["hf_bpd"]["overall"]["forwards"] == drafter.stats.forwards

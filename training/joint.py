@@ -13,20 +13,15 @@ import time
 import torch
 
 from hf_bpd.heads import BlockDraftHeads
-from training.train_heads import IGNORE, head_targets, heads_loss, loss_weights, response_positions
+from training.train_heads import IGNORE, head_targets, heads_loss, loss_weights, response_positions, right_padded
 
 
 def collate(rows, num_heads: int) -> dict[str, torch.Tensor]:
     """Right-padded batch with base labels (response tokens) and head targets at every position."""
-    seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
+    seqs, ids, mask = right_padded(rows)
     labels = torch.full_like(ids, IGNORE)
-    targets = torch.full((len(seqs), width, num_heads), IGNORE, dtype=torch.long)
+    targets = torch.full((*ids.shape, num_heads), IGNORE, dtype=torch.long)
     for b, (row, s) in enumerate(zip(rows, seqs)):
-        ids[b, : len(s)] = torch.tensor(s)
-        mask[b, : len(s)] = 1
         start = response_positions(len(row["prompt_ids"]))
         labels[b, start : len(s) - 1] = ids[b, start + 1 : len(s)]  # label at t = token t+1
         t = head_targets(s, start, num_heads)

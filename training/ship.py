@@ -22,8 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = json.loads(Path(args.drafter).read_text())
     heads = BlockDraftHeads.from_pretrained(args.heads)
     num_heads = settings.pop("num_heads", heads.num_heads)
-    if num_heads < heads.num_heads:  # first_heads needs no binding for the residual weights it copies
-        heads.__dict__["_tied_weight"] = None
+    if num_heads < heads.num_heads:
         heads = heads.first_heads(num_heads)
     dest = Path(args.to)
     if dest.exists():

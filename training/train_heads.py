@@ -61,32 +61,37 @@ def response_positions(prompt_len: int) -> int:
     return max(prompt_len - 1, 0)
 
 
+def right_padded(rows) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """prompt+response sequences of `rows`, right-padded: (sequences, input_ids [B, L], attention_mask).
+    Right padding keeps every real token at positions 0..len-1; padded keys are masked."""
+    seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
+    ids = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.tensor(s)
+        mask[b, : len(s)] = 1
+    return seqs, ids, mask
+
+
 @torch.no_grad()
 def compute_features(model, data, num_heads: int, batch_tokens: int = 4096, progress: bool = True) -> Features:
-    """Base last hidden states for every response position of every sample (length-sorted batches)."""
+    """Base last hidden states for every response position of every sample (length-sorted batches of at
+    most `batch_tokens` padded tokens)."""
     from tqdm import tqdm
 
     device = next(model.parameters()).device
-    order = sorted(range(len(data)), key=lambda i: len(data[i]["prompt_ids"]) + len(data[i]["response_ids"]))
+    length = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in data]
+    order = sorted(range(len(data)), key=length.__getitem__)
     hidden, targets, sample = [], [], []
     bar = tqdm(total=len(order), disable=not progress, desc="features")
     i = 0
     while i < len(order):
-        longest = len(data[order[i]]["prompt_ids"]) + len(data[order[i]]["response_ids"])
-        batch = [order[i]]
-        while i + len(batch) < len(order):
-            nxt = order[i + len(batch)]
-            width = len(data[nxt]["prompt_ids"]) + len(data[nxt]["response_ids"])
-            if width * (len(batch) + 1) > batch_tokens:
-                break
-            batch.append(nxt)
-            longest = width
-        seqs = [data[j]["prompt_ids"] + data[j]["response_ids"] for j in batch]
-        ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-        mask = torch.zeros(len(seqs), longest, dtype=torch.long)
-        for r, s in enumerate(seqs):  # right padding: positions stay 0..L-1, padded keys are masked
-            ids[r, : len(s)] = torch.tensor(s)
-            mask[r, : len(s)] = 1
+        # sorted by length: the batch's last sample is its longest
+        end = i + 1
+        while end < len(order) and length[order[end]] * (end - i + 1) <= batch_tokens:
+            end += 1
+        batch = order[i:end]
+        seqs, ids, mask = right_padded([data[j] for j in batch])
         out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
         last = out.hidden_states[-1].float().cpu()
         for r, j in enumerate(batch):
@@ -95,7 +100,7 @@ def compute_features(model, data, num_heads: int, batch_tokens: int = 4096, prog
             hidden.append(last[r, start : start + t.shape[0]].half())
             targets.append(t)
             sample.append(torch.full((t.shape[0],), j, dtype=torch.long))
-        i += len(batch)
+        i = end
         bar.update(len(batch))
     bar.close()
     return Features(torch.cat(hidden), torch.cat(targets), torch.cat(sample))

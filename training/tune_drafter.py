@@ -2,7 +2,8 @@
 
 Tuning prompts are prompts of the training prompt file that were NOT distilled (so neither the heads'
 training data nor the Spec-Bench evaluation data): the settings must generalise, not fit the benchmark.
-Each configuration decodes every tuning prompt with hf_bpd; reported: τ, tokens/s (same process, same
+Each configuration decodes every tuning prompt with hf_bpd (through `hf_bpd.bench.run_bench`, with greedy
+as the lossless reference); reported: τ, tokens/s, speedup (same process, same
 prompts, configurations interleaved per prompt), and the best by tokens/s is written to `drafter.json`.
 """
 
@@ -11,12 +12,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import time
 from pathlib import Path
 
-import torch
-
-from hf_bpd.decoding import generate as bpd_generate
+from hf_bpd.bench import bpd_method, greedy_method, run_bench
 from hf_bpd.drafter import BlockDrafter
 from hf_bpd.heads import BlockDraftHeads
 from training.distill import DEFAULT_PROMPTS, load_distilled, load_prompts
@@ -37,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from hf_bpd.cost import measure_forward_cost
-    from hf_bpd.models import chat_inputs, load_model
+    from hf_bpd.models import load_model
 
     model, tokenizer = load_model(args.model)
     heads = BlockDraftHeads.from_pretrained(args.heads).bind(model)
@@ -46,36 +44,25 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts[: args.num_prompts]
     cost = measure_forward_cost(model)
     print("forward cost (ms):", {n: round(1000 * t, 1) for n, t in zip(cost.sizes, cost.seconds)})
-    configs = []
+    methods = [greedy_method(model)]
+    settings = {}
     for h, k, tree in itertools.product(args.num_heads or [heads.num_heads], args.top_k, args.tree):
         tree_arg = "auto" if tree == "auto" else int(tree)
         drafter = BlockDrafter(
             heads.first_heads(h), top_k=k, max_tree_tokens=tree_arg, forward_cost=cost if tree == "auto" else None
         )
-        configs.append(({"num_heads": h, "top_k": k, "max_tree_tokens": tree_arg}, drafter))
-    totals = {i: [0, 0, 0.0] for i in range(len(configs))}  # tokens, forwards, seconds
-    for j, prompt in enumerate(prompts):
-        inputs = chat_inputs(tokenizer, [{"role": "user", "content": prompt}])
-        order = list(range(len(configs)))
-        order = order[j % len(order) :] + order[: j % len(order)]
-        for i in order:
-            drafter = configs[i][1]
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                model.generate(
-                    **inputs,
-                    do_sample=False,
-                    max_new_tokens=args.max_new_tokens,
-                    custom_generate=bpd_generate,
-                    assistant=drafter,
-                )
-            totals[i][2] += time.perf_counter() - t0
-            totals[i][0] += drafter.stats.new_tokens
-            totals[i][1] += drafter.stats.forwards
+        name = f"h{h}-k{k}-{tree}"
+        settings[name] = {"num_heads": h, "top_k": k, "max_tree_tokens": tree_arg}
+        methods.append(bpd_method(model, drafter, name))
+    # the bench's interleaved, forward-counted measurement, with greedy as the lossless reference
+    rows = [{"category": "tuning", "turns": [p]} for p in prompts]
+    results = run_bench(model, tokenizer, rows, methods, args.max_new_tokens)
     rows = []
-    for i, (settings, _) in enumerate(configs):
-        tokens, forwards, secs = totals[i]
-        rows.append({**settings, "tau": tokens / forwards, "tokens_per_s": tokens / secs})
+    for name, config in settings.items():
+        s = results[name]["overall"]
+        if not s["identical"]:
+            raise SystemExit(f"{name} differs from greedy: not lossless")
+        rows.append({**config, "tau": s["tau"], "tokens_per_s": s["tokens_per_s"], "speedup": s["speedup"]})
         print(json.dumps(rows[-1]))
     best = max(rows, key=lambda r: r["tokens_per_s"])
     print("best:", json.dumps(best))
