@@ -12,6 +12,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "hf_bpd.bench",
         "distill": "training.distill",
         "train-heads": "training.train_heads",
+        "train-ngram": "training.train_ngram",
     }
     if not argv or argv[0] not in commands:
         print("usage: hf-bpd {" + ",".join(commands) + "} [options]   (hf-bpd COMMAND --help for each)")

@@ -28,7 +28,9 @@ class Rescorer(Protocol):
     `context` is the accepted sequence `[batch, length]`, ending with the root token (the last token the
     base model chose). Returns, per batch row, drafts (tokens after the root) best first; the drafter
     merges them into the tree in that order and fills what budget is left with the heads' own best
-    prefixes. Stateful rescorers (their own KV cache) may use `reset()`, called at each new `generate`.
+    prefixes. Stateful rescorers (their own KV cache) may use `reset()`, called at each new `generate`;
+    `bind(model)`, if present, is called once per base model and raises when the rescorer does not fit it
+    (another vocabulary or tokenizer).
     """
 
     def __call__(self, lattice: Lattice, context: torch.Tensor) -> list[list[ScoredPath]]: ...
@@ -46,6 +48,7 @@ class DecodingStats:
     tree_sizes: list[int] = field(default_factory=list)
     time_prefill: float = 0.0
     time_heads: float = 0.0
+    time_rescore: float = 0.0
     time_tree: float = 0.0
     time_verify: float = 0.0
     time_accept: float = 0.0
@@ -71,6 +74,7 @@ class DecodingStats:
         n = max(self.steps, 1)
         return {
             "heads": self.time_heads / n,
+            "rescore": self.time_rescore / n,
             "lattice_tree": self.time_tree / n,
             "verify_forward": self.time_verify / n,
             "accept": self.time_accept / n,
@@ -141,6 +145,8 @@ class BlockDrafter:
             if self.max_tree_tokens == "auto" and self.forward_cost is None:
                 self.forward_cost = measure_forward_cost(model)
             self._bound_to = id(model)
+            if self.rescorer is not None and hasattr(self.rescorer, "bind"):
+                self.rescorer.bind(model)
         self.stats = DecodingStats()
         if self.rescorer is not None and hasattr(self.rescorer, "reset"):
             self.rescorer.reset()
@@ -165,25 +171,53 @@ class BlockDrafter:
         return self.max_tree_tokens
 
     def tree(self, lattice: Lattice, context: torch.Tensor, max_depth: int | None = None) -> list[DraftTree]:
-        """One draft tree per batch row: rescored drafts first (if any), then the heads' best prefixes;
-        with a forward-cost curve, cut to the prefix with the best expected tokens per second."""
+        """One draft tree per batch row: the most probable nodes among the heads' best prefixes and the
+        rescorer's drafts (drafts without estimates first); with a forward-cost curve, cut to the prefix
+        with the best expected tokens per second."""
         budget = self.tree_budget
-        rescored = self.rescorer(lattice, context) if self.rescorer is not None and budget > 1 else None
+        rescored = None
+        if self.rescorer is not None and budget > 1:
+            t0 = time.perf_counter()
+            rescored = self.rescorer(lattice, context)
+            self.stats.time_rescore += time.perf_counter() - t0
         trees = []
         for b in range(lattice.batch_size):
+            tokens, logprobs = lattice.row(b)
+            tables = [dict(zip(t, lp)) for t, lp in zip(tokens, logprobs)]
             tree = DraftTree.root_only(int(context[b, -1]))
-            if rescored is not None:
-                for path in rescored[b]:
-                    tree.add_path(path.tokens[:max_depth], budget)
+            # Rescored drafts with per-token acceptance estimates compete with the heads' prefixes on
+            # estimated probability (a node's arc: the higher of the two estimates); drafts without
+            # estimates are verified first, as given.
+            estimates: dict[tuple[int, ...], float] = {}
+            for path in rescored[b] if rescored is not None else []:
+                toks = tuple(path.tokens[:max_depth])
+                if path.token_logprobs is None:
+                    tree.add_path(toks, budget)
+                    continue
+                for d, lp in enumerate(path.token_logprobs[: len(toks)]):
+                    estimates[toks[: d + 1]] = max(lp, estimates.get(toks[: d + 1], -math.inf))
+            memo: dict[tuple[int, ...], float] = {(): 0.0}
+
+            def logprob(key: tuple[int, ...], tables=tables, estimates=estimates, memo=memo) -> float:
+                """Estimated probability (log) that the draft `key` is accepted whole."""
+                if key not in memo:
+                    table = tables[len(key) - 1] if len(key) <= len(tables) else {}
+                    arc = max(table.get(key[-1], -math.inf), estimates.get(key, -math.inf))
+                    memo[key] = logprob(key[:-1]) + arc
+                return memo[key]
+
             if len(tree) < budget:
-                for prefix in lattice.best_prefixes(b, budget - 1, max_depth):
-                    tree.add_path(prefix.tokens, budget)
+                keys = [p.tokens for p in lattice.best_prefixes(b, budget - 1, max_depth)]
+                if estimates:
+                    keys = sorted(set(keys) | set(estimates), key=lambda k: (-logprob(k), len(k)))
+                for key in keys:
+                    tree.add_path(key, budget)
                     if len(tree) >= budget:
                         break
             if self.forward_cost is not None and len(tree) > 1:
-                tokens, logprobs = lattice.row(b)
-                tables = [dict(zip(t, lp)) for t, lp in zip(tokens, logprobs)]
-                probs = [math.exp(lp) for lp in tree.node_logprobs(tables)]
+                probs = [
+                    math.exp(logprob(tuple(tree.tokens[j] for j in tree.path_to(i)[1:]))) for i in range(len(tree))
+                ]
                 tree = tree.truncated(best_tree_size(probs, self.forward_cost))
             trees.append(tree)
         return trees
@@ -195,8 +229,9 @@ class BlockDrafter:
         t0 = self._sync(hidden_last.device)
         lattice = self.lattice(hidden_last)
         t1 = self._sync(hidden_last.device)
+        rescore_before = self.stats.time_rescore
         trees = self.tree(lattice, context, max_depth)
         t2 = time.perf_counter()
         self.stats.time_heads += t1 - t0
-        self.stats.time_tree += t2 - t1
+        self.stats.time_tree += t2 - t1 - (self.stats.time_rescore - rescore_before)
         return trees

@@ -15,10 +15,15 @@ import torch
 
 @dataclass(frozen=True)
 class ScoredPath:
-    """One draft through the lattice (the tokens after the root) and its score (higher is better)."""
+    """One draft through the lattice (the tokens after the root) and its score (higher is better).
+
+    token_logprobs: optional per-token log-probability that the token is accepted, from a rescorer whose
+    drafting distribution differs from the heads' (e.g. tokens proposed by a context model); the drafter
+    sizes trees with it where it exceeds the heads' own estimate."""
 
     tokens: tuple[int, ...]
     score: float
+    token_logprobs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

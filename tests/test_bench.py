@@ -35,7 +35,7 @@ def test_bench_counts_forwards_and_checks_identity():
     assert b["identical"] and p["identical"] and b["forwards"] <= g["forwards"]
     assert set(results["hf_bpd"]["categories"]) == {"qa", "writing"}
     assert results["hf_bpd"]["categories"]["writing"]["tokens"] == 24  # two turns
-    assert set(b["ms_per_step"]) == {"heads", "lattice_tree", "verify_forward", "accept", "cache_compaction"}
+    assert set(b["ms_per_step"]) == {"heads", "rescore", "lattice_tree", "verify_forward", "accept", "cache_compaction"}
     table = bench.markdown_table(results)
     assert "| **overall** |" in table and "hf_bpd τ" in table
 

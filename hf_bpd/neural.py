@@ -1,0 +1,166 @@
+"""Local lattice rescoring with a small causal LM that shares the base model's tokenizer (paper Alg. 2).
+
+Left to right over the lattice positions j = 1..h, greedily:
+
+    z_j[S_j] += alpha * r_j[S_j]        r_j = the small LM's log-probabilities after
+    w_j = argmax over S_j                     (accepted text, w_1 .. w_{j-1})
+
+S_j is head j's top-k. Only the scores of S_j are ever compared, and a full-vocabulary log-softmax
+differs from a softmax over S_j by a constant per position, so r_j is computed for the k tokens of S_j
+alone (k rows of the output embedding, not the whole vocabulary): the small LM's cost is its layers.
+
+The small LM keeps its own KV cache of the accepted text across decoding steps: each step feeds only
+the tokens accepted since the last one, drafts h - 1 tokens on top, then crops back, so a step costs
+h short forwards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .lattice import Lattice, ScoredPath
+
+
+def check_same_tokenizer(a, b, what: str = "rescorer LM") -> None:
+    """Raise if two tokenizers map any token to different ids."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        diff = next((t for t in va if vb.get(t) != va[t]), None) or next(t for t in vb if t not in va)
+        raise ValueError(
+            f"the {what} uses another tokenizer than the base model ({len(va)} vs {len(vb)} tokens; "
+            f"token {diff!r} differs): the rescorer must share the base model's tokenizer"
+        )
+
+
+class NeuralRescorer:
+    """Greedy local rescoring of each lattice position with a small causal LM (`lm`).
+
+    alpha:     weight of the small LM's log-probabilities.
+    tokenizer: the small LM's tokenizer; with `base_tokenizer`, both are compared now, else the
+               vocabulary sizes and special token ids are compared when the drafter binds the base model.
+    """
+
+    def __init__(self, lm, alpha: float = 0.5, tokenizer=None, base_tokenizer=None) -> None:
+        if alpha < 0:
+            raise ValueError(f"alpha must be >= 0, got {alpha}")
+        if tokenizer is not None and base_tokenizer is not None:
+            check_same_tokenizer(tokenizer, base_tokenizer)
+        self.lm = lm.eval()
+        self.alpha = alpha
+        self.tokenizer = tokenizer
+        self.reset()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, base_tokenizer=None, **kwargs) -> NeuralRescorer:
+        """A saved causal LM folder (its tokenizer beside it, if saved, is checked against `base_tokenizer`)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tokenizer = None
+        if (Path(path) / "tokenizer_config.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(lm, tokenizer=tokenizer, base_tokenizer=base_tokenizer, **kwargs)
+
+    def bind(self, model) -> None:
+        """The rescorer LM must score the base model's token ids: same vocabulary and special tokens."""
+        vocab = model.get_output_embeddings().weight.shape[0]
+        lm_vocab = self.lm.get_output_embeddings().weight.shape[0]
+        if lm_vocab != vocab:
+            raise ValueError(
+                f"the rescorer LM has a vocabulary of {lm_vocab} tokens, the base model {vocab}: "
+                "it must share the base model's tokenizer"
+            )
+        for name in ("bos_token_id", "eos_token_id"):
+            a, b = getattr(self.lm.config, name, None), getattr(model.config, name, None)
+            if a is not None and b is not None and a != b:
+                raise ValueError(
+                    f"the rescorer LM's {name} is {a}, the base model's {b}: it must share the base model's tokenizer"
+                )
+        param = next(model.parameters())
+        self.lm.to(param.device)
+        self.reset()
+
+    def reset(self) -> None:
+        self._cache = None
+        self._cached: list[int] = []
+
+    def _forward(self, ids: list[int], device) -> torch.Tensor:
+        """Feed ids after the cache; return the last position's hidden state."""
+        from transformers import DynamicCache
+
+        if self._cache is None:
+            self._cache = DynamicCache(config=self.lm.config)
+        start = len(self._cached)
+        out = self.lm.get_decoder()(
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=torch.arange(start, start + len(ids), device=device)[None],
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        self._cached.extend(ids)
+        return out.last_hidden_state[0, -1]
+
+    def _crop(self, length: int) -> None:
+        if self._cache is not None and len(self._cached) > length:
+            self._cache.crop(length - len(self._cached))  # transformers 5: a negative count removes tokens
+            del self._cached[length:]
+
+    def __call__(self, lattice: Lattice, context: torch.Tensor) -> list[list[ScoredPath]]:
+        if lattice.batch_size != 1:
+            raise ValueError("NeuralRescorer keeps one KV cache: batch size 1 only")
+        accepted = context[0].tolist()
+        device = self.lm.get_output_embeddings().weight.device
+        with torch.no_grad():
+            # Reuse the cache for the common prefix; keep at least the last token to feed.
+            common = 0
+            limit = min(len(self._cached), len(accepted) - 1)
+            while common < limit and self._cached[common] == accepted[common]:
+                common += 1
+            self._crop(common)
+            hidden = self._forward(accepted[common:], device)
+            out_emb = self.lm.get_output_embeddings().weight
+            tokens, logprobs = lattice.tokens[0].to(device), lattice.logprobs[0].to(device)
+            path, accept = [], []
+            score = 0.0
+            for j in range(lattice.num_positions):
+                if j:
+                    hidden = self._forward([path[-1]], device)
+                r = torch.log_softmax(out_emb[tokens[j]].float() @ hidden.float(), dim=-1)
+                z = logprobs[j] + self.alpha * r
+                best = int(z.argmax())
+                path.append(int(tokens[j, best]))
+                score += float(z[best])
+                # acceptance estimate: the heads' top-k mass, shared out by the rescored scores
+                accept.append(float(torch.logsumexp(logprobs[j], 0) + torch.log_softmax(z, 0)[best]))
+            self._crop(len(accepted))
+        return [[ScoredPath(tuple(path), score, tuple(accept))]]
+
+
+def truncated_lm(model, num_layers: int):
+    """A small LM from the base model's first `num_layers` layers (embeddings, final norm and head kept):
+    the starting point `training/train_rescorer.py` fine-tunes. Shares the tokenizer by construction."""
+    import copy
+
+    config = copy.deepcopy(model.config)
+    if not 1 <= num_layers <= config.num_hidden_layers:
+        raise ValueError(f"num_layers must be in 1..{config.num_hidden_layers}, got {num_layers}")
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    small = type(model)(config)
+    state = {k: v for k, v in model.state_dict().items() if (_layer_index(k) or 0) < num_layers}
+    missing, unexpected = small.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m]:
+        raise ValueError(f"could not copy the base model's layers: missing {missing}, unexpected {unexpected}")
+    small.tie_weights()
+    return small.to(next(model.parameters()).dtype).eval()
+
+
+def _layer_index(key: str) -> int | None:
+    parts = key.split(".")
+    for a, b in zip(parts, parts[1:]):
+        if a == "layers" and b.isdigit():
+            return int(b)
+    return None
