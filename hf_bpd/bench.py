@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .cost import measure_forward_cost
 from .decoding import generate as bpd_generate
 from .drafter import BlockDrafter, DecodingStats
 from .jsonl import read_jsonl
@@ -112,6 +113,15 @@ def prompt_lookup_method(model, num_tokens: int = 10) -> Method:
         return model.generate(**inputs, do_sample=False, max_new_tokens=n, prompt_lookup_num_tokens=num_tokens), None
 
     return Method("prompt_lookup", run)
+
+
+def assisted_method(model, assistant_model, name: str = "assisted") -> Method:
+    """transformers' assisted generation with a small draft LM sharing the tokenizer."""
+
+    def run(inputs, n):
+        return model.generate(**inputs, do_sample=False, max_new_tokens=n, assistant_model=assistant_model), None
+
+    return Method(name, run)
 
 
 def bpd_method(model, drafter: BlockDrafter, name: str = "hf_bpd") -> Method:
@@ -250,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         "--methods",
         nargs="+",
         default=["greedy", "prompt_lookup", "hf_bpd"],
-        help="greedy (always run: the reference), prompt_lookup, hf_bpd",
+        help="greedy (always run: the reference), prompt_lookup, assisted (the shipped rescorer LM as a draft "
+        "model), hf_bpd (heads alone), hf_bpd+NAME with NAME a shipped rescorer (hf_bpd.packaged_rescorers())",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
@@ -272,15 +283,43 @@ def main(argv: list[str] | None = None) -> int:
         drafter.profile = True
     else:
         drafter = BlockDrafter.from_pretrained(args.heads, profile=True, **kwargs)
+    if drafter.max_tree_tokens == "auto":  # one forward-cost curve for every hf_bpd method of the run
+        drafter.forward_cost = measure_forward_cost(model)
+
+    def with_rescorer(name: str) -> Method:
+        from .packaged import packaged_heads_dir, packaged_rescorers
+        from .rescorers import build_rescorer
+
+        specs = packaged_rescorers()
+        if name not in specs:
+            raise SystemExit(f"no shipped rescorer {name!r}; shipped: {sorted(specs)}")
+        rescorer = build_rescorer(specs[name], packaged_heads_dir().parent, base_tokenizer=tokenizer)
+        d = BlockDrafter(drafter.heads, drafter.top_k, drafter.max_tree_tokens, rescorer, True, drafter.forward_cost)
+        return bpd_method(model, d, f"hf_bpd+{name}")
+
+    def assisted() -> Method:
+        from .neural import NeuralRescorer
+        from .packaged import packaged_heads_dir, packaged_rescorers
+
+        spec = packaged_rescorers().get("neural")
+        if spec is None:
+            raise SystemExit("assisted needs the shipped rescorer LM ('neural' in packaged_rescorers())")
+        small = NeuralRescorer.from_pretrained(packaged_heads_dir().parent / spec["lm"])
+        small.bind(model)
+        return assisted_method(model, small.lm)
+
     available = {
         "greedy": lambda: greedy_method(model),
         "prompt_lookup": lambda: prompt_lookup_method(model),
+        "assisted": assisted,
         "hf_bpd": lambda: bpd_method(model, drafter),
     }
-    unknown = set(args.methods) - set(available)
+    unknown = {m for m in args.methods if m not in available and not m.startswith("hf_bpd+")}
     if unknown:
-        raise SystemExit(f"unknown methods {sorted(unknown)}; available: {sorted(available)}")
-    methods = [available["greedy"]()] + [available[m]() for m in args.methods if m != "greedy"]
+        raise SystemExit(f"unknown methods {sorted(unknown)}; available: {sorted(available)} and hf_bpd+RESCORER")
+    methods = [available["greedy"]()] + [
+        available[m]() if m in available else with_rescorer(m.split("+", 1)[1]) for m in args.methods if m != "greedy"
+    ]
     rows = select_rows(read_jsonl(args.data), args.categories, args.per_category, args.limit, args.spread)
     results = run_bench(model, tokenizer, rows, methods, args.max_new_tokens, progress=not args.no_progress)
     report = {

@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
         "distill": "training.distill",
         "train-heads": "training.train_heads",
         "train-ngram": "training.train_ngram",
+        "train-rescorer": "training.train_rescorer",
     }
     if not argv or argv[0] not in commands:
         print("usage: hf-bpd {" + ",".join(commands) + "} [options]   (hf-bpd COMMAND --help for each)")

@@ -72,6 +72,13 @@ def lm_head_fingerprint(lm_head_weight: torch.Tensor, rows: int = 16) -> list[fl
     return [float(v) for v in lm_head_weight.detach()[idx].float().sum(dim=1).cpu()]
 
 
+def matches_lm_head(lm_head_weight: torch.Tensor, fingerprint: list[float]) -> bool:
+    """Whether `lm_head_weight` has this `lm_head_fingerprint` (up to dtype rounding)."""
+    got = torch.tensor(lm_head_fingerprint(lm_head_weight, len(fingerprint)))
+    want = torch.tensor(fingerprint)
+    return torch.allclose(got, want, rtol=1e-2, atol=1e-2 * (1 + want.abs().mean().item()))
+
+
 def _output_embeddings(model: PreTrainedModel) -> nn.Module:
     lm_head = model.get_output_embeddings()
     if lm_head is None or not hasattr(lm_head, "weight"):
@@ -182,14 +189,11 @@ class BlockDraftHeads(PreTrainedModel):
             raise ValueError(f"{where} expect hidden size {cfg.hidden_size}, but base model `{name}` has {hidden}")
         if vocab != cfg.vocab_size:
             raise ValueError(f"{where} expect vocabulary size {cfg.vocab_size}, but base model `{name}` has {vocab}")
-        if cfg.base_lm_head_fingerprint:
-            got = torch.tensor(lm_head_fingerprint(lm_head.weight, len(cfg.base_lm_head_fingerprint)))
-            want = torch.tensor(cfg.base_lm_head_fingerprint)
-            if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * (1 + want.abs().mean().item())):
-                raise ValueError(
-                    f"{where} were trained on a base model with other LM-head weights than `{name}` "
-                    "(fingerprint mismatch): they would draft garbage. Train heads for this model."
-                )
+        if cfg.base_lm_head_fingerprint and not matches_lm_head(lm_head.weight, cfg.base_lm_head_fingerprint):
+            raise ValueError(
+                f"{where} were trained on a base model with other LM-head weights than `{name}` "
+                "(fingerprint mismatch): they would draft garbage. Train heads for this model."
+            )
 
     def bind(self, model: PreTrainedModel) -> BlockDraftHeads:
         """Check compatibility with `model` and borrow its LM head (when tied). Returns self."""

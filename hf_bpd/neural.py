@@ -42,21 +42,28 @@ class NeuralRescorer:
                vocabulary sizes and special token ids are compared when the drafter binds the base model.
     """
 
-    def __init__(self, lm, alpha: float = 0.5, tokenizer=None, base_tokenizer=None) -> None:
+    def __init__(self, lm=None, alpha: float = 0.5, tokenizer=None, base_tokenizer=None, layers=None) -> None:
         if alpha < 0:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
+        if (lm is None) == (layers is None):
+            raise ValueError("NeuralRescorer needs either an LM or a truncated-LM layers folder (`layers=`)")
         if tokenizer is not None and base_tokenizer is not None:
             check_same_tokenizer(tokenizer, base_tokenizer)
-        self.lm = lm.eval()
+        self.lm = lm.eval() if lm is not None else None
+        self.layers = Path(layers) if layers is not None else None
         self.alpha = alpha
         self.tokenizer = tokenizer
         self.reset()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, base_tokenizer=None, **kwargs) -> NeuralRescorer:
-        """A saved causal LM folder (its tokenizer beside it, if saved, is checked against `base_tokenizer`)."""
+        """A folder from `hf-bpd train-rescorer` (fine-tuned first layers of the base model, built on the
+        base model when the drafter binds it) or any saved causal LM folder (its tokenizer beside it, if
+        saved, is checked against `base_tokenizer`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if (Path(path) / TRUNCATED_LM_CONFIG).is_file():
+            return cls(layers=path, **kwargs)
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tokenizer = None
         if (Path(path) / "tokenizer_config.json").is_file():
@@ -65,6 +72,8 @@ class NeuralRescorer:
 
     def bind(self, model) -> None:
         """The rescorer LM must score the base model's token ids: same vocabulary and special tokens."""
+        if self.layers is not None:
+            self.lm = load_truncated_lm(model, self.layers)
         vocab = model.get_output_embeddings().weight.shape[0]
         lm_vocab = self.lm.get_output_embeddings().weight.shape[0]
         if lm_vocab != vocab:
@@ -156,6 +165,69 @@ def truncated_lm(model, num_layers: int):
         raise ValueError(f"could not copy the base model's layers: missing {missing}, unexpected {unexpected}")
     small.tie_weights()
     return small.to(next(model.parameters()).dtype).eval()
+
+
+TRUNCATED_LM_CONFIG = "truncated_lm.json"
+TRUNCATED_LM_WEIGHTS = "layers.safetensors"
+
+
+def _own_weights(lm) -> dict[str, torch.Tensor]:
+    """What a truncated LM adds to the base model: everything but the (shared) embeddings and head."""
+    skip = {id(lm.get_input_embeddings().weight), id(lm.get_output_embeddings().weight)}
+    return {
+        k: v for k, v in lm.state_dict().items() if id(v) not in skip and "embed_tokens" not in k and "lm_head" not in k
+    }
+
+
+def save_truncated_lm(lm, folder: str | Path, base_model) -> None:
+    """Save only the layers and final norm (fp16), plus what they must be rebuilt on."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from .heads import lm_head_fingerprint
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.detach().to(torch.float16).contiguous() for k, v in _own_weights(lm).items()},
+        str(folder / TRUNCATED_LM_WEIGHTS),
+    )
+    meta = {
+        "format": "hf_bpd-truncated-lm-v1",
+        "num_layers": lm.config.num_hidden_layers,
+        "hidden_size": lm.config.hidden_size,
+        "vocab_size": lm.get_output_embeddings().weight.shape[0],
+        "base_lm_head_fingerprint": lm_head_fingerprint(base_model.get_output_embeddings().weight),
+    }
+    (folder / TRUNCATED_LM_CONFIG).write_text(json.dumps(meta, indent=2))
+
+
+def load_truncated_lm(model, folder: str | Path):
+    """Rebuild a `save_truncated_lm` folder on `model` (its base); raises if it was made for another."""
+    import json
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from .heads import matches_lm_head
+
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / TRUNCATED_LM_CONFIG).read_text())
+        weights = load_file(str(folder / TRUNCATED_LM_WEIGHTS))
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        raise ValueError(f"{folder} is not a readable truncated-LM rescorer folder: {e}") from e
+    if not matches_lm_head(model.get_output_embeddings().weight, meta.get("base_lm_head_fingerprint") or [0.0]):
+        raise ValueError(
+            f"the rescorer in {folder} was trained on another base model (output head fingerprint differs)"
+        )
+    lm = truncated_lm(model, meta["num_layers"])
+    own = _own_weights(lm)
+    if set(weights) != set(own) or any(weights[k].shape != own[k].shape for k in own):
+        raise ValueError(f"the rescorer weights in {folder} do not fit a {meta['num_layers']}-layer cut of this model")
+    lm.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()}, strict=False)
+    return lm.eval()
 
 
 def _layer_index(key: str) -> int | None:

@@ -105,20 +105,35 @@ def packaged_heads_dir() -> Path:
     return path
 
 
+def packaged_rescorers() -> dict[str, dict]:
+    """The shipped rescorers' specs by name (`assets/smollm2/rescorers.json`; see `hf_bpd.rescorers`)."""
+    import json
+
+    spec_file = packaged_heads_dir().parent / "rescorers.json"
+    return json.loads(spec_file.read_text()) if spec_file.is_file() else {}
+
+
 def load_packaged_drafter(rescorer=None, **drafter_kwargs):
     """The shipped trained heads for the packaged SmolLM2 as a `BlockDrafter`, with the tree settings
     chosen by measurement (`drafter.json` beside the heads); keyword arguments override them.
 
-    rescorer: None (heads alone) or a `Rescorer` instance; named shipped rescorers arrive with the
-    lattice-rescoring work and are listed in the error until then.
+    rescorer: None (heads alone), a `Rescorer` instance, or the name of a shipped rescorer with its tuned
+              weights: "ngram" (KenLM n-gram, 1 best path), "ngram_p4"/"ngram_p16" (p-best), "context"
+              (n-gram of the prompt and generated text), "neural" (small-LM local rescoring), "best" (the
+              best combination measured); `packaged_rescorers()` lists them.
     """
     import json
 
     from .drafter import BlockDrafter
 
-    if isinstance(rescorer, str):
-        raise ValueError(f"no shipped rescorer named {rescorer!r} (shipped: none yet); pass None or a Rescorer")
     path = packaged_heads_dir()
+    if isinstance(rescorer, str):
+        from .rescorers import build_rescorer
+
+        specs = packaged_rescorers()
+        if rescorer not in specs:
+            raise ValueError(f"no shipped rescorer named {rescorer!r}; shipped: {sorted(specs)} (or pass a Rescorer)")
+        rescorer = build_rescorer(specs[rescorer], path.parent)
     settings_file = path.parent / "drafter.json"
     settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
     settings.update(drafter_kwargs)

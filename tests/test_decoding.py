@@ -253,7 +253,14 @@ def test_stats_are_consistent():
     assert s.steps == len(s.accepted_lengths) and s.forwards == s.steps + 1
     assert s.block_efficiency == pytest.approx(50 / (s.steps + 1))
     assert all(1 <= n <= 16 for n in s.tree_sizes)
-    assert set(s.time_per_step()) == {"heads", "rescore", "lattice_tree", "verify_forward", "accept", "cache_compaction"}
+    assert set(s.time_per_step()) == {
+        "heads",
+        "rescore",
+        "lattice_tree",
+        "verify_forward",
+        "accept",
+        "cache_compaction",
+    }
 
 
 def test_max_tree_tokens_one_is_plain_decoding():

@@ -55,7 +55,7 @@ def load_distilled(path: str | Path):
     from datasets import load_dataset, load_from_disk
 
     path = Path(path)
-    if (path / "dataset").is_dir():
+    if (path / "dataset").is_dir() and not _more_shards_than_dataset(path):
         return load_from_disk(str(path / "dataset"))
     if (path / "shards").is_dir():
         shards = sorted(str(p) for p in (path / "shards").glob("shard-*.parquet"))
@@ -63,6 +63,15 @@ def load_distilled(path: str | Path):
             raise FileNotFoundError(f"{path}/shards holds no finished shard yet")
         return load_dataset("parquet", data_files=shards, split="train")
     return load_from_disk(str(path))
+
+
+def _more_shards_than_dataset(path: Path) -> bool:
+    """A run grown with a larger --limit and not finished yet: its shards hold more than dataset/."""
+    import pyarrow.parquet as pq
+    from datasets import load_from_disk
+
+    shards = sorted((path / "shards").glob("shard-*.parquet"))
+    return sum(pq.read_metadata(s).num_rows for s in shards) > len(load_from_disk(str(path / "dataset")))
 
 
 def done_ids(shard_dir: Path) -> set[str]:
