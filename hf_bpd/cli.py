@@ -10,6 +10,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "demo": "hf_bpd.demo",
         "bench": "hf_bpd.bench",
+        "analyze": "hf_bpd.analyze",
         "distill": "training.distill",
         "train-heads": "training.train_heads",
         "train-ngram": "training.train_ngram",

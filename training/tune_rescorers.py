@@ -1,0 +1,114 @@
+"""Choose the shipped rescorers' weights (n-gram alpha, context mixture lam, neural alpha) by measurement.
+
+Tuning slice: every 18th row of spec_bench_dev starting at row 4 (14 rows, all large categories). It is
+disjoint from the rows `hf-bpd bench --spread 26` reports on (every 9th from row 0), so the reported
+numbers are not fitted. Criterion: tau (block efficiency) with one shared forward-cost curve, so the
+choice does not depend on machine noise; the rescorers' own cost (~1-2 ms per step for the n-gram
+searches, see BENCHMARKS.md) is small next to a verification forward.
+
+Stage 1 tunes each rescorer alone; stage 2 builds the p-best variants and the "best" combination from the
+stage-1 winners. Writes rescorers.json (the specs `load_packaged_drafter(rescorer=NAME)` builds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from hf_bpd.bench import DEFAULT_DATA, bpd_method, greedy_method, run_bench
+from hf_bpd.drafter import BlockDrafter
+from hf_bpd.jsonl import read_jsonl
+from hf_bpd.rescorers import build_rescorer
+
+NGRAM = "ngram/ngram.arpa.gz"
+
+
+def tuning_rows(path: str) -> list[dict]:
+    return read_jsonl(path)[4::18]
+
+
+def measure(model, tokenizer, base, folder, specs: dict[str, dict], rows, max_new_tokens) -> dict[str, float]:
+    methods = [greedy_method(model), bpd_method(model, base, "heads")]
+    for name, spec in specs.items():
+        rescorer = build_rescorer(spec, folder, base_tokenizer=tokenizer)
+        drafter = BlockDrafter(base.heads, base.top_k, base.max_tree_tokens, rescorer, False, base.forward_cost)
+        methods.append(bpd_method(model, drafter, name))
+    results = run_bench(model, tokenizer, rows, methods, max_new_tokens)
+    taus = {}
+    for name, r in results.items():
+        if not r["overall"]["identical"]:
+            raise SystemExit(f"{name} differs from greedy: not lossless")
+        taus[name] = r["overall"]["tau"]
+        print(json.dumps({"config": name, "spec": specs.get(name), **r["overall"]}))
+    return taus
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.tune_rescorers", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--assets", default="hf_bpd/assets/smollm2", help="folder with ngram/ (and rescorer/)")
+    parser.add_argument("--data", default=DEFAULT_DATA)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--alphas", type=float, nargs="+", default=[0.25, 0.5, 1.0])
+    parser.add_argument("--lams", type=float, nargs="+", default=[0.2, 0.4, 0.6])
+    parser.add_argument("--neural-alphas", type=float, nargs="+", default=[0.5, 1.0])
+    parser.add_argument("--output", default=None, help="rescorers.json to write")
+    args = parser.parse_args(argv)
+
+    from hf_bpd.cost import measure_forward_cost
+    from hf_bpd.models import load_model
+    from hf_bpd.packaged import load_packaged_drafter
+
+    model, tokenizer = load_model("packaged")
+    folder = Path(args.assets)
+    base = load_packaged_drafter()
+    base.prepare(model)
+    if base.max_tree_tokens == "auto":
+        base.forward_cost = measure_forward_cost(model)
+    rows = tuning_rows(args.data)
+    has_neural = (folder / "rescorer").is_dir()
+
+    stage1 = {f"ngram-a{a}": {"type": "ngram", "lm": NGRAM, "alpha": a, "num_paths": 1, "beam": 8} for a in args.alphas}
+    stage1 |= {
+        f"context-l{lam}": {"type": "ngram", "lm": None, "context_weight": lam, "num_paths": 4, "beam": 8}
+        for lam in args.lams
+    }
+    if has_neural:
+        stage1 |= {f"neural-a{a}": {"type": "neural", "lm": "rescorer", "alpha": a} for a in args.neural_alphas}
+    taus = measure(model, tokenizer, base, folder, stage1, rows, args.max_new_tokens)
+
+    def winner(prefix: str) -> dict:
+        name = max((n for n in stage1 if n.startswith(prefix)), key=taus.get)
+        return stage1[name]
+
+    ngram, context = winner("ngram-"), winner("context-")
+    chosen = {"ngram": ngram, "context": context}
+    stage2 = {
+        "ngram_p4": {**ngram, "num_paths": 4, "beam": 8},
+        "ngram_p16": {**ngram, "num_paths": 16, "beam": 16},
+        "ngram+context": {**ngram, "num_paths": 4, "beam": 8, "context_weight": context["context_weight"]},
+    }
+    if has_neural:
+        chosen["neural"] = winner("neural-")
+        stage2["neural+ngram+context"] = {"type": "compose", "parts": [chosen["neural"], stage2["ngram+context"]]}
+    taus2 = measure(model, tokenizer, base, folder, stage2, rows, args.max_new_tokens)
+    chosen["ngram_p4"], chosen["ngram_p16"] = stage2["ngram_p4"], stage2["ngram_p16"]
+    candidates = {**{n: chosen[n] for n in ("ngram", "context", "neural") if n in chosen}, **stage2}
+    all_taus = {
+        **{
+            n: taus[next(k for k, v in stage1.items() if v == chosen[n])]
+            for n in ("ngram", "context", "neural")
+            if n in chosen
+        },
+        **taus2,
+    }
+    best = max(candidates, key=lambda n: all_taus[n])
+    chosen["best"] = {**candidates[best], "description": f"{best}: highest tau on the tuning slice"}
+    print("chosen:", json.dumps(chosen, indent=2))
+    if args.output:
+        Path(args.output).write_text(json.dumps(chosen, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
