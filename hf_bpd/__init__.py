@@ -5,7 +5,10 @@ from .drafter import BlockDrafter, DecodingStats, Rescorer
 from .heads import BlockDraftHeads, BlockDraftHeadsConfig
 from .joint import load_joint_model
 from .lattice import Lattice, ScoredPath
-from .packaged import load_packaged_drafter, load_packaged_model
+from .neural import NeuralRescorer
+from .ngram import ContextNgram, NgramLM, NgramRescorer
+from .packaged import load_packaged_drafter, load_packaged_model, packaged_rescorers
+from .rescorers import ComposedRescorer
 from .tree import DraftTree
 
 __version__ = "0.1.0"
@@ -14,13 +17,19 @@ __all__ = [
     "BlockDraftHeads",
     "BlockDraftHeadsConfig",
     "BlockDrafter",
+    "ComposedRescorer",
+    "ContextNgram",
     "DecodingStats",
     "DraftTree",
     "Lattice",
+    "NeuralRescorer",
+    "NgramLM",
+    "NgramRescorer",
     "Rescorer",
     "ScoredPath",
     "generate",
     "load_joint_model",
     "load_packaged_drafter",
     "load_packaged_model",
+    "packaged_rescorers",
 ]

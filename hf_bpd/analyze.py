@@ -197,6 +197,7 @@ def plot(summary: dict, out_dir: Path) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for c in cats:
         axes[0].plot(range(1, len(data[c]["mean_entropy"]) + 1), data[c]["mean_entropy"], marker="o", label=c)
+    axes[0].set_xticks(range(1, len(data[cats[0]]["mean_entropy"]) + 1))
     axes[0].set_xlabel("head")
     axes[0].set_ylabel("mean entropy (nats)")
     axes[0].legend(fontsize=7)
@@ -269,6 +270,46 @@ def markdown(summary: dict, files: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@torch.no_grad()
+def rescorer_overhead(model, tokenizer, rows: list[dict], rescorers: dict, h: int = 8, k: int = 16) -> dict:
+    """Median / p90 milliseconds per rescoring call on k x h lattices. The lattices are the base model's
+    own next-token distributions at h consecutive answer positions (what ideal heads would propose), one
+    per 8 answer tokens of each row's greedy answer, with the accepted text as context."""
+    import statistics
+    import time
+
+    from .models import chat_inputs
+
+    cases = []
+    for row in rows:
+        inputs = chat_inputs(tokenizer, [{"role": "user", "content": row["turns"][0]}])
+        ids = model.generate(**inputs, do_sample=False, max_new_tokens=64)[0]
+        logits = model(ids[None]).logits[0]
+        p = inputs["input_ids"].shape[1]
+        for t in range(p, ids.numel() - h, 8):
+            cases.append((Lattice.from_logits(logits[t : t + h][None], k), ids[None, : t + 1]))
+    out = {}
+    for name, rescorer in rescorers.items():
+        if hasattr(rescorer, "bind"):
+            rescorer.bind(model)
+        rescorer(*cases[0])  # warm-up (first-use loading)
+        times = []
+        for lattice, context in cases:
+            t0 = time.perf_counter()
+            rescorer(lattice, context)
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        out[name] = {
+            "median_ms": 1000 * statistics.median(times),
+            "p90_ms": 1000 * times[int(0.9 * (len(times) - 1))],
+            "calls": len(times),
+            "h": h,
+            "k": k,
+        }
+        print(name, json.dumps(out[name]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from .bench import DEFAULT_DATA, select_rows
     from .jsonl import read_jsonl
@@ -282,12 +323,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-category", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--output", required=True, help="folder for report.md, analysis.json and the plots")
+    parser.add_argument(
+        "--overhead", action="store_true", help="only time the shipped rescorers on k=16, h=8 lattices (overhead.json)"
+    )
     args = parser.parse_args(argv)
 
     from .drafter import BlockDrafter
     from .packaged import load_packaged_drafter
 
     model, tokenizer = load_model("packaged")
+    if args.overhead:
+        from .packaged import packaged_rescorers
+
+        rows = select_rows(read_jsonl(args.data), None, args.per_category, None, args.spread)
+        names = sorted(packaged_rescorers())
+        timings = rescorer_overhead(
+            model, tokenizer, rows, {n: load_packaged_drafter(rescorer=n).rescorer for n in names}
+        )
+        Path(args.output).mkdir(parents=True, exist_ok=True)
+        (Path(args.output) / "overhead.json").write_text(json.dumps(timings, indent=2))
+        return 0
     base = load_packaged_drafter()
     drafter = base if args.heads == "packaged" else BlockDrafter.from_pretrained(args.heads, top_k=base.top_k)
     drafter.heads.bind(model)

@@ -13,8 +13,8 @@ import hf_bpd
 from hf_bpd import packaged
 
 
-def assert_identical_on_prompts(model, tokenizer, prompts, max_new_tokens):
-    drafter = hf_bpd.load_packaged_drafter()
+def assert_identical_on_prompts(model, tokenizer, prompts, max_new_tokens, rescorer=None):
+    drafter = hf_bpd.load_packaged_drafter(rescorer=rescorer)
     taus = []
     for prompt in prompts:
         inputs = tokenizer.apply_chat_template(
@@ -96,4 +96,28 @@ def test_two_processes_building_the_cache_at_once(tmp_path):
 
 def test_packaged_drafter_rejects_unknown_rescorer_names():
     with pytest.raises(ValueError, match="rescorer"):
+        hf_bpd.load_packaged_drafter(rescorer="no-such-rescorer")
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["ngram", "ngram_p16", "context", "best"])
+def test_smollm2_identical_with_each_shipped_rescorer(smollm2, name):
+    model, tokenizer = smollm2
+    assert_identical_on_prompts(model, tokenizer, spec_bench_prompts(2), max_new_tokens=48, rescorer=name)
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(packaged.packaged_rescorers()))
+def test_smollm2_identical_on_20_prompts_with_each_shipped_rescorer(smollm2, name):
+    model, tokenizer = smollm2
+    assert_identical_on_prompts(model, tokenizer, spec_bench_prompts(20), max_new_tokens=64, rescorer=name)
+
+
+def test_every_shipped_rescorer_builds_and_names_are_checked():
+    names = set(packaged.packaged_rescorers())
+    assert {"ngram", "ngram_p4", "ngram_p16", "context", "best"} <= names
+    for name in names:
+        assert hf_bpd.load_packaged_drafter(rescorer=name).rescorer is not None
+    with pytest.raises(ValueError, match="shipped"):
         hf_bpd.load_packaged_drafter(rescorer="no-such-rescorer")

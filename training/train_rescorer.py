@@ -42,6 +42,17 @@ def lm_batches(data, batch_tokens: int, seed: int) -> list[list[dict]]:
     return batches
 
 
+def load_init(model, path: str):
+    """Continue from a saved rescorer: a `save_truncated_lm` folder or a full model folder."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_bpd.neural import TRUNCATED_LM_CONFIG, load_truncated_lm
+
+    if (Path(path) / TRUNCATED_LM_CONFIG).is_file():
+        return load_truncated_lm(model, path).float()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
 def lm_loss(lm, rows) -> torch.Tensor:
     _, ids, mask = right_padded(rows)
     labels = ids.masked_fill(mask == 0, IGNORE)
@@ -52,6 +63,7 @@ def train_rescorer(
     model,
     data,
     num_layers: int = 2,
+    init: str | None = None,
     epochs: int = 1,
     lr: float = 5e-4,
     batch_tokens: int = 4096,
@@ -64,7 +76,7 @@ def train_rescorer(
     from hf_bpd.neural import truncated_lm
 
     torch.manual_seed(seed)
-    lm = truncated_lm(model, num_layers).float()
+    lm = truncated_lm(model, num_layers).float() if init is None else load_init(model, init)
     lm.get_input_embeddings().weight.requires_grad_(False)
     lm.get_output_embeddings().weight.requires_grad_(False)
     rows = list(data)
@@ -114,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True, help="hf-bpd distill --output folder")
     parser.add_argument("--output", required=True)
     parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--init", default=None, help="continue from a saved rescorer folder")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--batch-tokens", type=int, default=4096)
@@ -127,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     lm, history = train_rescorer(
         model,
         load_distilled(args.data),
-        args.num_layers,
-        args.epochs,
-        args.lr,
-        args.batch_tokens,
+        num_layers=args.num_layers,
+        init=args.init,
+        epochs=args.epochs,
+        lr=args.lr,
+        batch_tokens=args.batch_tokens,
         seed=args.seed,
         progress=not args.no_progress,
     )

@@ -3,9 +3,8 @@
 # Each step resumes or reuses its output when rerun. RUNS defaults to ./runs.
 set -euo pipefail
 RUNS=${RUNS:-runs}
-LIMIT=${LIMIT:-1200}
-# 1. self-distillation: the model's own greedy answers (prompts shuffled with seed 0, then the first $LIMIT)
-hf-bpd distill --output "$RUNS/distill2" --limit "$LIMIT" --max-new-tokens 128 --max-prompt-tokens 256 \
+# 1. self-distillation: the model's own greedy answers (prompts shuffled with seed 0, then the first 896)
+hf-bpd distill --output "$RUNS/distill2" --limit 896 --max-new-tokens 128 --max-prompt-tokens 256 \
   --batch-size 32 --shard-size 64
 # 2. frozen-base heads over an 8,192-token draft vocabulary
 hf-bpd train-heads --data "$RUNS/distill2" --output "$RUNS/heads" --num-heads 5 --num-layers 1 \
@@ -16,3 +15,15 @@ python -m training.tune_drafter --heads "$RUNS/heads" --distilled "$RUNS/distill
 # 4. into the package (heads, drafter.json, training log, distillation manifest)
 python -m training.ship --heads "$RUNS/heads" --distilled "$RUNS/distill2" --drafter "$RUNS/drafter.json" \
   --to hf_bpd/assets/smollm2
+# 5. rescorers: the distillation grown to 1,152 prompts (the same seeded order: the first 896 are the heads'
+#    data; these 256 were generated with --batch-size 64), a 4-gram over token ids (prompts + responses) and
+#    the small-LM rescorer (first 2 layers of the base, fine-tuned), then their weights by measurement on a
+#    Spec-Bench slice disjoint from the report
+hf-bpd distill --output "$RUNS/distill2" --limit 1152 --max-new-tokens 128 --max-prompt-tokens 256 \
+  --batch-size 64 --shard-size 64
+hf-bpd train-ngram --data "$RUNS/distill2" --output "$RUNS/ngram4" --order 4
+cp "$RUNS/ngram4/ngram.arpa.gz" "$RUNS/ngram4/ngram.json" hf_bpd/assets/smollm2/ngram/
+hf-bpd train-rescorer --data "$RUNS/distill2" --output "$RUNS/rescorer" --num-layers 2 --epochs 1 --lr 5e-4
+hf-bpd train-rescorer --data "$RUNS/distill2" --init "$RUNS/rescorer" --output "$RUNS/rescorer2" --epochs 3 --lr 2e-3
+cp -r "$RUNS/rescorer2/." hf_bpd/assets/smollm2/rescorer/
+python -m training.tune_rescorers --output hf_bpd/assets/smollm2/rescorers.json
