@@ -91,7 +91,10 @@ class NgramLM:
     def __init__(
         self, path: str | Path, vocab_size: int | None = None, tokenizer=None, check_words: bool = True
     ) -> None:
-        import kenlm
+        try:
+            import kenlm
+        except ImportError as e:
+            raise ImportError("n-gram rescoring needs KenLM's Python module: pip install 'hf_bpd[kenlm]'") from e
 
         self.path = Path(path)
         if not self.path.is_file():

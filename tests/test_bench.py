@@ -55,3 +55,20 @@ def test_auto_tree_measurement_is_not_counted_as_decoding():
     methods = [bench.greedy_method(model), bench.bpd_method(model, drafter)]
     results = bench.run_bench(model, TinyChatTokenizer(), ROWS[1:2], methods, max_new_tokens=8, progress=False)
     assert results["hf_bpd"]["overall"]["forwards"] == drafter.stats.forwards
+
+
+def test_assisted_and_rescored_methods_are_lossless_and_named():
+    from hf_bpd.neural import truncated_lm
+    from hf_bpd.ngram import NgramRescorer
+
+    model = tiny_model("llama", eos_token_id=None)
+    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3)
+    rescored = hf_bpd.BlockDrafter(heads, top_k=3, max_tree_tokens=8, rescorer=NgramRescorer(None, context_weight=0.5))
+    methods = [
+        bench.greedy_method(model),
+        bench.assisted_method(model, truncated_lm(model, 1)),
+        bench.bpd_method(model, rescored, "hf_bpd+context"),
+    ]
+    results = bench.run_bench(model, TinyChatTokenizer(), ROWS, methods, max_new_tokens=12, progress=False)
+    assert results["assisted"]["overall"]["identical"] and results["hf_bpd+context"]["overall"]["identical"]
+    assert results["hf_bpd+context"]["overall"]["ms_per_step"]["rescore"] > 0
