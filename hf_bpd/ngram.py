@@ -195,6 +195,11 @@ class ContextNgram:
 
     `predict(history)` returns {token: probability} from the longest suffix of `history` (up to
     order - 1 tokens, at least `min_match`) seen before: the relative frequencies of what followed it.
+
+    It also keeps score of itself: before each new token is counted, its most frequent continuation for
+    the longest matching suffix is checked against it, per match length. `accuracy(n)` (with a uniform
+    Beta prior) is then this sequence's own measured chance that a prediction from an n-token match is
+    right: the acceptance estimate of tokens drafted from the context alone.
     """
 
     def __init__(self, order: int = 4, min_match: int = 1) -> None:
@@ -207,6 +212,19 @@ class ContextNgram:
     def reset(self) -> None:
         self.tokens: list[int] = []
         self.counts: dict[tuple[int, ...], dict[int, int]] = {}
+        self.hits = [0] * self.order
+        self.attempts = [0] * self.order
+
+    def accuracy(self, match: int) -> float:
+        return (self.hits[match] + 1) / (self.attempts[match] + 2)
+
+    def best(self, history: Sequence[int]) -> tuple[int, int] | None:
+        """(most frequent continuation, match length) for the longest matching suffix, or None."""
+        for n in range(min(self.order - 1, len(history)), self.min_match - 1, -1):
+            table = self.counts.get(tuple(history[-n:]))
+            if table:
+                return max(table, key=table.get), n
+        return None
 
     def update(self, sequence: Sequence[int]) -> None:
         """Bring the counts up to `sequence`; starts over when it does not extend what was seen."""
@@ -216,6 +234,10 @@ class ContextNgram:
             seen = 0
         for i in range(seen, len(sequence)):
             token = int(sequence[i])
+            guess = self.best(self.tokens)
+            if guess is not None:
+                self.attempts[guess[1]] += 1
+                self.hits[guess[1]] += guess[0] == token
             for n in range(1, self.order):
                 if len(self.tokens) >= n:
                     hist = tuple(self.tokens[-n:])
@@ -255,6 +277,8 @@ class NgramRescorer:
         context_weight: float = 0.0,
         context_order: int = 4,
         context_proposals: int = 2,
+        context_extend: int = 0,
+        context_extend_match: int = 2,
     ) -> None:
         if lm is None and context_weight <= 0:
             raise ValueError("NgramRescorer needs an n-gram LM, a context_weight > 0, or both")
@@ -271,6 +295,8 @@ class NgramRescorer:
         self.context_weight = context_weight
         self.context = [ContextNgram(context_order)] if context_weight > 0 else None
         self.context_proposals = context_proposals
+        self.context_extend = context_extend
+        self.context_extend_match = context_extend_match
         self._cache: dict = {}
 
     def bind(self, model) -> None:
@@ -357,10 +383,30 @@ class NgramRescorer:
             beam = [e[2] for e in kept]
         best = beam[: self.num_paths]
         if root_state is None:  # q is the drafting distribution itself: its log-probs are the estimates
-            return [ScoredPath(hyp[2], hyp[0], hyp[1]) for hyp in best]
-        start = (root_state, tuple(accepted[-hist_len:]) if hist_len else ())
-        estimates = self._acceptance_estimates([hyp[2] for hyp in best], tokens, logprobs, start, ctx_model)
-        return [ScoredPath(hyp[2], hyp[0], est) for hyp, est in zip(best, estimates)]
+            paths = [ScoredPath(hyp[2], hyp[0], hyp[1]) for hyp in best]
+        else:
+            start = (root_state, tuple(accepted[-hist_len:]) if hist_len else ())
+            estimates = self._acceptance_estimates([hyp[2] for hyp in best], tokens, logprobs, start, ctx_model)
+            paths = [ScoredPath(hyp[2], hyp[0], est) for hyp, est in zip(best, estimates)]
+        if ctx_model is not None and self.context_extend > 0:
+            paths = [self._extend(path, accepted, ctx_model) for path in paths]
+        return paths
+
+    def _extend(self, path: ScoredPath, accepted: list[int], ctx_model: ContextNgram) -> ScoredPath:
+        """Continue a draft past the heads' h positions with the context's own continuation while it
+        matches at least `context_extend_match` tokens, as prompt-lookup decoding drafts a copied span.
+        Each added token's acceptance estimate is the context model's measured accuracy at that match
+        length on this very sequence."""
+        seq = accepted + list(path.tokens)
+        tokens, estimates = list(path.tokens), list(path.token_logprobs or [])
+        for _ in range(self.context_extend):
+            guess = ctx_model.best(seq[-(ctx_model.order - 1) :])
+            if guess is None or guess[1] < self.context_extend_match:
+                break
+            tokens.append(guess[0])
+            estimates.append(math.log(ctx_model.accuracy(guess[1])))
+            seq.append(guess[0])
+        return ScoredPath(tuple(tokens), path.score, tuple(estimates) if path.token_logprobs is not None else None)
 
     def _acceptance_estimates(self, paths, tokens, logprobs, start, ctx_model) -> list[tuple[float, ...]]:
         """Per-token acceptance log-probability of each path under the rescored distribution: at each

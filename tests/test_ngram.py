@@ -211,3 +211,24 @@ def test_generation_with_ngram_rescorers_is_lossless(ngram_dir, arch):
         )
         assert out.tolist() == ref.tolist()
         assert drafter.stats.time_rescore > 0
+
+
+def test_context_extension_drafts_a_copied_span_past_the_heads():
+    ctx = ContextNgram(order=4)
+    ctx.update([9, 8, 9, 8, 9, 7])  # "9 8" -> 9 was right once; "8 9" -> 8 then 7: a miss at match 2
+    assert ctx.attempts[2] >= 1 and 0 < ctx.accuracy(2) < 1
+    lattice = Lattice(torch.tensor([[[30, 31], [32, 33]]]), torch.tensor([[[-1.0, -1.2], [-1.0, -1.2]]]))
+    rescorer = NgramRescorer(None, context_weight=0.5, context_extend=4)
+    accepted = [20, 21, 22, 23, 24, 25, 26, 5, 20, 21]
+    best = rescorer(lattice, torch.tensor([accepted]))[0][0]
+    assert best.tokens == (22, 23, 24, 25, 26, 5)  # 2 lattice positions + 4 copied
+    assert len(best.token_logprobs) == 6 and all(lp < 0 for lp in best.token_logprobs)
+    # the drafter verifies the deep copy when the estimates make it worth it
+    model = tiny_model("llama", eos_token_id=None)
+    from conftest import random_heads
+
+    prompt = torch.tensor([accepted])
+    ref = model.generate(prompt, do_sample=False, max_new_tokens=20)
+    drafter = BlockDrafter(random_heads(model, 2), top_k=2, max_tree_tokens=12, rescorer=rescorer)
+    out = model.generate(prompt, do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist() and max(drafter.stats.tree_sizes) > 3
