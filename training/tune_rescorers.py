@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     parser.add_argument("--lams", type=float, nargs="+", default=[0.2, 0.4, 0.6])
+    parser.add_argument("--extends", type=int, nargs="+", default=[0, 6], help="context_extend values")
     parser.add_argument("--neural-alphas", type=float, nargs="+", default=[0.5, 1.0])
     parser.add_argument("--output", default=None, help="rescorers.json to write")
     args = parser.parse_args(argv)
@@ -70,8 +71,16 @@ def main(argv: list[str] | None = None) -> int:
 
     stage1 = {f"ngram-a{a}": {"type": "ngram", "lm": NGRAM, "alpha": a, "num_paths": 1, "beam": 8} for a in args.alphas}
     stage1 |= {
-        f"context-l{lam}": {"type": "ngram", "lm": None, "context_weight": lam, "num_paths": 4, "beam": 8}
+        f"context-l{lam}-e{e}": {
+            "type": "ngram",
+            "lm": None,
+            "context_weight": lam,
+            "num_paths": 4,
+            "beam": 8,
+            "context_extend": e,
+        }
         for lam in args.lams
+        for e in args.extends
     }
     if has_neural:
         stage1 |= {f"neural-a{a}": {"type": "neural", "lm": "rescorer", "alpha": a} for a in args.neural_alphas}
@@ -86,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     stage2 = {
         "ngram_p4": {**ngram, "num_paths": 4, "beam": 8},
         "ngram_p16": {**ngram, "num_paths": 16, "beam": 16},
-        "ngram+context": {**ngram, "num_paths": 4, "beam": 8, "context_weight": context["context_weight"]},
+        "ngram+context": {
+            **ngram,
+            "num_paths": 4,
+            "beam": 8,
+            "context_weight": context["context_weight"],
+            "context_extend": context["context_extend"],
+        },
     }
     if has_neural:
         chosen["neural"] = winner("neural-")
