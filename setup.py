@@ -1,10 +1,12 @@
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
     name="hf_bpd",
     version="0.1.0",
     description="Lossless blockwise parallel decoding (draft heads + lattice rescoring) for transformers",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["hf_bpd", "hf_bpd.*", "training", "training.*", "model_cards"]),

@@ -125,3 +125,25 @@ def test_generation_with_neural_and_composed_rescorers_is_lossless(arch):
                 prompt, do_sample=False, max_new_tokens=40, custom_generate=hf_bpd.generate, assistant=drafter
             )
             assert out.tolist() == ref.tolist()
+
+
+def test_train_rescorer_lowers_the_loss_and_checkpoints_each_epoch(tmp_path):
+    from training.train_rescorer import train_rescorer
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    rows = [{"prompt_ids": [1, 3 + i % 5], "response_ids": [10 + (i + j) % 7 for j in range(12)]} for i in range(40)]
+    saved = []
+    lm, history = train_rescorer(
+        model,
+        rows,
+        num_layers=1,
+        epochs=3,
+        lr=1e-2,
+        batch_tokens=128,
+        progress=False,
+        on_epoch=lambda lm, h: saved.append(len(h)),
+    )
+    assert saved == [2, 3, 4] and len(history) == 4
+    assert history[-1]["val_loss"] < history[0]["val_loss"] - 0.5
+    # the embeddings and output head stay the base model's (frozen, shared)
+    assert torch.equal(lm.get_output_embeddings().weight, model.get_output_embeddings().weight)

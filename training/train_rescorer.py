@@ -70,6 +70,7 @@ def train_rescorer(
     val_fraction: float = 0.05,
     seed: int = 0,
     progress: bool = True,
+    on_epoch=None,
 ):
     from tqdm import tqdm
 
@@ -115,6 +116,8 @@ def train_rescorer(
             }
         )
         print(json.dumps(history[-1]))
+        if on_epoch is not None:
+            on_epoch(lm, history)  # checkpoint: an interrupted run keeps its finished epochs
     for entry in history:
         entry["val_perplexity"] = round(math.exp(entry["val_loss"]), 2)
     return lm.eval(), history
@@ -134,9 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     from hf_bpd.models import load_model
+    from hf_bpd.neural import save_truncated_lm
     from training.distill import load_distilled
 
-    model, tokenizer = load_model(args.model)
+    model, _ = load_model(args.model)
+
+    out = Path(args.output)
+
+    def save(lm, history) -> None:
+        save_truncated_lm(lm, out, model)
+        (out / "training_log.json").write_text(json.dumps({"args": vars(args), "epochs": history}, indent=2))
+
     lm, history = train_rescorer(
         model,
         load_distilled(args.data),
@@ -147,12 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         batch_tokens=args.batch_tokens,
         seed=args.seed,
         progress=not args.no_progress,
+        on_epoch=save,
     )
-    from hf_bpd.neural import save_truncated_lm
-
-    out = Path(args.output)
-    save_truncated_lm(lm, out, model)
-    (out / "training_log.json").write_text(json.dumps({"args": vars(args), "epochs": history}, indent=2))
+    save(lm, history)
     print(f"saved rescorer LM to {out}")
     return 0
 
