@@ -212,19 +212,36 @@ def run_bench(
 
 
 def markdown_table(results: dict) -> str:
+    """Three tables: τ and speedup per category (one column per method), then per method overall τ,
+    tokens/s, speedup, lossless flag and hf_bpd's time per step by phase."""
     methods = list(results)
     cats = list(next(iter(results.values()))["categories"])
-    head = "| category | " + " | ".join(f"{m} τ | {m} tok/s | {m} speedup" for m in methods[1:]) + " | greedy tok/s |"
-    lines = [head, "|" + " --- |" * (1 + 3 * (len(methods) - 1) + 1)]
-    for cat in [*cats, "overall"]:
-        cells = []
-        for m in methods[1:]:
-            s = results[m]["overall"] if cat == "overall" else results[m]["categories"][cat]
-            flag = "" if s["identical"] else " ✗"
-            cells.append(f"{s['tau']:.2f}{flag} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}×")
-        g = results[methods[0]]["overall"] if cat == "overall" else results[methods[0]]["categories"][cat]
-        name = f"**{cat}**" if cat == "overall" else cat
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {g['tokens_per_s']:.1f} |")
+    lines = []
+    for key, unit in (("tau", "τ"), ("speedup", "speedup")):
+        lines += [
+            "| category | " + " | ".join(f"{m} {unit}" for m in methods) + " |",
+            "|" + " --- |" * (1 + len(methods)),
+        ]
+        for cat in [*cats, "overall"]:
+            cells = []
+            for m in methods:
+                s = results[m]["overall"] if cat == "overall" else results[m]["categories"][cat]
+                cells.append(f"{s[key]:.2f}" + ("×" if key == "speedup" else "") + ("" if s["identical"] else " ✗"))
+            name = f"**{cat}**" if cat == "overall" else cat
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines.pop()
+    phases = ["heads", "rescore", "lattice_tree", "verify_forward", "accept", "cache_compaction"]
+    lines += ["", "| method | τ | tok/s | speedup | identical | " + " | ".join(f"{p} ms" for p in phases) + " |"]
+    lines.append("|" + " --- |" * (5 + len(phases)))
+    for m in methods:
+        s = results[m]["overall"]
+        steps = s.get("ms_per_step", {})
+        times = [f"{steps[p]:.1f}" if p in steps else "" for p in phases]
+        lines.append(
+            f"| {m} | {s['tau']:.2f} | {s['tokens_per_s']:.2f} | {s['speedup']:.2f}× | "
+            f"{'yes' if s['identical'] else 'NO'} | " + " | ".join(times) + " |"
+        )
     return "\n".join(lines)
 
 

@@ -37,7 +37,7 @@ def test_bench_counts_forwards_and_checks_identity():
     assert results["hf_bpd"]["categories"]["writing"]["tokens"] == 24  # two turns
     assert set(b["ms_per_step"]) == {"heads", "rescore", "lattice_tree", "verify_forward", "accept", "cache_compaction"}
     table = bench.markdown_table(results)
-    assert "| **overall** |" in table and "hf_bpd τ" in table
+    assert "| **overall** |" in table and "hf_bpd τ" in table and "| hf_bpd | " in table
 
 
 def test_select_rows():

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lams", type=float, nargs="+", default=[0.2, 0.4, 0.6])
     parser.add_argument("--extends", type=int, nargs="+", default=[0, 6], help="context_extend values")
     parser.add_argument("--neural-alphas", type=float, nargs="+", default=[0.5, 1.0])
+    parser.add_argument("--neural-only", action="store_true", help="only measure the neural alphas (stage 1)")
     parser.add_argument("--output", default=None, help="rescorers.json to write")
     args = parser.parse_args(argv)
 
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = tuning_rows(args.data)
     has_neural = (folder / "rescorer").is_dir()
 
+    if args.neural_only:
+        specs = {f"neural-a{a}": {"type": "neural", "lm": "rescorer", "alpha": a} for a in args.neural_alphas}
+        measure(model, tokenizer, base, folder, specs, rows, args.max_new_tokens)
+        return 0
     stage1 = {f"ngram-a{a}": {"type": "ngram", "lm": NGRAM, "alpha": a, "num_paths": 1, "beam": 8} for a in args.alphas}
     stage1 |= {
         f"context-l{lam}-e{e}": {
