@@ -170,21 +170,31 @@ class BlockDrafter:
             return self.forward_cost.max_size if self.forward_cost is not None else 64
         return self.max_tree_tokens
 
-    def tree(self, lattice: Lattice, context: torch.Tensor, max_depth: int | None = None) -> list[DraftTree]:
+    def with_rescorer(self, rescorer: Rescorer | None) -> BlockDrafter:
+        """A drafter with these heads and settings (and forward-cost curve) and another rescorer."""
+        return BlockDrafter(self.heads, self.top_k, self.max_tree_tokens, rescorer, self.profile, self.forward_cost)
+
+    def rescore(self, lattice: Lattice, context: torch.Tensor) -> list[list[ScoredPath]] | None:
+        """The rescorer's drafts per batch row (None without a rescorer or room for drafts)."""
+        if self.rescorer is None or self.tree_budget <= 1:
+            return None
+        return self.rescorer(lattice, context)
+
+    def tree(
+        self,
+        lattice: Lattice,
+        context: torch.Tensor,
+        max_depth: int | None = None,
+        rescored: list[list[ScoredPath]] | None = None,
+    ) -> list[DraftTree]:
         """One draft tree per batch row: the most probable nodes among the heads' best prefixes and the
-        rescorer's drafts (drafts without estimates first); with a forward-cost curve, cut to the prefix
+        `rescored` drafts (drafts without estimates first); with a forward-cost curve, cut to the prefix
         with the best expected tokens per second."""
         budget = self.tree_budget
-        rescored = None
-        if self.rescorer is not None and budget > 1:
-            t0 = time.perf_counter()
-            rescored = self.rescorer(lattice, context)
-            self.stats.time_rescore += time.perf_counter() - t0
         trees = []
         for b in range(lattice.batch_size):
-            tokens, logprobs = lattice.row(b)
-            tables = [dict(zip(t, lp)) for t, lp in zip(tokens, logprobs)]
-            tree = DraftTree.root_only(int(context[b, -1]))
+            root = int(context[b, -1])
+            tree = DraftTree.root_only(root)
             # Rescored drafts with per-token acceptance estimates compete with the heads' prefixes on
             # estimated probability (a node's arc: the higher of the two estimates); drafts without
             # estimates are verified first, as given.
@@ -196,28 +206,20 @@ class BlockDrafter:
                     continue
                 for d, lp in enumerate(path.token_logprobs[: len(toks)]):
                     estimates[toks[: d + 1]] = max(lp, estimates.get(toks[: d + 1], -math.inf))
-            memo: dict[tuple[int, ...], float] = {(): 0.0}
-
-            def logprob(key: tuple[int, ...], tables=tables, estimates=estimates, memo=memo) -> float:
-                """Estimated probability (log) that the draft `key` is accepted whole."""
-                if key not in memo:
-                    table = tables[len(key) - 1] if len(key) <= len(tables) else {}
-                    arc = max(table.get(key[-1], -math.inf), estimates.get(key, -math.inf))
-                    memo[key] = logprob(key[:-1]) + arc
-                return memo[key]
-
+            tables = None
+            if estimates or self.forward_cost is not None:
+                tokens, logprobs = lattice.row(b)
+                tables = [dict(zip(t, lp)) for t, lp in zip(tokens, logprobs)]
             if len(tree) < budget:
-                keys = [p.tokens for p in lattice.best_prefixes(b, budget - 1, max_depth)]
+                drafts = [p.tokens for p in lattice.best_prefixes(b, budget - 1, max_depth)]
                 if estimates:
-                    keys = sorted(set(keys) | set(estimates), key=lambda k: (-logprob(k), len(k)))
-                for key in keys:
-                    tree.add_path(key, budget)
+                    drafts = _by_estimated_probability(root, drafts, estimates, tables)
+                for draft in drafts:
+                    tree.add_path(draft, budget)
                     if len(tree) >= budget:
                         break
             if self.forward_cost is not None and len(tree) > 1:
-                probs = [
-                    math.exp(logprob(tuple(tree.tokens[j] for j in tree.path_to(i)[1:]))) for i in range(len(tree))
-                ]
+                probs = [math.exp(lp) for lp in tree.node_logprobs(tables, estimates)]
                 tree = tree.truncated(best_tree_size(probs, self.forward_cost))
             trees.append(tree)
         return trees
@@ -229,9 +231,26 @@ class BlockDrafter:
         t0 = self._sync(hidden_last.device)
         lattice = self.lattice(hidden_last)
         t1 = self._sync(hidden_last.device)
-        rescore_before = self.stats.time_rescore
-        trees = self.tree(lattice, context, max_depth)
+        rescored = self.rescore(lattice, context)
         t2 = time.perf_counter()
+        trees = self.tree(lattice, context, max_depth, rescored)
+        t3 = time.perf_counter()
         self.stats.time_heads += t1 - t0
-        self.stats.time_tree += t2 - t1 - (self.stats.time_rescore - rescore_before)
+        self.stats.time_rescore += t2 - t1
+        self.stats.time_tree += t3 - t2
         return trees
+
+
+def _by_estimated_probability(
+    root: int, drafts: list[tuple[int, ...]], estimates: dict[tuple[int, ...], float], tables: list[dict[int, float]]
+) -> list[tuple[int, ...]]:
+    """Every candidate draft (the heads' prefixes and each prefix of the rescored drafts), most probable
+    first. A child is never more probable than its parent (depth breaks ties), so each draft's prefixes
+    come before it."""
+    candidates = DraftTree.root_only(root)
+    for draft in [*drafts, *estimates]:
+        candidates.add_path(draft, len(drafts) + len(estimates) + 1)
+    logprobs = candidates.node_logprobs(tables, estimates)
+    paths = candidates.node_paths()
+    order = sorted(range(1, len(candidates)), key=lambda i: (-logprobs[i], candidates.depths[i]))
+    return [paths[i] for i in order]

@@ -76,13 +76,27 @@ class DraftTree:
         tree._children = {key: child for key, child in self._children.items() if child < n}
         return tree
 
-    def node_logprobs(self, position_logprob: list[dict[int, float]]) -> list[float]:
+    def node_paths(self) -> list[tuple[int, ...]]:
+        """Each node's draft: the tokens from the root's child down to it (the root's is empty)."""
+        out: list[tuple[int, ...]] = [()]
+        for i in range(1, len(self.tokens)):
+            out.append(out[self.parents[i]] + (self.tokens[i],))
+        return out
+
+    def node_logprobs(
+        self, position_logprob: list[dict[int, float]], path_estimates: dict[tuple[int, ...], float] | None = None
+    ) -> list[float]:
         """Summed log-probability of each node's path, from per-position {token: logprob} tables (root 0;
-        a token absent from a table gets -inf)."""
+        a token absent from a table gets -inf). `path_estimates` (keyed by a node's draft, see
+        `node_paths`) gives another estimate of a node's own arc; the higher one counts."""
+        paths = self.node_paths() if path_estimates else None
         out = [0.0]
         for i in range(1, len(self.tokens)):
             table = position_logprob[self.depths[i] - 1] if self.depths[i] - 1 < len(position_logprob) else {}
-            out.append(out[self.parents[i]] + table.get(self.tokens[i], float("-inf")))
+            arc = table.get(self.tokens[i], float("-inf"))
+            if paths is not None:
+                arc = max(arc, path_estimates.get(paths[i], float("-inf")))
+            out.append(out[self.parents[i]] + arc)
         return out
 
     def ancestor_mask(self) -> torch.Tensor:
