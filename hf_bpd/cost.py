@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .vocab import model_vocab_size
+
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -52,7 +54,7 @@ def measure_forward_cost(model, sizes=DEFAULT_SIZES, context: int = 256, repeats
 
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model_vocab_size(model)
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.randint(0, vocab, (1, context), device=device), past_key_values=cache, use_cache=True)
     times = []

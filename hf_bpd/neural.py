@@ -21,17 +21,7 @@ from pathlib import Path
 import torch
 
 from .lattice import Lattice, ScoredPath
-
-
-def check_same_tokenizer(a, b, what: str = "rescorer LM") -> None:
-    """Raise if two tokenizers map any token to different ids."""
-    va, vb = a.get_vocab(), b.get_vocab()
-    if va != vb:
-        diff = next((t for t in va if vb.get(t) != va[t]), None) or next(t for t in vb if t not in va)
-        raise ValueError(
-            f"the {what} uses another tokenizer than the base model ({len(va)} vs {len(vb)} tokens; "
-            f"token {diff!r} differs): the rescorer must share the base model's tokenizer"
-        )
+from .vocab import check_same_tokenizer, model_vocab_size
 
 
 class NeuralRescorer:
@@ -74,8 +64,7 @@ class NeuralRescorer:
         """The rescorer LM must score the base model's token ids: same vocabulary and special tokens."""
         if self.layers is not None:
             self.lm = load_truncated_lm(model, self.layers)
-        vocab = model.get_output_embeddings().weight.shape[0]
-        lm_vocab = self.lm.get_output_embeddings().weight.shape[0]
+        vocab, lm_vocab = model_vocab_size(model), model_vocab_size(self.lm)
         if lm_vocab != vocab:
             raise ValueError(
                 f"the rescorer LM has a vocabulary of {lm_vocab} tokens, the base model {vocab}: "
@@ -197,7 +186,7 @@ def save_truncated_lm(lm, folder: str | Path, base_model) -> None:
         "format": "hf_bpd-truncated-lm-v1",
         "num_layers": lm.config.num_hidden_layers,
         "hidden_size": lm.config.hidden_size,
-        "vocab_size": lm.get_output_embeddings().weight.shape[0],
+        "vocab_size": model_vocab_size(lm),
         "base_lm_head_fingerprint": lm_head_fingerprint(base_model.get_output_embeddings().weight),
     }
     (folder / TRUNCATED_LM_CONFIG).write_text(json.dumps(meta, indent=2))

@@ -31,18 +31,11 @@ from pathlib import Path
 import torch
 
 from .lattice import Lattice, ScoredPath
+from .vocab import model_vocab_size, tokenizer_fingerprint
 
 LN10 = math.log(10.0)
 NGRAM_METADATA = "ngram.json"
 SPECIAL_WORDS = ("<s>", "</s>", "<unk>")
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of a tokenizer's vocabulary (token -> id), so two files can say they share one."""
-    import hashlib
-
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def _open_text(path: Path):
@@ -301,7 +294,7 @@ class NgramRescorer:
 
     def bind(self, model) -> None:
         """Called by the drafter with the base model: the n-gram must be over its vocabulary."""
-        vocab = model.get_output_embeddings().weight.shape[0]
+        vocab = model_vocab_size(model)
         if self.lm is not None and self.lm.vocab_size is not None and self.lm.vocab_size != vocab:
             raise ValueError(
                 f"n-gram {self.lm.path} is over {self.lm.vocab_size} token ids, the model has {vocab}: "

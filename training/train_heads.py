@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from hf_bpd.heads import BlockDraftHeads
+from hf_bpd.vocab import model_vocab_size
 
 IGNORE = -100
 
@@ -204,7 +205,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         keep = keep[: args.max_positions]
         train = Features(train.hidden[keep], train.targets[keep], train.sample[keep])
 
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model_vocab_size(model)
     draft_vocab = None
     if args.draft_vocab_size:
         eos = model.generation_config.eos_token_id

@@ -99,7 +99,8 @@ def train_ngram(
     min_counts: list[int] | None = None,
 ) -> dict:
     """Train, write `output/ngram.arpa.gz` + `ngram.json`, and report held-out perplexity per token."""
-    from hf_bpd.ngram import NGRAM_METADATA, NgramLM, tokenizer_fingerprint
+    from hf_bpd.ngram import NGRAM_METADATA, NgramLM
+    from hf_bpd.vocab import tokenizer_fingerprint
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     add_args(parser)
     args = parser.parse_args(argv)
     from hf_bpd.models import load_model
+    from hf_bpd.vocab import model_vocab_size
     from training.distill import load_distilled
 
     model, tokenizer = load_model(args.model)
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         order=args.order,
         prune_threshold=args.prune,
         include_prompts=not args.responses_only,
-        vocab_size=model.get_output_embeddings().weight.shape[0],
+        vocab_size=model_vocab_size(model),
         tokenizer=tokenizer,
         min_counts=args.min_counts,
     )
