@@ -13,10 +13,10 @@ proposes the token that followed, so copied spans (summaries, RAG answers, code 
 prompt-lookup decoding would, inside the same search; its proposals are added to the lattice as extra
 arcs. q_i doubles as the per-token acceptance estimate the drafter sizes trees with.
 
-Search: a beam over (KenLM state, context history) per position, best first. Because
-alpha * log P_kenlm <= 0, an expansion can never score above `beam score + log q`: entries and arcs are
-visited in descending order of that bound and the loop stops as soon as the bound cannot enter the beam,
-which skips most KenLM calls.
+Search: a beam over (KenLM state, context history) per position, best first. An expansion scores at most
+`beam score + log q + alpha * (the token's best log-prob in any n-gram of the file)`: candidates are
+visited in descending order of that bound and the loop stops as soon as it cannot enter the beam, which
+skips most KenLM calls.
 """
 
 from __future__ import annotations
@@ -211,13 +211,18 @@ class ContextNgram:
     def accuracy(self, match: int) -> float:
         return (self.hits[match] + 1) / (self.attempts[match] + 2)
 
-    def best(self, history: Sequence[int]) -> tuple[int, int] | None:
-        """(most frequent continuation, match length) for the longest matching suffix, or None."""
+    def _longest_match(self, history: Sequence[int]) -> tuple[dict[int, int], int] | None:
+        """(continuation counts, match length) of the longest suffix of `history` seen before, or None."""
         for n in range(min(self.order - 1, len(history)), self.min_match - 1, -1):
             table = self.counts.get(tuple(history[-n:]))
             if table:
-                return max(table, key=table.get), n
+                return table, n
         return None
+
+    def best(self, history: Sequence[int]) -> tuple[int, int] | None:
+        """(most frequent continuation, match length) for the longest matching suffix, or None."""
+        match = self._longest_match(history)
+        return (max(match[0], key=match[0].get), match[1]) if match else None
 
     def update(self, sequence: Sequence[int]) -> None:
         """Bring the counts up to `sequence`; starts over when it does not extend what was seen."""
@@ -239,12 +244,11 @@ class ContextNgram:
             self.tokens.append(token)
 
     def predict(self, history: Sequence[int]) -> dict[int, float]:
-        for n in range(min(self.order - 1, len(history)), self.min_match - 1, -1):
-            table = self.counts.get(tuple(history[-n:]))
-            if table:
-                total = sum(table.values())
-                return {t: c / total for t, c in table.items()}
-        return {}
+        match = self._longest_match(history)
+        if not match:
+            return {}
+        total = sum(match[0].values())
+        return {t: c / total for t, c in match[0].items()}
 
 
 def _logsumexp(values: list[float]) -> float:
@@ -327,9 +331,10 @@ class NgramRescorer:
         hist_len = ctx_model.order - 1 if ctx_model is not None else 0
         lm, alpha = self.lm, self.alpha
         root_state = lm.state_after(accepted) if lm is not None and alpha > 0 else None
+        root_history = tuple(accepted[-hist_len:]) if hist_len else ()
         # A hypothesis is a tuple (score, acceptance log-probs, tokens, KenLM state, context history):
         # tuples, not objects, because this loop is the rescorer's whole cost.
-        beam = [(0.0, (), (), root_state, tuple(accepted[-hist_len:]) if hist_len else ())]
+        beam = [(0.0, (), (), root_state, root_history)]
         log_keep = math.log1p(-lam) if lam > 0 else 0.0
         width = self.beam
         lm_score, cache = self._lm_score, self._cache
@@ -378,7 +383,7 @@ class NgramRescorer:
         if root_state is None:  # q is the drafting distribution itself: its log-probs are the estimates
             paths = [ScoredPath(hyp[2], hyp[0], hyp[1]) for hyp in best]
         else:
-            start = (root_state, tuple(accepted[-hist_len:]) if hist_len else ())
+            start = (root_state, root_history)
             estimates = self._acceptance_estimates([hyp[2] for hyp in best], tokens, logprobs, start, ctx_model)
             paths = [ScoredPath(hyp[2], hyp[0], est) for hyp, est in zip(best, estimates)]
         if ctx_model is not None and self.context_extend > 0:
@@ -409,6 +414,10 @@ class NgramRescorer:
         lam, alpha = self.context_weight, self.alpha
         log_keep = math.log1p(-lam) if lam > 0 else 0.0
         hist_len = ctx_model.order - 1 if ctx_model is not None else 0
+        heads = [
+            self._sorted_arcs([(lp + log_keep, a) for lp, a in zip(logprobs[i], tokens[i])], None)
+            for i in range(len(tokens))
+        ]
         memo: dict[tuple[int, ...], tuple[float, object, tuple[int, ...]]] = {}
         out = []
         for path in paths:
@@ -417,8 +426,7 @@ class NgramRescorer:
             for i, t in enumerate(path):
                 key = path[: i + 1]
                 if key not in memo:
-                    head = self._sorted_arcs([(lp + log_keep, a) for lp, a in zip(logprobs[i], tokens[i])], None)
-                    arcs = [(logq, a) for logq, a, _ in self._context_arcs(head, ctx_model, history, lam, None)]
+                    arcs = [(logq, a) for logq, a, _ in self._context_arcs(heads[i], ctx_model, history, lam, None)]
                     scored = {a: logq + alpha * self._lm_score(state, a)[0] for logq, a in arcs}
                     mass = _logsumexp([logq for logq, _ in arcs])
                     if t not in scored:  # cannot happen for paths of this search; keep the estimate finite
