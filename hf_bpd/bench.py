@@ -304,24 +304,14 @@ def main(argv: list[str] | None = None) -> int:
         drafter.forward_cost = measure_forward_cost(model)
 
     def with_rescorer(name: str) -> Method:
-        from .packaged import packaged_heads_dir, packaged_rescorers
-        from .rescorers import build_rescorer
+        from .packaged import packaged_rescorer
 
-        specs = packaged_rescorers()
-        if name not in specs:
-            raise SystemExit(f"no shipped rescorer {name!r}; shipped: {sorted(specs)}")
-        rescorer = build_rescorer(specs[name], packaged_heads_dir().parent, base_tokenizer=tokenizer)
-        d = BlockDrafter(drafter.heads, drafter.top_k, drafter.max_tree_tokens, rescorer, True, drafter.forward_cost)
-        return bpd_method(model, d, f"hf_bpd+{name}")
+        return bpd_method(model, drafter.with_rescorer(packaged_rescorer(name, tokenizer)), f"hf_bpd+{name}")
 
     def assisted() -> Method:
-        from .neural import NeuralRescorer
-        from .packaged import packaged_heads_dir, packaged_rescorers
+        from .packaged import packaged_rescorer
 
-        spec = packaged_rescorers().get("neural")
-        if spec is None:
-            raise SystemExit("assisted needs the shipped rescorer LM ('neural' in packaged_rescorers())")
-        small = NeuralRescorer.from_pretrained(packaged_heads_dir().parent / spec["lm"])
+        small = packaged_rescorer("neural", tokenizer)
         small.bind(model)
         return assisted_method(model, small.lm)
 

@@ -113,6 +113,16 @@ def packaged_rescorers() -> dict[str, dict]:
     return json.loads(spec_file.read_text()) if spec_file.is_file() else {}
 
 
+def packaged_rescorer(name: str, base_tokenizer=None):
+    """A shipped rescorer built from its spec (raises naming the shipped ones for an unknown name)."""
+    from .rescorers import build_rescorer
+
+    specs = packaged_rescorers()
+    if name not in specs:
+        raise ValueError(f"no shipped rescorer named {name!r}; shipped: {sorted(specs)} (or pass a Rescorer)")
+    return build_rescorer(specs[name], packaged_heads_dir().parent, base_tokenizer)
+
+
 def load_packaged_drafter(rescorer=None, **drafter_kwargs):
     """The shipped trained heads for the packaged SmolLM2 as a `BlockDrafter`, with the tree settings
     chosen by measurement (`drafter.json` beside the heads); keyword arguments override them.
@@ -128,12 +138,7 @@ def load_packaged_drafter(rescorer=None, **drafter_kwargs):
 
     path = packaged_heads_dir()
     if isinstance(rescorer, str):
-        from .rescorers import build_rescorer
-
-        specs = packaged_rescorers()
-        if rescorer not in specs:
-            raise ValueError(f"no shipped rescorer named {rescorer!r}; shipped: {sorted(specs)} (or pass a Rescorer)")
-        rescorer = build_rescorer(specs[rescorer], path.parent)
+        rescorer = packaged_rescorer(rescorer)
     settings_file = path.parent / "drafter.json"
     settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
     settings.update(drafter_kwargs)

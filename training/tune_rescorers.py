@@ -1,10 +1,10 @@
 """Choose the shipped rescorers' weights (n-gram alpha, context mixture lam, neural alpha) by measurement.
 
 Tuning slice: every 18th row of spec_bench_dev starting at row 4 (14 rows, all large categories). It is
-disjoint from the rows `hf-bpd bench --spread 26` reports on (every 9th from row 0), so the reported
-numbers are not fitted. Criterion: tau (block efficiency) with one shared forward-cost curve, so the
-choice does not depend on machine noise; the rescorers' own cost (~1-2 ms per step for the n-gram
-searches, see BENCHMARKS.md) is small next to a verification forward.
+disjoint from the rows `hf-bpd bench --spread 13` or `--spread 26` reports on (every 18th / 9th from
+row 0), so the reported numbers are not fitted. Criterion: tau (block efficiency) with one shared
+forward-cost curve, so the choice does not depend on machine noise; the rescorers' own cost (~1-2 ms
+per step for the n-gram searches, see BENCHMARKS.md) is small next to a verification forward.
 
 Stage 1 tunes each rescorer alone; stage 2 builds the p-best variants and the "best" combination from the
 stage-1 winners. Writes rescorers.json (the specs `load_packaged_drafter(rescorer=NAME)` builds).
@@ -17,7 +17,6 @@ import json
 from pathlib import Path
 
 from hf_bpd.bench import DEFAULT_DATA, bpd_method, greedy_method, run_bench
-from hf_bpd.drafter import BlockDrafter
 from hf_bpd.jsonl import read_jsonl
 from hf_bpd.rescorers import build_rescorer
 
@@ -31,9 +30,7 @@ def tuning_rows(path: str) -> list[dict]:
 def measure(model, tokenizer, base, folder, specs: dict[str, dict], rows, max_new_tokens) -> dict[str, float]:
     methods = [greedy_method(model), bpd_method(model, base, "heads")]
     for name, spec in specs.items():
-        rescorer = build_rescorer(spec, folder, base_tokenizer=tokenizer)
-        drafter = BlockDrafter(base.heads, base.top_k, base.max_tree_tokens, rescorer, False, base.forward_cost)
-        methods.append(bpd_method(model, drafter, name))
+        methods.append(bpd_method(model, base.with_rescorer(build_rescorer(spec, folder, tokenizer)), name))
     results = run_bench(model, tokenizer, rows, methods, max_new_tokens)
     taus = {}
     for name, r in results.items():
@@ -57,22 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=None, help="rescorers.json to write")
     args = parser.parse_args(argv)
 
-    from hf_bpd.cost import measure_forward_cost
     from hf_bpd.models import load_model
     from hf_bpd.packaged import load_packaged_drafter
 
     model, tokenizer = load_model("packaged")
     folder = Path(args.assets)
     base = load_packaged_drafter()
-    base.prepare(model)
-    if base.max_tree_tokens == "auto":
-        base.forward_cost = measure_forward_cost(model)
+    base.prepare(model)  # measures the forward-cost curve ("auto" trees) that every config then shares
     rows = tuning_rows(args.data)
     has_neural = (folder / "rescorer").is_dir()
 
+    neural = {f"neural-a{a}": {"type": "neural", "lm": "rescorer", "alpha": a} for a in args.neural_alphas}
     if args.neural_only:
-        specs = {f"neural-a{a}": {"type": "neural", "lm": "rescorer", "alpha": a} for a in args.neural_alphas}
-        measure(model, tokenizer, base, folder, specs, rows, args.max_new_tokens)
+        measure(model, tokenizer, base, folder, neural, rows, args.max_new_tokens)
         return 0
     stage1 = {f"ngram-a{a}": {"type": "ngram", "lm": NGRAM, "alpha": a, "num_paths": 1, "beam": 8} for a in args.alphas}
     stage1 |= {
@@ -88,15 +82,16 @@ def main(argv: list[str] | None = None) -> int:
         for e in args.extends
     }
     if has_neural:
-        stage1 |= {f"neural-a{a}": {"type": "neural", "lm": "rescorer", "alpha": a} for a in args.neural_alphas}
+        stage1 |= neural
     taus = measure(model, tokenizer, base, folder, stage1, rows, args.max_new_tokens)
 
-    def winner(prefix: str) -> dict:
-        name = max((n for n in stage1 if n.startswith(prefix)), key=taus.get)
-        return stage1[name]
-
-    ngram, context = winner("ngram-"), winner("context-")
-    chosen = {"ngram": ngram, "context": context}
+    winners = {
+        kind: max((n for n in stage1 if n.startswith(kind + "-")), key=taus.get) for kind in ("ngram", "context")
+    }
+    if has_neural:
+        winners["neural"] = max(neural, key=taus.get)
+    chosen = {kind: stage1[name] for kind, name in winners.items()}
+    ngram, context = chosen["ngram"], chosen["context"]
     stage2 = {
         "ngram_p4": {**ngram, "num_paths": 4, "beam": 8},
         "ngram_p16": {**ngram, "num_paths": 16, "beam": 16},
@@ -109,20 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     if has_neural:
-        chosen["neural"] = winner("neural-")
         stage2["neural+ngram+context"] = {"type": "compose", "parts": [chosen["neural"], stage2["ngram+context"]]}
     taus2 = measure(model, tokenizer, base, folder, stage2, rows, args.max_new_tokens)
-    chosen["ngram_p4"], chosen["ngram_p16"] = stage2["ngram_p4"], stage2["ngram_p16"]
-    candidates = {**{n: chosen[n] for n in ("ngram", "context", "neural") if n in chosen}, **stage2}
-    all_taus = {
-        **{
-            n: taus[next(k for k, v in stage1.items() if v == chosen[n])]
-            for n in ("ngram", "context", "neural")
-            if n in chosen
-        },
-        **taus2,
-    }
-    best = max(candidates, key=lambda n: all_taus[n])
+    candidates = {**chosen, **stage2}
+    candidate_taus = {**{kind: taus[name] for kind, name in winners.items()}, **taus2}
+    chosen |= {name: stage2[name] for name in ("ngram_p4", "ngram_p16", "ngram+context")}
+    best = max(candidates, key=candidate_taus.get)
     chosen["best"] = {**candidates[best], "description": f"{best}: highest tau on the tuning slice"}
     print("chosen:", json.dumps(chosen, indent=2))
     if args.output:
