@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .cost import measure_forward_cost
+from .cost import ForwardCost, measure_forward_cost
 from .decoding import generate as bpd_generate
-from .drafter import BlockDrafter, DecodingStats
+from .drafter import BlockDrafter
 from .jsonl import read_jsonl
 from .models import chat_inputs
 
@@ -41,24 +41,16 @@ class MethodTotals:
     step_times: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     steps: int = 0
 
-    def add(
-        self,
-        tokens: int,
-        forwards: int,
-        seconds: float,
-        greedy_seconds: float,
-        identical: bool,
-        stats: DecodingStats | None = None,
-    ) -> None:
-        self.tokens += tokens
-        self.forwards += forwards
-        self.seconds += seconds
-        self.greedy_seconds += greedy_seconds
-        self.identical &= identical
-        if stats is not None:  # hf_bpd's per-phase times, weighted by its steps
-            self.steps += stats.steps
-            for k, v in stats.time_per_step().items():
-                self.step_times[k] += v * stats.steps
+    def add(self, record: dict) -> None:
+        """One method's result on one turn (a `run_bench` record)."""
+        self.tokens += record["tokens"]
+        self.forwards += record["forwards"]
+        self.seconds += record["seconds"]
+        self.greedy_seconds += record["greedy_seconds"]
+        self.identical &= record["identical"]
+        self.steps += record.get("steps", 0)  # hf_bpd's per-phase seconds, summed over its steps
+        for k, v in record.get("step_seconds", {}).items():
+            self.step_times[k] += v
 
     def summary(self) -> dict:
         out = {
@@ -166,19 +158,42 @@ def select_rows(
 
 
 def run_bench(
-    model, tokenizer, rows: list[dict], methods: list[Method], max_new_tokens: int, progress: bool = True
+    model,
+    tokenizer,
+    rows: list[dict],
+    methods: list[Method],
+    max_new_tokens: int,
+    progress: bool = True,
+    journal: str | Path | None = None,
+    header: dict | None = None,
 ) -> dict:
     """Run every method on every turn of every row (greedy first: it is the reference and gives the
-    MT-bench first answers). Returns {method: {"overall": summary, "categories": {cat: summary}}}."""
+    MT-bench first answers). Returns {method: {"overall": summary, "categories": {cat: summary}}}.
+
+    journal: a jsonl file that gets `header` and then each finished row's records (one per turn and
+    method), flushed row by row; a rerun with the same journal and header skips the rows already there
+    (resume after an interruption) and aggregates them with the new ones."""
     from tqdm import tqdm
 
+    names = [m.name for m in methods]
+    header = {**(header or {}), "methods": names, "max_new_tokens": max_new_tokens, "rows": len(rows)}
+    done = {}
+    if journal is not None:  # rows whose every turn has every method's record
+        for i, records in read_journal(journal, header).items():
+            if i < len(rows) and len(records) == len(rows[i]["turns"]) * len(names):
+                done[i] = records
+        # rewrite: header + complete rows only (a row cut off mid-write is redone)
+        Path(journal).parent.mkdir(parents=True, exist_ok=True)
+        Path(journal).write_text(json.dumps({"header": header}) + "\n")
+        _append(journal, [r for records in done.values() for r in records])
     device = next(model.parameters()).device
-    totals = {m.name: {"overall": MethodTotals(), "categories": defaultdict(MethodTotals)} for m in methods}
     greedy = methods[0]
     with ForwardCounter(model) as counter:
-        for i, row in enumerate(tqdm(rows, disable=not progress, desc="bench")):
+        todo = [(i, row) for i, row in enumerate(rows) if i not in done]
+        for i, row in tqdm(todo, disable=not progress, desc="bench", initial=len(done), total=len(rows)):
+            records = []
             messages: list[dict] = []
-            for turn in row["turns"]:
+            for t, turn in enumerate(row["turns"]):
                 messages.append({"role": "user", "content": turn})
                 inputs = chat_inputs(tokenizer, messages, device)
                 n = inputs["input_ids"].shape[1]
@@ -189,19 +204,85 @@ def run_bench(
                 for m in [greedy, *others]:
                     counter.count = 0
                     t0 = time.perf_counter()
-                    out, stats = m.run(inputs, max_new_tokens)
-                    results[m.name] = (out, counter.count, stats, time.perf_counter() - t0)
+                    seq, stats = m.run(inputs, max_new_tokens)
+                    results[m.name] = (seq, counter.count, stats, time.perf_counter() - t0)
                     if stats is not None and stats.forwards != counter.count:
                         raise RuntimeError(
                             f"{m.name}: stats count {stats.forwards} forwards, the model ran {counter.count}"
                         )
                 ref, greedy_s = results[greedy.name][0], results[greedy.name][3]
-                for name, (out, forwards, stats, secs) in results.items():
-                    same = out.tolist() == ref.tolist()
-                    for bucket in (totals[name]["overall"], totals[name]["categories"][row["category"]]):
-                        bucket.add(out.shape[1] - n, forwards, secs, greedy_s, same, stats)
+                for name in names:
+                    seq, forwards, stats, secs = results[name]
+                    record = {
+                        "row": i,
+                        "question_id": row.get("question_id"),
+                        "category": row["category"],
+                        "turn": t,
+                        "method": name,
+                        "tokens": seq.shape[1] - n,
+                        "forwards": forwards,
+                        "seconds": secs,
+                        "greedy_seconds": greedy_s,
+                        "identical": seq.tolist() == ref.tolist(),
+                    }
+                    if stats is not None:
+                        record["steps"] = stats.steps
+                        record["step_seconds"] = {k: v * stats.steps for k, v in stats.time_per_step().items()}
+                    records.append(record)
                 answer = tokenizer.decode(ref[0, n:], skip_special_tokens=True)
                 messages.append({"role": "assistant", "content": answer})
+            done[i] = records
+            if journal is not None:
+                _append(journal, records)
+    return summarize([r for i in sorted(done) for r in done[i]], names)
+
+
+def read_journal(path: str | Path, header: dict) -> dict[int, list[dict]]:
+    """A bench journal's records by row index ({} when there is none). Raises when it was written by a
+    run with other settings (its rows would not be comparable)."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[0]) if lines else {}
+    if "header" not in first:
+        raise SystemExit(f"{path} is not a bench journal (no header line)")
+    old = first["header"]
+    differ = sorted(k for k in set(old) | set(header) if k in RESUME_KEYS and old.get(k) != header.get(k))
+    if differ:
+        changes = ", ".join(f"{k}: {old.get(k)!r} vs {header.get(k)!r}" for k in differ)
+        raise SystemExit(f"{path} was written with other settings ({changes}); use another --output or delete it")
+    rows: dict[int, list[dict]] = defaultdict(list)
+    for line in lines[1:]:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a run killed mid-write
+            continue
+        rows[record["row"]].append(record)
+    return dict(rows)
+
+
+RESUME_KEYS = ("methods", "max_new_tokens", "rows", "data", "model", "heads", "selection", "dtype", "device")
+
+
+def _append(path: str | Path, records: list[dict]) -> None:
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def _journal_header(path: Path | None) -> dict | None:
+    if path is None or not path.is_file():
+        return None
+    with open(path) as f:
+        return json.loads(f.readline()).get("header")
+
+
+def summarize(records: list[dict], methods: list[str]) -> dict:
+    """Per method, overall and per category summaries of `run_bench` records."""
+    totals = {m: {"overall": MethodTotals(), "categories": defaultdict(MethodTotals)} for m in methods}
+    for r in records:
+        totals[r["method"]]["overall"].add(r)
+        totals[r["method"]]["categories"][r["category"]].add(r)
     return {
         name: {
             "overall": t["overall"].summary(),
@@ -282,7 +363,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--output", default=None, help="JSON results file (a .md table is written beside it)")
+    parser.add_argument(
+        "--output",
+        default=None,
+        help="JSON results file; a .md table and a .journal.jsonl of every finished row are written beside it",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the --output run's journal (same settings): finished rows are kept, not rerun",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
@@ -300,8 +390,26 @@ def main(argv: list[str] | None = None) -> int:
         drafter.profile = True
     else:
         drafter = BlockDrafter.from_pretrained(args.heads, profile=True, **kwargs)
+    if args.resume and not args.output:
+        raise SystemExit("--resume continues the journal of --output: give --output")
+    journal = Path(args.output).with_suffix(".journal.jsonl") if args.output else None
+    if journal is not None and not args.resume and journal.is_file():
+        journal.unlink()  # a fresh run
+    header = {
+        "data": args.data,
+        "model": args.model,
+        "heads": args.heads,
+        "selection": [args.categories, args.per_category, args.limit, args.spread],
+        "dtype": args.dtype,
+        "device": args.device,
+    }
     if drafter.max_tree_tokens == "auto":  # one forward-cost curve for every hf_bpd method of the run
-        drafter.forward_cost = measure_forward_cost(model)
+        old = _journal_header(journal) if args.resume else None
+        if old and "forward_cost" in old:  # a resumed run keeps its curve
+            drafter.forward_cost = ForwardCost(*map(tuple, old["forward_cost"]))
+        else:
+            drafter.forward_cost = measure_forward_cost(model)
+        header["forward_cost"] = [list(drafter.forward_cost.sizes), list(drafter.forward_cost.seconds)]
 
     def with_rescorer(name: str) -> Method:
         from .packaged import packaged_rescorer
@@ -328,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         available[m]() if m in available else with_rescorer(m.split("+", 1)[1]) for m in args.methods if m != "greedy"
     ]
     rows = select_rows(read_jsonl(args.data), args.categories, args.per_category, args.limit, args.spread)
-    results = run_bench(model, tokenizer, rows, methods, args.max_new_tokens, progress=not args.no_progress)
+    results = run_bench(
+        model, tokenizer, rows, methods, args.max_new_tokens, not args.no_progress, journal=journal, header=header
+    )
     report = {
         "environment": environment(args.device, args.dtype),
         "args": vars(args),

@@ -251,9 +251,13 @@ def generate(
         out = verify_tree(model, batch, cache, past_mask)
         t2 = drafter._sync(input_ids.device)
         result = accept_greedy(trees[0], out.logits[0], input_ids, logits_processor, stopping_criteria)
+        # CPU times are exact; on an accelerator only when the drafter synchronises (profile)
+        timed = input_ids.device.type == "cpu" or drafter.profile
+        drafter.observe([result.nodes], [result.finished], batch.input_ids.shape[1], t2 - t1 if timed else None)
         t3 = time.perf_counter()
         keep = torch.tensor(result.nodes, device=input_ids.device)
-        compact_cache(cache, batch.input_ids.shape[1], keep)
+        if keep.numel() < batch.input_ids.shape[1]:  # a fully accepted tree (a root alone) has nothing to drop
+            compact_cache(cache, batch.input_ids.shape[1], keep)
         past_mask = torch.cat([past_mask, past_mask.new_ones(1, keep.numel())], dim=-1)
         hidden_last = out.hidden_states[-1][:, result.nodes[-1]]
         new = input_ids.new_tensor([result.tokens])

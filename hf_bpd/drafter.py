@@ -15,7 +15,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .cost import ForwardCost, best_tree_size, measure_forward_cost
+from .calibration import AcceptanceCalibration, Arc
+from .cost import ForwardCost, LearnedForwardCost, best_tree_size, measure_forward_cost
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
 from .tree import DraftTree
@@ -92,6 +93,10 @@ class BlockDrafter:
     forward_cost:    a `ForwardCost` curve to size trees by (instead of measuring it); with an integer
                      max_tree_tokens it sizes each step's tree up to that bound.
     rescorer:        optional `Rescorer`; None uses the heads' probabilities alone.
+    calibrate:       learn from verification results how far to trust the acceptance estimates that order
+                     and size trees (`AcceptanceCalibration`) and what a forward really costs in decoding
+                     (`LearnedForwardCost`), kept across `generate` calls. Only matters where estimates
+                     are used: "auto" trees or a rescorer with estimates.
     profile:         synchronise the device around each phase so `stats` times are exact (CPU: free).
     """
 
@@ -103,6 +108,7 @@ class BlockDrafter:
         rescorer: Rescorer | None = None,
         profile: bool = False,
         forward_cost: ForwardCost | None = None,
+        calibrate: bool = True,
     ) -> None:
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
@@ -119,6 +125,9 @@ class BlockDrafter:
         self.rescorer = rescorer
         self.profile = profile
         self.forward_cost = forward_cost
+        self.calibration = AcceptanceCalibration() if calibrate else None
+        self._verified: list[tuple[DraftTree, list[Arc]] | None] = []  # per row: the last tree and its arcs
+        self._learned_cost: LearnedForwardCost | None = None
         self.stats = DecodingStats()
         self._bound_to: int | None = None
 
@@ -172,7 +181,25 @@ class BlockDrafter:
 
     def with_rescorer(self, rescorer: Rescorer | None) -> BlockDrafter:
         """A drafter with these heads and settings (and forward-cost curve) and another rescorer."""
-        return BlockDrafter(self.heads, self.top_k, self.max_tree_tokens, rescorer, self.profile, self.forward_cost)
+        return BlockDrafter(
+            self.heads,
+            self.top_k,
+            self.max_tree_tokens,
+            rescorer,
+            self.profile,
+            self.forward_cost,
+            calibrate=self.calibration is not None,
+        )
+
+    @property
+    def step_cost(self) -> ForwardCost | LearnedForwardCost | None:
+        """The forward-cost curve trees are sized by: `forward_cost`, corrected by timed forwards when
+        calibrating."""
+        if self.forward_cost is None or self.calibration is None:
+            return self.forward_cost
+        if self._learned_cost is None or self._learned_cost.curve is not self.forward_cost:
+            self._learned_cost = LearnedForwardCost(self.forward_cost)
+        return self._learned_cost
 
     def rescore(self, lattice: Lattice, context: torch.Tensor) -> list[list[ScoredPath]] | None:
         """The rescorer's drafts per batch row (None without a rescorer or room for drafts)."""
@@ -189,9 +216,10 @@ class BlockDrafter:
     ) -> list[DraftTree]:
         """One draft tree per batch row: the most probable nodes among the heads' best prefixes and the
         `rescored` drafts (drafts without estimates first); with a forward-cost curve, cut to the prefix
-        with the best expected tokens per second."""
+        with the best expected tokens per second. Probabilities are calibrated (`calibration`)."""
         budget = self.tree_budget
         trees = []
+        self._verified = []
         for b in range(lattice.batch_size):
             root = int(context[b, -1])
             tree = DraftTree.root_only(root)
@@ -213,16 +241,39 @@ class BlockDrafter:
             if len(tree) < budget:
                 drafts = [p.tokens for p in lattice.best_prefixes(b, budget - 1, max_depth)]
                 if estimates:
-                    drafts = _by_estimated_probability(root, drafts, estimates, tables)
+                    drafts = _by_estimated_probability(root, drafts, estimates, tables, self.calibration)
                 for draft in drafts:
                     tree.add_path(draft, budget)
                     if len(tree) >= budget:
                         break
             if self.forward_cost is not None and len(tree) > 1:
-                probs = [math.exp(lp) for lp in tree.node_logprobs(tables, estimates)]
-                tree = tree.truncated(best_tree_size(probs, self.forward_cost))
+                logprobs = tree.node_logprobs(tables, estimates, self.calibration)
+                tree = tree.truncated(best_tree_size([math.exp(lp) for lp in logprobs], self.step_cost))
             trees.append(tree)
+            known = tables is not None and self.calibration is not None
+            self._verified.append((tree, tree.node_arcs(tables, estimates, self.calibration)) if known else None)
         return trees
+
+    def observe(
+        self, accepted_nodes: list[list[int]], finished: list[bool], tree_tokens: int, seconds: float | None
+    ) -> None:
+        """Feed back one verification step: per row, the tree nodes the base model accepted (root first)
+        and whether decoding stopped at the last of them (then its children were never compared); the
+        forward's tree width and its time (None when it was not timed reliably). Updates the
+        calibration with every drafted child of a reached node, and the learned forward cost."""
+        if self.calibration is None:
+            return
+        cost = self.step_cost
+        if seconds is not None and isinstance(cost, LearnedForwardCost):
+            cost.observe(tree_tokens, seconds)
+        for verified, nodes, stopped in zip(self._verified, accepted_nodes, finished):
+            if verified is None:
+                continue
+            tree, arcs = verified
+            reached, accepted = set(nodes[:-1] if stopped else nodes), set(nodes)
+            for i in range(1, len(tree)):
+                if tree.parents[i] in reached:
+                    self.calibration.observe(arcs[i], tree.depths[i], i in accepted)
 
     def draft(
         self, hidden_last: torch.Tensor, context: torch.Tensor, max_depth: int | None = None
@@ -242,7 +293,11 @@ class BlockDrafter:
 
 
 def _by_estimated_probability(
-    root: int, drafts: list[tuple[int, ...]], estimates: dict[tuple[int, ...], float], tables: list[dict[int, float]]
+    root: int,
+    drafts: list[tuple[int, ...]],
+    estimates: dict[tuple[int, ...], float],
+    tables: list[dict[int, float]],
+    calibration: AcceptanceCalibration | None = None,
 ) -> list[tuple[int, ...]]:
     """Every candidate draft (the heads' prefixes and each prefix of the rescored drafts), most probable
     first. A child is never more probable than its parent (depth breaks ties), so each draft's prefixes
@@ -250,7 +305,7 @@ def _by_estimated_probability(
     candidates = DraftTree.root_only(root)
     for draft in [*drafts, *estimates]:
         candidates.add_path(draft, len(drafts) + len(estimates) + 1)
-    logprobs = candidates.node_logprobs(tables, estimates)
+    logprobs = candidates.node_logprobs(tables, estimates, calibration)
     paths = candidates.node_paths()
     order = sorted(range(1, len(candidates)), key=lambda i: (-logprobs[i], candidates.depths[i]))
     return [paths[i] for i in order]

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .calibration import HEADS, RESCORER, AcceptanceCalibration, Arc
+
 
 @dataclass
 class DraftTree:
@@ -83,19 +85,42 @@ class DraftTree:
             out.append(out[self.parents[i]] + (self.tokens[i],))
         return out
 
-    def node_logprobs(
-        self, position_logprob: list[dict[int, float]], path_estimates: dict[tuple[int, ...], float] | None = None
-    ) -> list[float]:
-        """Summed log-probability of each node's path, from per-position {token: logprob} tables (root 0;
-        a token absent from a table gets -inf). `path_estimates` (keyed by a node's draft, see
-        `node_paths`) gives another estimate of a node's own arc; the higher one counts."""
+    def node_arcs(
+        self,
+        position_logprob: list[dict[int, float]],
+        path_estimates: dict[tuple[int, ...], float] | None = None,
+        calibration: AcceptanceCalibration | None = None,
+    ) -> list[Arc]:
+        """Each node's own arc (the root's: log-probability 0): the heads' log-probability of its token at
+        its depth, from per-position {token: logprob} tables (absent: -inf), or the rescorer's estimate
+        for its path (`path_estimates`, keyed by `node_paths`), whichever is higher once calibrated."""
         paths = self.node_paths() if path_estimates else None
+        arcs = [Arc(0.0, HEADS)]
+        for i in range(1, len(self.tokens)):
+            depth = self.depths[i]
+            table = position_logprob[depth - 1] if depth - 1 < len(position_logprob) else {}
+            arc = Arc(table.get(self.tokens[i], float("-inf")), HEADS)
+            if paths is not None and paths[i] in path_estimates:
+                estimate = Arc(path_estimates[paths[i]], RESCORER)
+                if calibration is None:
+                    better = estimate.logprob > arc.logprob
+                else:
+                    better = calibration.calibrated(estimate, depth) > calibration.calibrated(arc, depth)
+                arc = estimate if better else arc
+            arcs.append(arc)
+        return arcs
+
+    def node_logprobs(
+        self,
+        position_logprob: list[dict[int, float]],
+        path_estimates: dict[tuple[int, ...], float] | None = None,
+        calibration: AcceptanceCalibration | None = None,
+    ) -> list[float]:
+        """Summed (calibrated, when given) log-probability of each node's path; see `node_arcs`."""
+        arcs = self.node_arcs(position_logprob, path_estimates, calibration)
         out = [0.0]
         for i in range(1, len(self.tokens)):
-            table = position_logprob[self.depths[i] - 1] if self.depths[i] - 1 < len(position_logprob) else {}
-            arc = table.get(self.tokens[i], float("-inf"))
-            if paths is not None:
-                arc = max(arc, path_estimates.get(paths[i], float("-inf")))
+            arc = arcs[i].logprob if calibration is None else calibration.calibrated(arcs[i], self.depths[i])
             out.append(out[self.parents[i]] + arc)
         return out
 

@@ -72,3 +72,36 @@ def test_assisted_and_rescored_methods_are_lossless_and_named():
     results = bench.run_bench(model, TinyChatTokenizer(), ROWS, methods, max_new_tokens=12, progress=False)
     assert results["assisted"]["overall"]["identical"] and results["hf_bpd+context"]["overall"]["identical"]
     assert results["hf_bpd+context"]["overall"]["ms_per_step"]["rescore"] > 0
+
+
+def test_journal_resumes_an_interrupted_run_without_redoing_rows(tmp_path):
+    import json
+
+    import pytest
+
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2), top_k=3, max_tree_tokens=6)
+    calls = []
+
+    def methods():
+        greedy = bench.greedy_method(model)
+        run = greedy.run
+        greedy.run = lambda inputs, n: (calls.append(inputs["input_ids"].shape[1]), run(inputs, n))[1]
+        return [greedy, bench.bpd_method(model, drafter)]
+
+    journal = tmp_path / "run.journal.jsonl"
+    full = bench.run_bench(model, TinyChatTokenizer(), ROWS, methods(), 8, progress=False, journal=journal)
+    assert len(calls) == 4  # 4 turns
+    lines = journal.read_text().splitlines()
+    assert json.loads(lines[0])["header"]["methods"] == ["greedy", "hf_bpd"] and len(lines) == 1 + 4 * 2
+    # interrupted while writing row 1: row 0's 4 records, then one of row 1's 2 and half of the other
+    journal.write_text("\n".join(lines[:6]) + "\n" + lines[6][:20])
+    calls.clear()
+    resumed = bench.run_bench(model, TinyChatTokenizer(), ROWS, methods(), 8, progress=False, journal=journal)
+    assert len(calls) == 2  # rows 1 and 2 (one turn each) ran again; row 0's two turns were kept
+    for m in ("greedy", "hf_bpd"):
+        for key in ("tokens", "forwards", "identical"):
+            assert resumed[m]["overall"][key] == full[m]["overall"][key]
+    assert len(journal.read_text().splitlines()) == 1 + 4 * 2
+    with pytest.raises(SystemExit, match="max_new_tokens"):
+        bench.run_bench(model, TinyChatTokenizer(), ROWS, methods(), 9, progress=False, journal=journal)

@@ -1,0 +1,100 @@
+"""Online calibration of acceptance estimates and of forward costs (hf_bpd/calibration.py, cost.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import hf_bpd
+from hf_bpd import BlockDrafter
+from hf_bpd.calibration import HEADS, RESCORER, AcceptanceCalibration, Arc
+from hf_bpd.cost import ForwardCost, LearnedForwardCost, best_tree_size
+from hf_bpd.tree import DraftTree
+
+
+def test_calibration_starts_at_one_and_converges_to_the_measured_rate():
+    cal = AcceptanceCalibration(prior=2.0)
+    assert cal.scale(HEADS, 1) == 1.0 and cal.summary() == {}
+    arc = Arc(math.log(0.5), HEADS)
+    for i in range(400):  # estimated 0.5, accepted one time in four
+        cal.observe(arc, 1, accepted=i % 4 == 0)
+    assert cal.scale(HEADS, 1) == pytest.approx(0.5, abs=0.02)
+    assert cal.scale(HEADS, 2) == 1.0 and cal.scale(RESCORER, 1) == 1.0  # keys are separate
+    assert cal.calibrated(arc, 1) == pytest.approx(math.log(0.25), abs=0.05)
+    # never above probability 1, even for an underconfident source
+    for _ in range(50):
+        cal.observe(Arc(math.log(0.1), RESCORER), 1, accepted=True)
+    assert cal.calibrated(Arc(math.log(0.9), RESCORER), 1) == 0.0
+    # deep arcs share the last key
+    cal.observe(arc, 9, accepted=False)
+    assert cal.scale(HEADS, 9) == cal.scale(HEADS, cal.max_depth) < 1.0
+
+
+def test_node_arcs_pick_the_better_calibrated_source():
+    tree = DraftTree.from_paths(7, [(1, 2), (3,)], max_nodes=8)  # nodes: 0 root, 1 (tok 1), 2 (tok 2), 3 (tok 3)
+    tables = [{1: math.log(0.6), 3: math.log(0.3)}, {2: math.log(0.5)}]
+    estimates = {(1,): math.log(0.4), (1, 2): math.log(0.9)}
+    arcs = tree.node_arcs(tables, estimates)
+    assert [a.source for a in arcs] == [HEADS, HEADS, RESCORER, HEADS]
+    assert tree.node_logprobs(tables, estimates)[2] == pytest.approx(math.log(0.6 * 0.9))
+    cal = AcceptanceCalibration()
+    for _ in range(100):  # the heads turn out right one time in ten at depth 1
+        cal.observe(Arc(math.log(0.5), HEADS), 1, accepted=False)
+    arcs = tree.node_arcs(tables, estimates, cal)
+    assert arcs[1].source == RESCORER  # 0.4 (trusted) now beats 0.6 x ~0.04
+    assert tree.node_logprobs(tables, estimates, cal)[1] == pytest.approx(math.log(0.4))
+
+
+def test_learned_forward_cost_follows_timed_forwards_per_bucket():
+    curve = ForwardCost((1, 2, 4, 8, 16), (0.06, 0.12, 0.12, 0.12, 0.13))
+    cost = LearnedForwardCost(curve, rate=0.5)
+    assert cost(1) == 0.06 and cost(11) == curve(11) and cost.max_size == 16
+    cost.observe(11, 2 * curve(11))  # bucket 16 runs twice as slow as measured at start-up
+    assert cost(16) == pytest.approx(0.26) and cost(9) == pytest.approx(2 * curve(9))
+    assert cost(1) == pytest.approx(0.12)  # an untimed bucket follows the machine's drift
+    cost.observe(12, curve(12))  # the running mean moves half way back
+    assert cost(16) == pytest.approx(1.5 * 0.13)
+    cost.observe(1, 0.06)
+    assert cost(1) == 0.06 and cost(2) == pytest.approx(curve(2) * cost.overall)
+    # a tree that paid off at the start-up curve no longer does once trees are found to cost more
+    probs = [1.0, 0.8, 0.3]
+    assert best_tree_size(probs, curve) == 3
+    for _ in range(20):
+        cost.observe(3, 3 * curve(3))
+        cost.observe(1, curve(1))
+    assert best_tree_size(probs, cost) == 1
+    with pytest.raises(ValueError, match="rate"):
+        LearnedForwardCost(curve, rate=0)
+
+
+def test_drafter_learns_from_rejections_and_stays_lossless(monkeypatch):
+    """Confident heads that are always wrong: the calibrated drafter stops paying for trees, the
+    uncalibrated one keeps verifying them; both decode exactly like generate."""
+    # the tiny model's real forwards cost the same at every size: keep the CPU-like curve as it is
+    monkeypatch.setattr(LearnedForwardCost, "observe", lambda self, n, seconds: None)
+    model = tiny_model("llama", eos_token_id=None)
+    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3)
+    with torch.no_grad():  # residuals that push every head to one fixed, confident, wrong token
+        for head in heads.heads:
+            for block in head:
+                block.linear.weight.zero_()
+                block.linear.bias.fill_(0.0)
+                block.linear.bias[0] = 50.0
+    cpu_like = ForwardCost((1, 2, 4, 8, 16), (0.066, 0.127, 0.131, 0.140, 0.140))
+    ids = torch.tensor([[5, 6, 7]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=40)
+    sizes = {}
+    for calibrate in (False, True):
+        drafter = BlockDrafter(heads, top_k=2, max_tree_tokens=16, forward_cost=cpu_like, calibrate=calibrate)
+        out = model.generate(
+            ids, do_sample=False, max_new_tokens=40, custom_generate=hf_bpd.generate, assistant=drafter
+        )
+        assert out.tolist() == ref.tolist()
+        sizes[calibrate] = drafter.stats.tree_sizes
+    assert drafter.calibration is not None and drafter.calibration.scale(HEADS, 1) < 0.5
+    assert sum(s > 1 for s in sizes[True][-10:]) < sum(s > 1 for s in sizes[False][-10:])
+    assert drafter.with_rescorer(None).calibration is not None  # a fresh one: rescorers change the sources
+    assert BlockDrafter(heads, calibrate=False).calibration is None
