@@ -104,25 +104,22 @@ def analyze_row(model, drafter, rescorer, prompt_ids: list[int], answer: list[in
         truth = answer[t + 1 : t + 1 + h]  # answer[t] is the base model's own token at step t
         if len(truth) < h:
             break
-        tokens_t = lattice.tokens[t]  # [h, K]
+        tokens_t, logprobs_t = lattice.tokens[t : t + 1], lattice.logprobs[t : t + 1]  # [1, h, K]
         for k in range(1, MAX_K + 1):
-            hit = (tokens_t[:, :k] == torch.tensor(truth)[:, None]).any(-1).long().cumprod(0).sum()
-            out[f"oracle_k{k}"].append(int(hit))
-        vanilla = tokens_t[:, 0].tolist()
+            top_k = Lattice(tokens_t[:, :, :k], logprobs_t[:, :, :k])
+            out[f"oracle_k{k}"].append(int(top_k.oracle_length(torch.tensor([truth]))[0]))
+        vanilla = tokens_t[0, :, 0].tolist()
         out["vanilla"].append(prefix_match(vanilla, truth))
-        out["vanilla_repeats"].append(repeats(vanilla))
+        vanilla_repeats = repeats(vanilla)
+        out["vanilla_repeats"].append(vanilla_repeats)
         if rescorer is not None:
-            row = Lattice(
-                lattice.tokens[t : t + 1, :, : drafter.top_k], lattice.logprobs[t : t + 1, :, : drafter.top_k]
-            )
+            row = Lattice(tokens_t[:, :, : drafter.top_k], logprobs_t[:, :, : drafter.top_k])
             context = torch.tensor([prompt_ids + answer[: t + 1]])
             rescored = list(rescorer(row, context)[0][0].tokens)
+            rescored_repeats = repeats(rescored)
             out["rescored"].append(prefix_match(rescored, truth))
-            out["rescored_repeats"].append(repeats(rescored))
-            out["repair"].append(
-                any(a == b for a, b in zip(vanilla, vanilla[1:]))
-                and not any(a == b for a, b in zip(rescored, rescored[1:]))
-            )
+            out["rescored_repeats"].append(rescored_repeats)
+            out["repair"].append(vanilla_repeats[0] > 0 and rescored_repeats[0] == 0)
     return dict(out)
 
 
@@ -329,17 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from .drafter import BlockDrafter
-    from .packaged import load_packaged_drafter
+    from .packaged import load_packaged_drafter, packaged_rescorer, packaged_rescorers
 
     model, tokenizer = load_model("packaged")
+    rows = select_rows(read_jsonl(args.data), None, args.per_category, None, args.spread)
     if args.overhead:
-        from .packaged import packaged_rescorers
-
-        rows = select_rows(read_jsonl(args.data), None, args.per_category, None, args.spread)
         names = sorted(packaged_rescorers())
-        timings = rescorer_overhead(
-            model, tokenizer, rows, {n: load_packaged_drafter(rescorer=n).rescorer for n in names}
-        )
+        timings = rescorer_overhead(model, tokenizer, rows, {n: packaged_rescorer(n, tokenizer) for n in names})
         Path(args.output).mkdir(parents=True, exist_ok=True)
         (Path(args.output) / "overhead.json").write_text(json.dumps(timings, indent=2))
         return 0
@@ -348,10 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     drafter.heads.bind(model)
     rescorer = None
     if args.rescorer != "none":
-        rescorer = load_packaged_drafter(rescorer=args.rescorer).rescorer
+        rescorer = packaged_rescorer(args.rescorer, tokenizer)
         if hasattr(rescorer, "bind"):
             rescorer.bind(model)
-    rows = select_rows(read_jsonl(args.data), None, args.per_category, None, args.spread)
     per_category: dict[str, list[dict]] = defaultdict(list)
     from tqdm import tqdm
 

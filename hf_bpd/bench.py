@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
+import os
 import platform
 import sys
 import time
@@ -69,10 +71,12 @@ class MethodTotals:
 
 @dataclass
 class Method:
-    """A decoding method: `run(inputs, max_new_tokens) -> (sequences, stats or None)`."""
+    """A decoding method: `run(inputs, max_new_tokens) -> (sequences, stats or None)`; hf_bpd methods keep
+    their drafter (for what it learned during the run)."""
 
     name: str
     run: Callable
+    drafter: BlockDrafter | None = None
 
 
 class ForwardCounter:
@@ -127,7 +131,20 @@ def bpd_method(model, drafter: BlockDrafter, name: str = "hf_bpd") -> Method:
         )
         return out, drafter.stats
 
-    return Method(name, run)
+    return Method(name, run, drafter)
+
+
+def learned(methods: list[Method]) -> dict:
+    """What each calibrated hf_bpd method's drafter learned so far: acceptance multipliers per
+    source@depth and forward-cost factors per tree-size bucket."""
+    return {
+        m.name: {
+            "acceptance_multipliers": m.drafter.calibration.summary(),
+            "forward_cost_factors": getattr(m.drafter.step_cost, "factors", {}),
+        }
+        for m in methods
+        if m.drafter is not None and m.drafter.calibration is not None
+    }
 
 
 def select_rows(
@@ -180,12 +197,18 @@ def run_bench(
     done = {}
     if journal is not None:  # rows whose every turn has every method's record
         for i, records in read_journal(journal, header).items():
-            if i < len(rows) and len(records) == len(rows[i]["turns"]) * len(names):
+            expected = {(t, m) for t in range(len(rows[i]["turns"])) for m in names} if i < len(rows) else None
+            same_row = i < len(rows) and all(r["question_id"] == rows[i].get("question_id") for r in records)
+            if same_row and len(records) == len(expected) and {(r["turn"], r["method"]) for r in records} == expected:
                 done[i] = records
-        # rewrite: header + complete rows only (a row cut off mid-write is redone)
+        # rewrite: header + complete rows only (a row cut off mid-write is redone); atomically, so an
+        # interruption now loses nothing
         Path(journal).parent.mkdir(parents=True, exist_ok=True)
-        Path(journal).write_text(json.dumps({"header": header}) + "\n")
-        _append(journal, [r for records in done.values() for r in records])
+        tmp = Path(journal).with_suffix(".tmp")
+        tmp.write_text(
+            "".join(json.dumps(x) + "\n" for x in [{"header": header}, *(r for i in sorted(done) for r in done[i])])
+        )
+        os.replace(tmp, journal)
     device = next(model.parameters()).device
     greedy = methods[0]
     with ForwardCounter(model) as counter:
@@ -246,12 +269,12 @@ def read_journal(path: str | Path, header: dict) -> dict[int, list[dict]]:
     lines = path.read_text().splitlines()
     first = json.loads(lines[0]) if lines else {}
     if "header" not in first:
-        raise SystemExit(f"{path} is not a bench journal (no header line)")
+        raise ValueError(f"{path} is not a bench journal (no header line)")
     old = first["header"]
     differ = sorted(k for k in set(old) | set(header) if k in RESUME_KEYS and old.get(k) != header.get(k))
     if differ:
         changes = ", ".join(f"{k}: {old.get(k)!r} vs {header.get(k)!r}" for k in differ)
-        raise SystemExit(f"{path} was written with other settings ({changes}); use another --output or delete it")
+        raise ValueError(f"{path} was written with other settings ({changes}); use another --output or --overwrite")
     rows: dict[int, list[dict]] = defaultdict(list)
     for line in lines[1:]:
         try:
@@ -262,7 +285,37 @@ def read_journal(path: str | Path, header: dict) -> dict[int, list[dict]]:
     return dict(rows)
 
 
-RESUME_KEYS = ("methods", "max_new_tokens", "rows", "data", "model", "heads", "selection", "dtype", "device")
+RESUME_KEYS = (
+    "methods",
+    "max_new_tokens",
+    "rows",
+    "data",
+    "model",
+    "heads",
+    "selection",
+    "dtype",
+    "device",
+    "drafter",
+    "rescorer_specs",
+)
+
+
+def _digest(state: dict[str, torch.Tensor]) -> str:
+    """A content hash of a state dict (which heads a journal was written with)."""
+    h = hashlib.sha1()
+    for name, tensor in sorted(state.items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _rescorer_specs(methods: list[str]) -> dict:
+    """The shipped specs of the rescorers the methods use (the assisted method drafts with "neural")."""
+    from .packaged import packaged_rescorers
+
+    specs = packaged_rescorers()
+    names = [m.split("+", 1)[1] for m in methods if m.startswith("hf_bpd+")] + (["neural"] * ("assisted" in methods))
+    return {n: specs.get(n) for n in names}
 
 
 def _append(path: str | Path, records: list[dict]) -> None:
@@ -326,6 +379,30 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict, path: str | Path) -> None:
+    """Grouped bars per category (and overall), one bar per method: τ on top, speedup over greedy below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(results)
+    cats = [*next(iter(results.values()))["categories"], "overall"]
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(cats) * max(len(methods), 2) / 2), 7), sharex=True)
+    width = 0.8 / len(methods)
+    for ax, key, label in ((axes[0], "tau", "τ (tokens / forward)"), (axes[1], "speedup", "speedup over greedy")):
+        for j, m in enumerate(methods):
+            values = [(results[m]["overall"] if c == "overall" else results[m]["categories"][c])[key] for c in cats]
+            ax.bar([i - 0.4 + width * (j + 0.5) for i in range(len(cats))], values, width, label=m)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_ylabel(label)
+    axes[0].legend(ncol=min(len(methods), 4), fontsize="small")
+    axes[1].set_xticks(range(len(cats)), cats, rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def environment(device: str, dtype: str) -> dict:
     import transformers
 
@@ -373,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="continue the --output run's journal (same settings): finished rows are kept, not rerun",
     )
+    parser.add_argument("--overwrite", action="store_true", help="start over when --output's journal exists")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
@@ -393,8 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and not args.output:
         raise SystemExit("--resume continues the journal of --output: give --output")
     journal = Path(args.output).with_suffix(".journal.jsonl") if args.output else None
-    if journal is not None and not args.resume and journal.is_file():
-        journal.unlink()  # a fresh run
+    if journal is not None and journal.is_file() and not args.resume:
+        if not args.overwrite:
+            raise SystemExit(
+                f"{journal} holds a run's finished rows: --resume to continue it, --overwrite to start over"
+            )
+        journal.unlink()
     header = {
         "data": args.data,
         "model": args.model,
@@ -402,6 +484,14 @@ def main(argv: list[str] | None = None) -> int:
         "selection": [args.categories, args.per_category, args.limit, args.spread],
         "dtype": args.dtype,
         "device": args.device,
+        "drafter": {
+            "num_heads": drafter.num_heads,
+            "top_k": drafter.top_k,
+            "max_tree_tokens": drafter.max_tree_tokens,
+            "calibrate": drafter.calibration is not None,
+            "heads_sha1": _digest(drafter.heads.state_dict()),
+        },
+        "rescorer_specs": _rescorer_specs(args.methods),
     }
     if drafter.max_tree_tokens == "auto":  # one forward-cost curve for every hf_bpd method of the run
         old = _journal_header(journal) if args.resume else None
@@ -450,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": len(rows),
         "methods": results,
+        "learned": learned(methods),  # rows of this process only (a resumed run relearns)
     }
     table = markdown_table(results)
     print(table)
@@ -457,6 +548,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(report, indent=2))
         Path(args.output).with_suffix(".md").write_text(table + "\n")
+        try:
+            plot(results, Path(args.output).with_suffix(".png"))
+        except ImportError:
+            print("matplotlib is not installed: no plot (pip install hf_bpd[analysis])", file=sys.stderr)
     bad = [m for m, r in results.items() if not r["overall"]["identical"]]
     if bad:
         print(f"NOT LOSSLESS: {bad} differ from greedy", file=sys.stderr)

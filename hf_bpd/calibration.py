@@ -3,9 +3,10 @@
 Tree sizing (`cost.best_tree_size`) trades a bigger forward for more expected accepted tokens, so it is only
 as good as the estimates. Raw estimates are overconfident: a head's softmax is a marginal over contexts it
 never saw conditioned on the drafted prefix, and a path's probability multiplies them as if they were
-independent. Measured on SmolLM2 (Spec-Bench rows, shipped heads) a drafted node predicted at 0.16 on
-average was accepted 9 % of the time at depth 1, and 0.07 -> 1 % at depth 2; at those rates every 8-token
-tree was a loss on a CPU where it costs 1.7 plain steps.
+independent. With SmolLM2's shipped heads the learned multipliers come out near 0.3-0.5 (the heads' arcs
+are accepted a third to half as often as they claim; `python -m training.ablate_calibration` prints them),
+so trees sized on raw estimates were often a loss on a CPU where any multi-token forward costs about two
+single-token ones.
 
 `AcceptanceCalibration` learns, from the drafter's own verification results, one multiplier per (source,
 depth) of an arc's conditional acceptance probability: among the children of every tree node the base

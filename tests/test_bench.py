@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_model
 
@@ -38,6 +39,16 @@ def test_bench_counts_forwards_and_checks_identity():
     assert set(b["ms_per_step"]) == {"heads", "rescore", "lattice_tree", "verify_forward", "accept", "cache_compaction"}
     table = bench.markdown_table(results)
     assert "| **overall** |" in table and "hf_bpd τ" in table and "| hf_bpd | " in table
+    assert set(bench.learned(methods)) == {"hf_bpd"}  # the calibrated drafter's multipliers and cost factors
+    assert set(bench.learned(methods)["hf_bpd"]) == {"acceptance_multipliers", "forward_cost_factors"}
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    summary = {"tau": 1.5, "speedup": 1.1, "identical": True}
+    results = {m: {"overall": summary, "categories": {"qa": summary, "rag": summary}} for m in ("greedy", "x")}
+    bench.plot(results, tmp_path / "b.png")
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_select_rows():
@@ -77,8 +88,6 @@ def test_assisted_and_rescored_methods_are_lossless_and_named():
 def test_journal_resumes_an_interrupted_run_without_redoing_rows(tmp_path):
     import json
 
-    import pytest
-
     model = tiny_model("llama", eos_token_id=None)
     drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2), top_k=3, max_tree_tokens=6)
     calls = []
@@ -103,5 +112,5 @@ def test_journal_resumes_an_interrupted_run_without_redoing_rows(tmp_path):
         for key in ("tokens", "forwards", "identical"):
             assert resumed[m]["overall"][key] == full[m]["overall"][key]
     assert len(journal.read_text().splitlines()) == 1 + 4 * 2
-    with pytest.raises(SystemExit, match="max_new_tokens"):
+    with pytest.raises(ValueError, match="max_new_tokens"):
         bench.run_bench(model, TinyChatTokenizer(), ROWS, methods(), 9, progress=False, journal=journal)

@@ -13,7 +13,15 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_bpd.bench import DEFAULT_DATA, bpd_method, greedy_method, markdown_table, prompt_lookup_method, run_bench
+from hf_bpd.bench import (
+    DEFAULT_DATA,
+    bpd_method,
+    greedy_method,
+    learned,
+    markdown_table,
+    prompt_lookup_method,
+    run_bench,
+)
 from hf_bpd.cost import measure_forward_cost
 from hf_bpd.jsonl import read_jsonl
 from hf_bpd.models import load_model
@@ -43,17 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = read_jsonl(args.data)[4::18]
     results = run_bench(model, tokenizer, rows, methods, args.max_new_tokens, progress=True)
     print(markdown_table(results))
-    learned = {
-        name: {
-            "acceptance_multipliers": d.calibration.summary(),
-            "forward_cost_factors": getattr(d.step_cost, "factors", {}),
-        }
-        for name, d in variants.items()
-        if d.calibration is not None
-    }
-    print(json.dumps(learned, indent=1))
+    learned_values = learned(methods)
+    print(json.dumps(learned_values, indent=1))
     if args.output:
-        report = {"forward_cost": [drafter.forward_cost.sizes, drafter.forward_cost.seconds], "learned": learned}
+        report = {"forward_cost": [drafter.forward_cost.sizes, drafter.forward_cost.seconds], "learned": learned_values}
         Path(args.output).write_text(json.dumps({**report, "rows": len(rows), "methods": results}, indent=1))
     return 0
 

@@ -74,6 +74,20 @@ def right_padded(rows) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
     return seqs, ids, mask
 
 
+def length_sorted_batches(data, batch_tokens: int) -> list[list[int]]:
+    """Indices of `data` rows (prompt + response) in batches of at most `batch_tokens` padded tokens,
+    shortest first: similar lengths share a batch, so little of it is padding."""
+    length = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in data]
+    batches: list[list[int]] = []
+    for j in sorted(range(len(data)), key=length.__getitem__):
+        # sorted by length: the new row is the batch's longest
+        if batches and length[j] * (len(batches[-1]) + 1) <= batch_tokens:
+            batches[-1].append(j)
+        else:
+            batches.append([j])
+    return batches
+
+
 @torch.no_grad()
 def compute_features(model, data, num_heads: int, batch_tokens: int = 4096, progress: bool = True) -> Features:
     """Base last hidden states for every response position of every sample (length-sorted batches of at
@@ -81,17 +95,9 @@ def compute_features(model, data, num_heads: int, batch_tokens: int = 4096, prog
     from tqdm import tqdm
 
     device = next(model.parameters()).device
-    length = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in data]
-    order = sorted(range(len(data)), key=length.__getitem__)
     hidden, targets, sample = [], [], []
-    bar = tqdm(total=len(order), disable=not progress, desc="features")
-    i = 0
-    while i < len(order):
-        # sorted by length: the batch's last sample is its longest
-        end = i + 1
-        while end < len(order) and length[order[end]] * (end - i + 1) <= batch_tokens:
-            end += 1
-        batch = order[i:end]
+    bar = tqdm(total=len(data), disable=not progress, desc="features")
+    for batch in length_sorted_batches(data, batch_tokens):
         seqs, ids, mask = right_padded([data[j] for j in batch])
         out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
         last = out.hidden_states[-1].float().cpu()
@@ -101,7 +107,6 @@ def compute_features(model, data, num_heads: int, batch_tokens: int = 4096, prog
             hidden.append(last[r, start : start + t.shape[0]].half())
             targets.append(t)
             sample.append(torch.full((t.shape[0],), j, dtype=torch.long))
-        i = end
         bar.update(len(batch))
     bar.close()
     return Features(torch.cat(hidden), torch.cat(targets), torch.cat(sample))

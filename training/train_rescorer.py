@@ -22,22 +22,12 @@ from pathlib import Path
 
 import torch
 
-from training.train_heads import IGNORE, right_padded
+from training.train_heads import IGNORE, length_sorted_batches, right_padded
 
 
 def lm_batches(data, batch_tokens: int, seed: int) -> list[list[dict]]:
     """Length-sorted batches of at most `batch_tokens` padded tokens, in shuffled order."""
-    rows = sorted(data, key=lambda r: len(r["prompt_ids"]) + len(r["response_ids"]))
-    batches, cur, width = [], [], 0
-    for r in rows:
-        n = len(r["prompt_ids"]) + len(r["response_ids"])
-        if cur and max(width, n) * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, width = [], 0
-        cur.append(r)
-        width = max(width, n)
-    if cur:
-        batches.append(cur)
+    batches = [[data[j] for j in batch] for batch in length_sorted_batches(data, batch_tokens)]
     random.Random(seed).shuffle(batches)
     return batches
 
