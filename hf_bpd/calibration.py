@@ -62,7 +62,10 @@ class AcceptanceCalibration:
         return min(0.0, arc.logprob + self.log_scale(arc.source, depth))
 
     def observe(self, arc: Arc, depth: int, accepted: bool) -> None:
-        """One drafted arc whose parent the base model reached: estimated, and accepted or not."""
+        """One drafted arc whose parent the base model reached: estimated, and accepted or not. An arc
+        without an estimate (a rescorer's draft that carries none) teaches nothing."""
+        if arc.logprob == -math.inf:
+            return
         key = self._key(arc.source, depth)
         self.predicted[key] += math.exp(arc.logprob)
         self.accepted[key] += float(accepted)

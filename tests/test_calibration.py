@@ -31,6 +31,9 @@ def test_calibration_starts_at_one_and_converges_to_the_measured_rate():
     # deep arcs share the last key
     cal.observe(arc, 9, accepted=False)
     assert cal.scale(HEADS, 9) == cal.scale(HEADS, cal.max_depth) < 1.0
+    before = dict(cal.predicted), dict(cal.accepted)
+    cal.observe(Arc(-math.inf, HEADS), 1, accepted=True)  # no estimate: would inflate the multiplier
+    assert (dict(cal.predicted), dict(cal.accepted)) == before
 
 
 def test_node_arcs_pick_the_better_calibrated_source():
