@@ -388,7 +388,7 @@ def plot(results: dict, path: str | Path) -> None:
 
     methods = list(results)
     cats = [*next(iter(results.values()))["categories"], "overall"]
-    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(cats) * max(len(methods), 2) / 2), 7), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.3 * len(cats) * len(methods) + 2), 6), sharex=True)
     width = 0.8 / len(methods)
     for ax, key, label in ((axes[0], "tau", "τ (tokens / forward)"), (axes[1], "speedup", "speedup over greedy")):
         for j, m in enumerate(methods):
