@@ -27,3 +27,11 @@ hf-bpd train-rescorer --data "$RUNS/distill2" --output "$RUNS/rescorer" --num-la
 hf-bpd train-rescorer --data "$RUNS/distill2" --init "$RUNS/rescorer" --output "$RUNS/rescorer2" --epochs 3 --lr 2e-3
 cp -r "$RUNS/rescorer2/." hf_bpd/assets/smollm2/rescorer/
 python -m training.tune_rescorers --output hf_bpd/assets/smollm2/rescorers.json
+# 6. more self-distillation for the next heads (issue 3): the same seeded order continued to every training
+#    prompt; resumable, so rerun the same command until it finishes
+hf-bpd distill --output "$RUNS/distill2" --limit 8171 --max-new-tokens 128 --max-prompt-tokens 256 \
+  --batch-size 64 --shard-size 64
+# 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
+hf-bpd bench --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
+  --output benchmarks/spec_bench_dev_full.json --resume
+python -m training.ablate_calibration --max-new-tokens 64 --output benchmarks/calibration_ablation.json
