@@ -54,12 +54,9 @@ class AcceptanceCalibration:
         key = self._key(source, depth)
         return (self.accepted.get(key, 0.0) + self.prior) / (self.predicted.get(key, 0.0) + self.prior)
 
-    def log_scale(self, source: str, depth: int) -> float:
-        return math.log(self.scale(source, depth))
-
     def calibrated(self, arc: Arc, depth: int) -> float:
         """The arc's calibrated log-probability (never above 0)."""
-        return min(0.0, arc.logprob + self.log_scale(arc.source, depth))
+        return min(0.0, arc.logprob + math.log(self.scale(arc.source, depth)))
 
     def observe(self, arc: Arc, depth: int, accepted: bool) -> None:
         """One drafted arc whose parent the base model reached: estimated, and accepted or not. An arc

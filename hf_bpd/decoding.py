@@ -256,7 +256,7 @@ def generate(
         drafter.observe([result.nodes], [result.finished], batch.input_ids.shape[1], t2 - t1 if timed else None)
         t3 = time.perf_counter()
         keep = torch.tensor(result.nodes, device=input_ids.device)
-        if keep.numel() < batch.input_ids.shape[1]:  # a fully accepted tree (a root alone) has nothing to drop
+        if keep.numel() < batch.input_ids.shape[1]:  # nothing to drop when every node was accepted
             compact_cache(cache, batch.input_ids.shape[1], keep)
         past_mask = torch.cat([past_mask, past_mask.new_ones(1, keep.numel())], dim=-1)
         hidden_last = out.hidden_states[-1][:, result.nodes[-1]]

@@ -246,12 +246,15 @@ class BlockDrafter:
                     tree.add_path(draft, budget)
                     if len(tree) >= budget:
                         break
+            # each node's arc, once: it sizes the tree and, kept, lets `observe` score the verification
+            needed = tables is not None and (self.forward_cost is not None or self.calibration is not None)
+            arcs = tree.node_arcs(tables, estimates, self.calibration) if needed else None
             if self.forward_cost is not None and len(tree) > 1:
-                logprobs = tree.node_logprobs(tables, estimates, self.calibration)
+                logprobs = tree.path_logprobs(arcs, self.calibration)
                 tree = tree.truncated(best_tree_size([math.exp(lp) for lp in logprobs], self.step_cost))
             trees.append(tree)
-            known = tables is not None and self.calibration is not None
-            self._verified.append((tree, tree.node_arcs(tables, estimates, self.calibration)) if known else None)
+            known = arcs is not None and self.calibration is not None
+            self._verified.append((tree, arcs[: len(tree)]) if known else None)  # a prefix keeps node indices
         return trees
 
     def observe(

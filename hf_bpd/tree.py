@@ -117,7 +117,10 @@ class DraftTree:
         calibration: AcceptanceCalibration | None = None,
     ) -> list[float]:
         """Summed (calibrated, when given) log-probability of each node's path; see `node_arcs`."""
-        arcs = self.node_arcs(position_logprob, path_estimates, calibration)
+        return self.path_logprobs(self.node_arcs(position_logprob, path_estimates, calibration), calibration)
+
+    def path_logprobs(self, arcs: list[Arc], calibration: AcceptanceCalibration | None = None) -> list[float]:
+        """Each node's path log-probability from its nodes' `arcs` (those of `node_arcs`)."""
         out = [0.0]
         for i in range(1, len(self.tokens)):
             arc = arcs[i].logprob if calibration is None else calibration.calibrated(arcs[i], self.depths[i])
