@@ -197,9 +197,10 @@ def run_bench(
     done = {}
     if journal is not None:  # rows whose every turn has every method's record
         for i, records in read_journal(journal, header).items():
-            expected = {(t, m) for t in range(len(rows[i]["turns"])) for m in names} if i < len(rows) else None
-            same_row = i < len(rows) and all(r["question_id"] == rows[i].get("question_id") for r in records)
-            if same_row and len(records) == len(expected) and {(r["turn"], r["method"]) for r in records} == expected:
+            if i >= len(rows) or any(r["question_id"] != rows[i].get("question_id") for r in records):
+                continue
+            pairs = [(r["turn"], r["method"]) for r in records]
+            if sorted(pairs) == sorted((t, m) for t in range(len(rows[i]["turns"])) for m in names):
                 done[i] = records
         # rewrite: header + complete rows only (a row cut off mid-write is redone); atomically, so an
         # interruption now loses nothing
@@ -263,26 +264,34 @@ def run_bench(
 def read_journal(path: str | Path, header: dict) -> dict[int, list[dict]]:
     """A bench journal's records by row index ({} when there is none). Raises when it was written by a
     run with other settings (its rows would not be comparable)."""
-    path = Path(path)
-    if not path.is_file():
+    old, records = _load_journal(Path(path))
+    if old is None:
         return {}
-    lines = path.read_text().splitlines()
-    first = json.loads(lines[0]) if lines else {}
-    if "header" not in first:
-        raise ValueError(f"{path} is not a bench journal (no header line)")
-    old = first["header"]
     differ = sorted(k for k in set(old) | set(header) if k in RESUME_KEYS and old.get(k) != header.get(k))
     if differ:
         changes = ", ".join(f"{k}: {old.get(k)!r} vs {header.get(k)!r}" for k in differ)
         raise ValueError(f"{path} was written with other settings ({changes}); use another --output or --overwrite")
     rows: dict[int, list[dict]] = defaultdict(list)
-    for line in lines[1:]:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # the last line of a run killed mid-write
-            continue
+    for record in records:
         rows[record["row"]].append(record)
     return dict(rows)
+
+
+def _load_journal(path: Path) -> tuple[dict | None, list[dict]]:
+    """(header, records) of a journal file; (None, []) when there is none."""
+    if not path.is_file():
+        return None, []
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[0]) if lines else {}
+    if "header" not in first:
+        raise ValueError(f"{path} is not a bench journal (no header line)")
+    records = []
+    for line in lines[1:]:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # the last line of a run killed mid-write
+            continue
+    return first["header"], records
 
 
 RESUME_KEYS = (
@@ -321,13 +330,6 @@ def _rescorer_specs(methods: list[str]) -> dict:
 def _append(path: str | Path, records: list[dict]) -> None:
     with open(path, "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-
-
-def _journal_header(path: Path | None) -> dict | None:
-    if path is None or not path.is_file():
-        return None
-    with open(path) as f:
-        return json.loads(f.readline()).get("header")
 
 
 def summarize(records: list[dict], methods: list[str]) -> dict:
@@ -494,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         "rescorer_specs": _rescorer_specs(args.methods),
     }
     if drafter.max_tree_tokens == "auto":  # one forward-cost curve for every hf_bpd method of the run
-        old = _journal_header(journal) if args.resume else None
+        old = _load_journal(journal)[0] if args.resume else None
         if old and "forward_cost" in old:  # a resumed run keeps its curve
             drafter.forward_cost = ForwardCost(*map(tuple, old["forward_cost"]))
         else:
