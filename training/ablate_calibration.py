@@ -23,9 +23,9 @@ from hf_bpd.bench import (
     run_bench,
 )
 from hf_bpd.cost import measure_forward_cost
-from hf_bpd.jsonl import read_jsonl
 from hf_bpd.models import load_model
 from hf_bpd.packaged import load_packaged_drafter, packaged_rescorer
+from training.tune_rescorers import tuning_rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     variants[f"{args.rescorer} uncalibrated"].calibration = None
     methods = [greedy_method(model), prompt_lookup_method(model)]
     methods += [bpd_method(model, d, name) for name, d in variants.items()]
-    rows = read_jsonl(args.data)[4::18]
+    rows = tuning_rows(args.data)
     results = run_bench(model, tokenizer, rows, methods, args.max_new_tokens, progress=True)
     print(markdown_table(results))
     learned_values = learned(methods)
