@@ -92,7 +92,7 @@ def analyze_row(model, drafter, rescorer, prompt_ids: list[int], answer: list[in
     p = len(prompt_ids)
     # position t of the answer is drafted from the hidden state of the token before it
     states = hidden[p - 1 : p - 1 + len(answer)]
-    logits = heads(states.to(heads.dtype))  # [T, h, S]
+    logits = heads(states.to(heads.dtype), torch.tensor(answer))  # [T, h, S]; answer[t]: token t+1
     token_ids = heads.draft_vocab if heads.config.draft_vocab_size else None
     lattice = Lattice.from_logits(logits, min(MAX_K, logits.shape[-1]), token_ids)
     h = heads.num_heads

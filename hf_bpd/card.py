@@ -72,12 +72,18 @@ def render_card(
     softmax = "tied to the base LM head" if cfg.tie_lm_head else "of its own"
     if cfg.draft_vocab_size:
         softmax += f", over a {cfg.draft_vocab_size}-token draft vocabulary"
+    inputs = (
+        "the base model's last hidden state and the embedding of its own next token (the draft tree's root)"
+        if cfg.use_next_token
+        else "the base model's last hidden state"
+    )
     return template.format(
         base_model=cfg.base_model_name or "unknown",
         repo_id=repo_id,
         num_heads=cfg.num_heads,
         num_layers=cfg.num_layers,
         softmax=softmax,
+        inputs=inputs,
         top_k=top_k,
         max_tree_tokens=max_tree_tokens,
         data_recipe=data_recipe(manifest),

@@ -165,10 +165,11 @@ class BlockDrafter:
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    def lattice(self, hidden_last: torch.Tensor) -> Lattice:
-        """Head logits on the last accepted hidden state `[batch, hidden]` -> top-k lattice."""
+    def lattice(self, hidden_last: torch.Tensor, root: torch.Tensor) -> Lattice:
+        """Head logits on the last accepted hidden state `[batch, hidden]` -> top-k lattice. `root [batch]`:
+        the base model's token from that state (the tree root; heads with `use_next_token` read it)."""
         with torch.no_grad():
-            logits = self.heads(hidden_last.to(self.heads.dtype))
+            logits = self.heads(hidden_last.to(self.heads.dtype), root)
             ids = self.heads.draft_vocab if self.heads.config.draft_vocab_size else None
             return Lattice.from_logits(logits, self.top_k, ids)
 
@@ -283,7 +284,7 @@ class BlockDrafter:
     ) -> Sequence[DraftTree]:
         """Heads -> lattice -> trees, timing each phase into `stats`."""
         t0 = self._sync(hidden_last.device)
-        lattice = self.lattice(hidden_last)
+        lattice = self.lattice(hidden_last, context[:, -1])
         t1 = self._sync(hidden_last.device)
         rescored = self.rescore(lattice, context)
         t2 = time.perf_counter()

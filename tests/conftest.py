@@ -56,10 +56,10 @@ def tiny_model(arch: str = "llama", attn: str = "sdpa", seed: int = 0, **overrid
     return model
 
 
-def random_heads(model, num_heads: int = 3, seed: int = 0, std: float = 0.3):
+def random_heads(model, num_heads: int = 3, seed: int = 0, std: float = 0.3, **kw):
     from hf_bpd import BlockDraftHeads
 
-    heads = BlockDraftHeads.for_base_model(model, num_heads=num_heads)
+    heads = BlockDraftHeads.for_base_model(model, num_heads=num_heads, **kw)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():

@@ -121,8 +121,8 @@ class OracleDrafter(BlockDrafter):
         self.rng = torch.Generator().manual_seed(0)
         self._context_len = 0
 
-    def lattice(self, hidden_last):
-        lattice = super().lattice(hidden_last)
+    def lattice(self, hidden_last, root):
+        lattice = super().lattice(hidden_last, root)
         tokens = lattice.tokens.clone()
         start = self._context_len
         for i in range(lattice.num_positions):
@@ -387,3 +387,27 @@ def test_auto_tree_size_measures_the_model():
     assert out.tolist() == ref.tolist()
     assert drafter.forward_cost is not None and drafter.forward_cost.sizes[0] == 1
     assert all(t > 0 for t in drafter.forward_cost.seconds)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_next_token_heads_read_each_step_root_and_stay_exact(arch):
+    """Heads with `use_next_token` get, each step, the base model's last accepted token (the tree root)."""
+    model = tiny_model(arch, eos_token_id=None)
+    heads = random_heads(model, num_heads=3, use_next_token=True, std=0.05)
+    roots = []
+    forward = heads.forward
+
+    def spy(hidden_states, next_tokens=None):
+        roots.append(next_tokens.tolist())
+        return forward(hidden_states, next_tokens)
+
+    heads.forward = spy
+    drafter = BlockDrafter(heads, top_k=3, max_tree_tokens=8)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    ref, out = run_both(model, drafter, ids, max_new_tokens=30)
+    assert out.tolist() == ref.tolist()
+    q, want = ids.shape[1], []
+    for n in [0, *drafter.stats.accepted_lengths[:-1]]:
+        q += n
+        want.append([int(out[0, q])])
+    assert roots == want

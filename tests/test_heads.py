@@ -47,7 +47,38 @@ def test_forward_shape(model, lead):
     assert heads.num_heads == 3
     # forward is project(head_states) and head i depends only on its own block.
     torch.testing.assert_close(out, heads.project(heads.head_states(x)))
-    torch.testing.assert_close(out[..., 1, :], model.lm_head(heads.heads[1](x)))
+    torch.testing.assert_close(out[..., 1, :], model.lm_head(heads.heads[1][0](x)))
+
+
+def test_next_token_heads_read_token_t_plus_1(model, tmp_path):
+    x = hidden(2, 5)
+    tokens = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    plain = BlockDraftHeads.for_base_model(model, num_heads=3)
+    untrained = BlockDraftHeads.for_base_model(model, num_heads=3, use_next_token=True)
+    # zero-initialised residuals: an untrained head ignores the token like a plain one
+    assert torch.equal(untrained(x, tokens), plain(x))
+    heads = random_heads(model, num_heads=3, use_next_token=True)
+    assert heads.heads[0][0].linear.in_features == 2 * HIDDEN
+    out = heads(x, tokens)
+    assert out.shape == (2, 5, 3, VOCAB)
+    emb = model.get_input_embeddings().weight
+    block = heads.heads[2][0]
+    want = x + block.act(block.linear(torch.cat([x, emb[tokens]], dim=-1)))
+    torch.testing.assert_close(out[..., 2, :], model.lm_head(want))
+    assert not torch.allclose(out, heads(x, (tokens + 1) % VOCAB))  # the token changes the draft
+    with pytest.raises(ValueError, match="next_tokens"):
+        heads(x)
+    with pytest.raises(ValueError, match="shape"):
+        heads(x, tokens[:, :3])
+    heads.save_pretrained(tmp_path)
+    again = BlockDraftHeads.from_pretrained(tmp_path)
+    assert again.config.use_next_token
+    with pytest.raises(RuntimeError, match="bind"):
+        again(x, tokens)
+    assert torch.equal(again.bind(model)(x, tokens), out)
+    assert torch.equal(heads.first_heads(2)(x, tokens), out[..., :2, :])
+    with pytest.raises(ValueError, match="num_layers"):
+        BlockDraftHeads.for_base_model(model, num_layers=0, use_next_token=True)
 
 
 def test_random_heads_differ_from_each_other(model):
@@ -156,7 +187,7 @@ def test_save_load_untied_round_trip(model, tmp_path):
     with torch.no_grad():
         out = loaded(x)
         assert torch.equal(out, heads(x))
-        torch.testing.assert_close(out[:, 0], model.lm_head(heads.heads[0](x)))
+        torch.testing.assert_close(out[:, 0], model.lm_head(heads.heads[0][0](x)))
 
 
 def test_drafter_from_pretrained_loads_saved_heads(model, tmp_path):
@@ -168,7 +199,7 @@ def test_drafter_from_pretrained_loads_saved_heads(model, tmp_path):
     assert drafter.num_heads == 3
     assert_same_params(heads, drafter.heads)
     drafter.prepare(model)
-    lat = drafter.lattice(hidden(2))
+    lat = drafter.lattice(hidden(2), torch.tensor([1, 2]))
     assert lat.tokens.shape == (2, 3, 3)
     with torch.no_grad():
         want = hf_bpd.Lattice.from_logits(heads(hidden(2)), top_k=3)

@@ -44,6 +44,43 @@ def test_head_targets_shift():
     assert t.tolist() == [[13, 14], [14, IGNORE], [IGNORE, IGNORE]]
 
 
+def test_feature_cache_resumes_and_only_computes_new_samples(tmp_path, monkeypatch):
+    model = tiny_model("llama", eos_token_id=None)
+    data = tiny_distilled(model, n=12, new=8)
+    whole = train_heads.compute_features(model, data, 2, progress=False)
+    # token t+1 beside each position's hidden state: the response token the base model chose
+    first = data[0]["prompt_ids"] + data[0]["response_ids"]
+    start = train_heads.response_positions(len(data[0]["prompt_ids"]))
+    n0 = int((whole.sample == 0).sum())
+    assert whole.next_token[:n0].tolist() == first[start + 1 : start + 1 + n0]
+    computed = []
+    real = train_heads.compute_features
+
+    def counting(model, rows, *a, **kw):
+        computed.append(len(rows))
+        return real(model, rows, *a, **kw)
+
+    monkeypatch.setattr(train_heads, "compute_features", counting)
+    cache = tmp_path / "features"
+    got = train_heads.cached_features(model, data.select(range(8)), 2, cache, chunk=5, progress=False)
+    assert computed == [5, 3] and sorted(p.name for p in cache.iterdir()) == [
+        "features-0000000-0000005.pt",
+        "features-0000005-0000008.pt",
+    ]
+    computed.clear()
+    got = train_heads.cached_features(model, data, 2, cache, chunk=5, progress=False)  # the data set grew
+    assert computed == [4]  # samples 8..11 only
+    for f in ("hidden", "targets", "next_token", "sample"):
+        assert torch.equal(getattr(got, f), getattr(whole, f)), f
+    computed.clear()
+    other = tiny_distilled(model, n=12, new=8, seed=1)  # other samples: no chunk is reused
+    train_heads.cached_features(model, other, 2, cache, chunk=5, progress=False)
+    assert computed == [5, 5, 2]
+    computed.clear()
+    train_heads.cached_features(model, other, 3, cache, chunk=5, progress=False)  # more heads than cached
+    assert sum(computed) == 12
+
+
 def test_frozen_training_loss_falls_and_reloads_bit_identical(tmp_path):
     model = tiny_model("llama", eos_token_id=None)
     data = tiny_distilled(model)
@@ -51,6 +88,7 @@ def test_frozen_training_loss_falls_and_reloads_bit_identical(tmp_path):
         tmp_path, num_heads=2, epochs=30, lr=3e-2, batch_size=64, val_fraction=0.2, top_k=3, draft_vocab_size=64
     )
     heads, history = train_heads.train_frozen(model, data, args)
+    assert heads.config.use_next_token  # the default: heads read token t+1
     losses = [r["train_loss"] for r in history]
     assert losses[-1] < 0.8 * losses[0]
     assert len(history[-1]["top1"]) == 2 and 0.0 <= history[-1]["oracle_top3"] <= 2.0

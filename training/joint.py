@@ -35,7 +35,7 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
 
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     torch.manual_seed(args.seed)
-    heads = BlockDraftHeads.for_base_model(model, args.num_heads, args.num_layers)
+    heads = BlockDraftHeads.for_base_model(model, args.num_heads, args.num_layers, use_next_token=args.next_token)
     heads.float()
     lora = LoraConfig(
         r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
@@ -67,7 +67,8 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
                 )
                 valid = batch["attention_mask"].bool()
                 hidden = out.hidden_states[-1][valid]
-                head_loss, _ = heads_loss(bare_heads, hidden, batch["targets"][valid], weights, None)
+                next_tokens = batch["labels"][valid].clamp(min=0)  # token t+1; no head target where IGNORE
+                head_loss, _ = heads_loss(bare_heads, hidden, batch["targets"][valid], weights, None, next_tokens)
                 loss = args.base_loss_weight * base + head_loss
             accelerator.backward(loss)
             optimizer.step()

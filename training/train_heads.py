@@ -5,7 +5,8 @@ model itself predicts t+1). Loss = sum_i w_i * CE_i with per-head weights w_i (t
 
 Modes
   frozen  (Medusa-1) the base model is frozen: its last hidden states are computed once and cached to
-          disk (`features.pt`), so an epoch only runs the small heads. Practical on a CPU.
+          disk (`OUTPUT/features/`, in resumable chunks that a grown data set reuses), so an epoch only
+          runs the small heads. Practical on a CPU.
   joint   (Medusa-2) the base model is adapted with LoRA (PEFT) together with the heads; the base model's
           own next-token loss is kept so its outputs stay what they were. Saves the heads at the output
           root and the adapter under `lora/`; `hf_bpd.load_joint_model` applies it.
@@ -23,7 +24,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -37,11 +38,21 @@ IGNORE = -100
 @dataclass
 class Features:
     """Cached training positions: hidden [n, H] (base last hidden state at t), targets [n, h] (token at
-    t+1+i for head i, IGNORE past the end), sample [n] (index of the distilled sample)."""
+    t+1+i for head i, IGNORE past the end), next_token [n] (token t+1: the base model's own choice, read
+    by `use_next_token` heads), sample [n] (index of the distilled sample)."""
 
     hidden: torch.Tensor
     targets: torch.Tensor
+    next_token: torch.Tensor
     sample: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> Features:
+        """The positions picked by a boolean mask or index tensor."""
+        return Features(*(getattr(self, f.name)[index] for f in fields(self)))
+
+    @staticmethod
+    def concat(parts: list[Features]) -> Features:
+        return Features(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Features)))
 
 
 def head_targets(sequence: list[int], start: int, num_heads: int) -> torch.Tensor:
@@ -89,13 +100,15 @@ def length_sorted_batches(data, batch_tokens: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def compute_features(model, data, num_heads: int, batch_tokens: int = 4096, progress: bool = True) -> Features:
+def compute_features(
+    model, data, num_heads: int, batch_tokens: int = 4096, progress: bool = True, first_sample: int = 0
+) -> Features:
     """Base last hidden states for every response position of every sample (length-sorted batches of at
-    most `batch_tokens` padded tokens)."""
+    most `batch_tokens` padded tokens). Sample indices start at `first_sample`."""
     from tqdm import tqdm
 
     device = next(model.parameters()).device
-    hidden, targets, sample = [], [], []
+    hidden, targets, next_token, sample = [], [], [], []
     bar = tqdm(total=len(data), disable=not progress, desc="features")
     for batch in length_sorted_batches(data, batch_tokens):
         seqs, ids, mask = right_padded([data[j] for j in batch])
@@ -104,12 +117,59 @@ def compute_features(model, data, num_heads: int, batch_tokens: int = 4096, prog
         for r, j in enumerate(batch):
             start = response_positions(len(data[j]["prompt_ids"]))
             t = head_targets(seqs[r], start, num_heads)
-            hidden.append(last[r, start : start + t.shape[0]].half())
+            n = t.shape[0]
+            hidden.append(last[r, start : start + n].half())
             targets.append(t)
-            sample.append(torch.full((t.shape[0],), j, dtype=torch.long))
+            next_token.append(torch.tensor(seqs[r][start + 1 : start + 1 + n], dtype=torch.long))
+            sample.append(torch.full((n,), first_sample + j, dtype=torch.long))
         bar.update(len(batch))
     bar.close()
-    return Features(torch.cat(hidden), torch.cat(targets), torch.cat(sample))
+    return Features(torch.cat(hidden), torch.cat(targets), torch.cat(next_token), torch.cat(sample))
+
+
+def rows_digest(rows) -> str:
+    """Identifies distilled rows by their tokens: a cached chunk is reused only for the same samples."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for r in rows:
+        h.update(json.dumps([r["prompt_ids"], r["response_ids"]]).encode())
+    return h.hexdigest()
+
+
+def cached_features(
+    model, data, num_heads: int, cache_dir: str | Path, chunk: int = 512, progress: bool = True
+) -> Features:
+    """`compute_features` for all of `data`, cached on disk in chunks of samples
+    (`features-<first>-<end>.pt`). An interrupted run resumes at the first missing chunk, and a grown data
+    set only computes its new samples: existing chunk files are reused when they tile the data from
+    sample 0 and hold the same samples (token digest) with enough heads; any other chunk is recomputed."""
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    parts, covered = [], 0
+    while covered < len(data):
+        part = None
+        for path in sorted(cache_dir.glob(f"features-{covered:07d}-*.pt")):
+            end = int(path.stem.split("-")[2])
+            if end > len(data):
+                continue
+            saved = torch.load(path)
+            rows = data.select(range(covered, end)) if hasattr(data, "select") else data[covered:end]
+            if saved["digest"] == rows_digest(rows) and saved["targets"].shape[1] >= num_heads:
+                part = Features(**{f.name: saved[f.name] for f in fields(Features)})
+                break
+            path.unlink()  # other samples or fewer heads: stale
+        if part is None:
+            end = min(covered + chunk, len(data))
+            rows = data.select(range(covered, end)) if hasattr(data, "select") else data[covered:end]
+            part = compute_features(model, rows, num_heads, progress=progress, first_sample=covered)
+            tmp = cache_dir / f".features-{covered:07d}-{end:07d}.tmp"
+            torch.save({**part.__dict__, "digest": rows_digest(rows)}, tmp)
+            tmp.replace(cache_dir / f"features-{covered:07d}-{end:07d}.pt")  # atomic: no half-written chunk
+        part.targets = part.targets[:, :num_heads]
+        parts.append(part)
+        covered = end
+    return Features.concat(parts)
 
 
 def draft_vocabulary(data, size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
@@ -136,9 +196,11 @@ def heads_loss(
     targets: torch.Tensor,
     weights: list[float],
     vocab_index: torch.Tensor | None,
+    next_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Weighted CE over heads, computed head by head (a [n, h, V] logit tensor would not fit)."""
-    states = heads.head_states(hidden)
+    """Weighted CE over heads, computed head by head (a [n, h, V] logit tensor would not fit).
+    `next_tokens`: token t+1 per position, for heads with `use_next_token`."""
+    states = heads.head_states(hidden, next_tokens)
     total, per_head = hidden.new_zeros(()).float(), []
     for i, w in enumerate(weights):
         tgt = targets[:, i] if vocab_index is None else vocab_index[targets[:, i].clamp(min=0)]
@@ -162,7 +224,7 @@ def evaluate(heads: BlockDraftHeads, feats: Features, top_k: int, batch: int = 5
     for s in range(0, feats.hidden.shape[0], batch):
         x = feats.hidden[s : s + batch].to(device=device, dtype=heads.dtype)
         t = feats.targets[s : s + batch].to(device)
-        logits = heads(x)  # [n, h, S]
+        logits = heads(x, feats.next_token[s : s + batch].to(device))  # [n, h, S]
         topk = ids[logits.topk(top_k, dim=-1).indices]  # token ids [n, h, k]
         valid = t != IGNORE
         in_k = (topk == t[..., None]).any(-1) & valid
@@ -184,8 +246,7 @@ def split_by_sample(feats: Features, val_fraction: float, seed: int) -> tuple[Fe
     g = torch.Generator().manual_seed(seed)
     val_samples = torch.randperm(num_samples, generator=g)[: max(1, int(num_samples * val_fraction))]
     is_val = torch.isin(feats.sample, val_samples)
-    pick = lambda m: Features(feats.hidden[m], feats.targets[m], feats.sample[m])  # noqa: E731
-    return pick(~is_val), pick(is_val)
+    return feats.select(~is_val), feats.select(is_val)
 
 
 def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
@@ -193,22 +254,17 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
 
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     torch.manual_seed(args.seed)
-    out_dir = Path(args.output)
-    cache = out_dir / "features.pt"
-    if cache.is_file():
-        feats = Features(**torch.load(cache))
-        if feats.targets.shape[1] < args.num_heads:
-            raise ValueError(f"{cache} was computed for fewer heads; delete it")
-        feats.targets = feats.targets[:, : args.num_heads]
-    else:
-        feats = compute_features(model, data, args.num_heads, progress=not args.no_progress)
-        if accelerator.is_main_process:
-            torch.save(feats.__dict__, cache)
+    cache = Path(args.features_cache or Path(args.output) / "features")
+    # every process computes the same features; only the main process writes the cache
+    if accelerator.is_main_process:
+        feats = cached_features(model, data, args.num_heads, cache, progress=not args.no_progress)
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        feats = cached_features(model, data, args.num_heads, cache, progress=False)
     train, val = split_by_sample(feats, args.val_fraction, args.seed)
     if args.max_positions and train.hidden.shape[0] > args.max_positions:
         keep = torch.randperm(train.hidden.shape[0], generator=torch.Generator().manual_seed(args.seed))
-        keep = keep[: args.max_positions]
-        train = Features(train.hidden[keep], train.targets[keep], train.sample[keep])
+        train = train.select(keep[: args.max_positions])
 
     vocab = model_vocab_size(model)
     draft_vocab = None
@@ -217,7 +273,9 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         always = eos if isinstance(eos, list) else [eos] if eos is not None else []
         train_samples = set(train.sample.unique().tolist())
         draft_vocab = draft_vocabulary([data[i] for i in sorted(train_samples)], args.draft_vocab_size, vocab, always)
-    heads = BlockDraftHeads.for_base_model(model, args.num_heads, args.num_layers, draft_vocab=draft_vocab)
+    heads = BlockDraftHeads.for_base_model(
+        model, args.num_heads, args.num_layers, draft_vocab=draft_vocab, use_next_token=args.next_token
+    )
     heads.float()
     vocab_index = None
     if draft_vocab is not None:  # token id -> draft index; tokens outside the draft vocabulary are ignored
@@ -226,7 +284,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     weights = loss_weights(args.num_heads, args.loss_decay)
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    dataset = torch.utils.data.TensorDataset(train.hidden, train.targets)
+    dataset = torch.utils.data.TensorDataset(train.hidden, train.targets, train.next_token)
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(args.seed)
     )
@@ -242,9 +300,9 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     for epoch in range(args.epochs):
         heads.train()
         t0, running, steps = time.time(), 0.0, 0
-        for hidden, targets in loader:
+        for hidden, targets, next_tokens in loader:
             with accelerator.autocast():
-                loss, _ = heads_loss(bare, hidden.float(), targets, weights, vocab_index)
+                loss, _ = heads_loss(bare, hidden.float(), targets, weights, vocab_index, next_tokens)
             accelerator.backward(loss)
             optimizer.step()
             scheduler.step()
@@ -270,6 +328,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--num-layers", type=int, default=1)
     parser.add_argument("--draft-vocab-size", type=int, default=0, help="0: full vocabulary")
+    parser.add_argument(
+        "--next-token",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="heads also read the embedding of token t+1, the base model's own choice (--no-next-token: "
+        "plain Medusa heads)",
+    )
+    parser.add_argument("--features-cache", default=None, help="frozen mode: cache folder (default: OUTPUT/features)")
     parser.add_argument("--loss-decay", type=float, default=0.8, help="head i loss weight = decay**(i-1)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)

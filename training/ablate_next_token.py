@@ -1,0 +1,62 @@
+"""Same-data ablation of the heads' next-token input: plain Medusa heads vs heads that also read token t+1.
+
+Trains both kinds on the first `--samples` distilled samples with identical settings (one shared feature
+cache, same held-out samples, same seed) and prints per-head validation accuracy after each epoch.
+
+    python -m training.ablate_next_token --data runs/distill2 --samples 896 --features-cache runs/heads2/features \
+        --output benchmarks/next_token_ablation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from training import train_heads
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, help="hf-bpd distill --output folder")
+    parser.add_argument("--samples", type=int, default=896, help="first N distilled samples")
+    parser.add_argument("--features-cache", required=True)
+    parser.add_argument("--num-heads", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+
+    from hf_bpd.models import load_model
+    from training.distill import load_distilled
+
+    model, _ = load_model("packaged")
+    data = load_distilled(args.data)
+    if len(data) < args.samples:
+        raise ValueError(f"{args.data} holds {len(data)} samples, fewer than --samples {args.samples}")
+    data = data.select(range(args.samples))
+    results = {}
+    for next_token in (True, False):
+        parser = argparse.ArgumentParser()
+        train_heads.add_args(parser)
+        # the shipped recipe's settings (training/recipes/smollm2.sh), fewer epochs
+        train_args = parser.parse_args(
+            [
+                "--data", args.data, "--output", "unused", "--features-cache", args.features_cache,
+                "--num-heads", str(args.num_heads), "--draft-vocab-size", "8192", "--loss-decay", "0.8",
+                "--epochs", str(args.epochs), "--lr", "2e-3", "--batch-size", "256", "--top-k", "5",
+                "--log-every", "0", "--no-progress", "--next-token" if next_token else "--no-next-token",
+            ]
+        )  # fmt: skip
+        _, history = train_heads.train_frozen(model, data, train_args)
+        results["next_token" if next_token else "plain"] = history
+    text = json.dumps({"args": vars(args), "results": results}, indent=2)
+    if args.output:
+        Path(args.output).write_text(text)
+    for name, history in results.items():
+        last = history[-1]
+        print(name, "top1", [round(v, 3) for v in last["top1"]], "top5", [round(v, 3) for v in last["top5"]])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
