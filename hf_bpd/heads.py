@@ -313,7 +313,12 @@ class BlockDraftHeads(PreTrainedModel):
             info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
         return str(info)
 
-    def forward(self, hidden_states: torch.Tensor, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, next_tokens: torch.Tensor | None = None, return_states: bool = False
+    ) -> torch.Tensor:
         """`[..., hidden]` base hidden states (and, for `use_next_token` heads, `[...]` token t+1) ->
-        `[..., h, S]` draft logits."""
-        return self.project(self.head_states(hidden_states, next_tokens))
+        `[..., h, S]` draft logits; with `return_states`, the `head_states` before the softmax layer (the
+        training loss projects head by head, but must call the module itself so that a data-parallel
+        wrapper synchronises gradients)."""
+        states = self.head_states(hidden_states, next_tokens)
+        return states if return_states else self.project(states)

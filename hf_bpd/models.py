@@ -5,15 +5,22 @@ from __future__ import annotations
 from .packaged import load_packaged_model
 
 
-def load_model(name: str = "packaged", dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"):
-    """Return `(model, tokenizer)` in eval mode on `device`."""
+def load_model(
+    name: str = "packaged",
+    dtype: str = "float32",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+    with_tokenizer: bool = True,
+):
+    """Return `(model, tokenizer)` in eval mode on `device` (tokenizer None when `with_tokenizer=False`:
+    training on token ids needs none, and a model folder may have none)."""
     if name == "packaged":
         model, tokenizer = load_packaged_model(dtype=dtype, attn_implementation=attn_implementation)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name) if with_tokenizer else None
     return model.to(device).eval(), tokenizer
 
 

@@ -174,3 +174,57 @@ def test_distill_interrupted_and_restarted_finishes_without_duplicates(tmp_path,
     by_id = {r["id"]: r["response_ids"] for r in datasets.load_from_disk(str(fresh))}
     assert all(by_id[r["id"]] == r["response_ids"] for r in data)  # resumed data equals uninterrupted data
     assert json.dumps(sorted(by_id)) == json.dumps(sorted(data["id"]))
+
+
+class FakeAccelerator:
+    """Two processes whose replicas hold `checksums`."""
+
+    num_processes = 2
+    device = torch.device("cpu")
+
+    def __init__(self, checksums):
+        self.checksums = checksums
+
+    def gather(self, _):
+        return torch.stack(self.checksums)
+
+
+def test_diverged_data_parallel_replicas_raise():
+    module = torch.nn.Linear(3, 2)
+    mine = torch.stack([p.detach().double().sum() for p in module.parameters()])
+    train_heads.check_replicas_agree(FakeAccelerator([mine, mine.clone()]), module)
+    with pytest.raises(RuntimeError, match="diverged"):
+        train_heads.check_replicas_agree(FakeAccelerator([mine, mine + 1]), module)
+
+
+@pytest.mark.parametrize("mode", ["frozen", "joint"])
+def test_data_parallel_training_under_torchrun(tmp_path, mode):
+    """The same script on 2 processes (CPU, gloo): gradients are synchronised (replicas are checked after
+    every epoch and would raise), only the main process writes, and the saved heads load and draft."""
+    import os
+    import subprocess
+    import sys
+
+    if mode == "joint":
+        pytest.importorskip("peft")
+    model = tiny_model("llama", eos_token_id=None)
+    model.save_pretrained(tmp_path / "model")
+    tiny_distilled(model, n=16).save_to_disk(str(tmp_path / "data"))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "training.train_heads"]
+    cmd += ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"), "--output", str(out)]
+    cmd += ["--mode", mode, "--num-heads", "2", "--epochs", "2", "--no-progress", "--log-every", "0"]
+    cmd += ["--batch-size", "16", "--lr", "3e-2"] if mode == "frozen" else ["--batch-size", "2", "--lora-r", "4"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = json.loads((out / "training_log.json").read_text())
+    assert [r["processes"] for r in log["epochs"]] == [2, 2]
+    assert done.stdout.count("saved heads to") == 1  # the main process alone writes
+    heads = hf_bpd.BlockDraftHeads.from_pretrained(out).bind(model)
+    drafter = hf_bpd.BlockDrafter(heads, top_k=3, max_tree_tokens=8)
+    ids = torch.tensor([[5, 6, 7]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=12)
+    got = model.generate(ids, do_sample=False, max_new_tokens=12, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert got.tolist() == ref.tolist()

@@ -13,7 +13,15 @@ import time
 import torch
 
 from hf_bpd.heads import BlockDraftHeads
-from training.train_heads import IGNORE, head_targets, heads_loss, loss_weights, response_positions, right_padded
+from training.train_heads import (
+    IGNORE,
+    check_replicas_agree,
+    head_targets,
+    heads_loss,
+    loss_weights,
+    response_positions,
+    right_padded,
+)
 
 
 def collate(rows, num_heads: int) -> dict[str, torch.Tensor]:
@@ -68,18 +76,27 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
                 valid = batch["attention_mask"].bool()
                 hidden = out.hidden_states[-1][valid]
                 next_tokens = batch["labels"][valid].clamp(min=0)  # token t+1; no head target where IGNORE
-                head_loss, _ = heads_loss(bare_heads, hidden, batch["targets"][valid], weights, None, next_tokens)
+                head_loss, _ = heads_loss(heads, hidden, batch["targets"][valid], weights, None, next_tokens)
                 loss = args.base_loss_weight * base + head_loss
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
             running += float(loss.detach())
             steps += 1
-        record = {"epoch": epoch, "train_loss": running / max(steps, 1), "seconds": time.time() - t0}
+        check_replicas_agree(accelerator, bare_heads)
+        check_replicas_agree(accelerator, accelerator.unwrap_model(peft_model))
+        record = {
+            "epoch": epoch,
+            "train_loss": running / max(steps, 1),
+            "seconds": time.time() - t0,
+            "processes": accelerator.num_processes,
+        }
         history.append(record)
         if accelerator.is_main_process:
             print(json.dumps(record), flush=True)
     unwrapped = accelerator.unwrap_model(peft_model)
-    unwrapped.save_pretrained(f"{args.output}/lora")
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(f"{args.output}/lora")
+    accelerator.wait_for_everyone()
     unwrapped.unload()  # leave the caller's base model as it was
     return bare_heads, history

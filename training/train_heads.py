@@ -199,13 +199,18 @@ def heads_loss(
     next_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Weighted CE over heads, computed head by head (a [n, h, V] logit tensor would not fit).
-    `next_tokens`: token t+1 per position, for heads with `use_next_token`."""
-    states = heads.head_states(hidden, next_tokens)
+    `next_tokens`: token t+1 per position, for heads with `use_next_token`. `heads` may be wrapped for data
+    parallelism (`accelerator.prepare`): the forward goes through the wrapper, or gradients would not be
+    synchronised across processes."""
+    from accelerate.utils import extract_model_from_parallel
+
+    states = heads(hidden, next_tokens, return_states=True)
+    project = extract_model_from_parallel(heads).project
     total, per_head = hidden.new_zeros(()).float(), []
     for i, w in enumerate(weights):
         tgt = targets[:, i] if vocab_index is None else vocab_index[targets[:, i].clamp(min=0)]
         tgt = torch.where(targets[:, i] == IGNORE, IGNORE, tgt)
-        logits = heads.project(states[:, i]).float()
+        logits = project(states[:, i]).float()
         loss = torch.nn.functional.cross_entropy(logits, tgt, ignore_index=IGNORE)
         loss = torch.nan_to_num(loss)  # a batch with no target for this head
         per_head.append(loss.detach())
@@ -239,6 +244,17 @@ def evaluate(heads: BlockDraftHeads, feats: Features, top_k: int, batch: int = 5
         f"oracle_top{top_k}": oracle_sum / max(n_pos, 1),
         "positions": n_pos,
     }
+
+
+def check_replicas_agree(accelerator, module: torch.nn.Module) -> None:
+    """Data-parallel replicas must hold the same weights after each epoch: a gradient that bypassed the
+    wrapper's synchronisation would silently train one different model per process."""
+    if accelerator.num_processes == 1:
+        return
+    checksum = torch.stack([p.detach().double().sum() for p in module.parameters()]).to(accelerator.device)
+    gathered = accelerator.gather(checksum[None])
+    if not torch.allclose(gathered, gathered[:1].expand_as(gathered)):
+        raise RuntimeError(f"data-parallel replicas diverged ({accelerator.num_processes} processes)")
 
 
 def split_by_sample(feats: Features, val_fraction: float, seed: int) -> tuple[Features, Features]:
@@ -302,7 +318,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         t0, running, steps = time.time(), 0.0, 0
         for hidden, targets, next_tokens in loader:
             with accelerator.autocast():
-                loss, _ = heads_loss(bare, hidden.float(), targets, weights, vocab_index, next_tokens)
+                loss, _ = heads_loss(heads, hidden.float(), targets, weights, vocab_index, next_tokens)
             accelerator.backward(loss)
             optimizer.step()
             scheduler.step()
@@ -312,8 +328,15 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
             if args.log_every and steps % args.log_every == 0 and accelerator.is_main_process:
                 print(f"epoch {epoch} step {steps}/{len(loader)} loss {running / steps:.4f}", flush=True)
         heads.eval()
+        check_replicas_agree(accelerator, bare)
         metrics = evaluate(bare, val, args.top_k) if accelerator.is_main_process else {}
-        record = {"epoch": epoch, "train_loss": running / max(steps, 1), "seconds": time.time() - t0, **metrics}
+        record = {
+            "epoch": epoch,
+            "train_loss": running / max(steps, 1),
+            "seconds": time.time() - t0,
+            "processes": accelerator.num_processes,
+            **metrics,
+        }
         history.append(record)
         if accelerator.is_main_process:
             print(json.dumps(record), flush=True)
@@ -356,11 +379,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-bpd train-heads", description=__doc__.split("\n\n")[0])
     add_args(parser)
     args = parser.parse_args(argv)
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
     from hf_bpd.models import load_model
     from training.distill import load_distilled
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, _ = load_model(args.model, device=device)
+    # under accelerate launch / torchrun: this process's device (cuda:<local rank>); CPU data parallelism
+    # with ACCELERATE_USE_CPU=true, as `Accelerator` reads it
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    device = args.device or str(state.device)
+    model, _ = load_model(args.model, device=device, with_tokenizer=False)
     data = load_distilled(args.data)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -370,9 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         from training.joint import train_joint
 
         heads, history = train_joint(model, data, args)
-    heads.save_pretrained(out)
-    (out / "training_log.json").write_text(json.dumps({"args": vars(args), "epochs": history}, indent=2))
-    print(f"saved heads to {out}")
+    if state.is_main_process:
+        heads.save_pretrained(out)
+        (out / "training_log.json").write_text(json.dumps({"args": vars(args), "epochs": history}, indent=2))
+        print(f"saved heads to {out}")
     return 0
 
 
