@@ -25,8 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     if num_heads < heads.num_heads:
         heads = heads.first_heads(num_heads)
     dest = Path(args.to)
-    if dest.exists():
-        shutil.rmtree(dest)
+    # replace the heads and their records only: the rescorers shipped beside them (ngram/, rescorer/,
+    # rescorers.json) stay
+    if (dest / "heads").exists():
+        shutil.rmtree(dest / "heads")
     (dest / "heads").mkdir(parents=True)
     heads.save_pretrained(dest / "heads")
     (dest / "drafter.json").write_text(json.dumps(settings, indent=2) + "\n")
