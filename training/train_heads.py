@@ -107,12 +107,16 @@ def compute_features(
     most `batch_tokens` padded tokens). Sample indices start at `first_sample`."""
     from tqdm import tqdm
 
+    import inspect
+
     device = next(model.parameters()).device
+    # only hidden states are needed: skip the LM head on every position but one where the model allows it
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     hidden, targets, next_token, sample = [], [], [], []
     bar = tqdm(total=len(data), disable=not progress, desc="features")
     for batch in length_sorted_batches(data, batch_tokens):
         seqs, ids, mask = right_padded([data[j] for j in batch])
-        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, **extra)
         last = out.hidden_states[-1].float().cpu()
         for r, j in enumerate(batch):
             start = response_positions(len(data[j]["prompt_ids"]))

@@ -3,34 +3,35 @@
 # Each step resumes or reuses its output when rerun. RUNS defaults to ./runs.
 set -euo pipefail
 RUNS=${RUNS:-runs}
-# 1. self-distillation: the model's own greedy answers (prompts shuffled with seed 0, then the first 896)
+# 1. self-distillation: the model's own greedy answers (prompts shuffled with seed 0). The rescorers below
+#    were trained when 1,152 prompts were done, the heads on the first 3,520 (each run was stopped and
+#    closed with --limit N: the seeded order makes the first N prompts exactly the finished ones, so the
+#    closing run generates nothing). The first 896 were generated with --batch-size 32, the rest with 64.
 hf-bpd distill --output "$RUNS/distill2" --limit 896 --max-new-tokens 128 --max-prompt-tokens 256 \
   --batch-size 32 --shard-size 64
-# 2. frozen-base heads over an 8,192-token draft vocabulary
-hf-bpd train-heads --data "$RUNS/distill2" --output "$RUNS/heads" --num-heads 5 --num-layers 1 \
-  --draft-vocab-size 8192 --loss-decay 0.8 --epochs 8 --lr 2e-3 --batch-size 256 --top-k 5
-# 3. number of heads, top-k and tree size by measurement on held-out (not distilled) training prompts
-python -m training.tune_drafter --heads "$RUNS/heads" --distilled "$RUNS/distill2" --num-prompts 8 \
-  --max-new-tokens 96 --num-heads 3 4 5 --top-k 4 8 --tree auto 16 --output "$RUNS/drafter.json"
-# 4. into the package (heads, drafter.json, training log, distillation manifest)
-python -m training.ship --heads "$RUNS/heads" --distilled "$RUNS/distill2" --drafter "$RUNS/drafter.json" \
-  --to hf_bpd/assets/smollm2
-# 5. rescorers: the distillation grown to 1,152 prompts (the same seeded order: the first 896 are the heads'
-#    data; these 256 were generated with --batch-size 64), a 4-gram over token ids (prompts + responses) and
-#    the small-LM rescorer (first 2 layers of the base, fine-tuned), then their weights by measurement on a
-#    Spec-Bench slice disjoint from the report
 hf-bpd distill --output "$RUNS/distill2" --limit 1152 --max-new-tokens 128 --max-prompt-tokens 256 \
   --batch-size 64 --shard-size 64
+# 2. rescorers on those 1,152 samples: a 4-gram over token ids (prompts + responses) and the small-LM
+#    rescorer (first 2 layers of the base, fine-tuned), then their weights by measurement on a Spec-Bench
+#    slice disjoint from the report
 hf-bpd train-ngram --data "$RUNS/distill2" --output "$RUNS/ngram4" --order 4
 cp "$RUNS/ngram4/ngram.arpa.gz" "$RUNS/ngram4/ngram.json" hf_bpd/assets/smollm2/ngram/
 hf-bpd train-rescorer --data "$RUNS/distill2" --output "$RUNS/rescorer" --num-layers 2 --epochs 1 --lr 5e-4
 hf-bpd train-rescorer --data "$RUNS/distill2" --init "$RUNS/rescorer" --output "$RUNS/rescorer2" --epochs 3 --lr 2e-3
 cp -r "$RUNS/rescorer2/." hf_bpd/assets/smollm2/rescorer/
 python -m training.tune_rescorers --output hf_bpd/assets/smollm2/rescorers.json
-# 6. more self-distillation for the next heads (issue 3): the same seeded order continued to every training
-#    prompt; resumable, so rerun the same command until it finishes
-hf-bpd distill --output "$RUNS/distill2" --limit 8171 --max-new-tokens 128 --max-prompt-tokens 256 \
+# 3. more self-distillation for the heads: the same seeded order continued, closed at 3,520 prompts
+hf-bpd distill --output "$RUNS/distill2" --limit 3520 --max-new-tokens 128 --max-prompt-tokens 256 \
   --batch-size 64 --shard-size 64
+# 4. frozen-base heads that read token t+1, over an 8,192-token draft vocabulary (features cached in chunks)
+hf-bpd train-heads --data "$RUNS/distill2" --output "$RUNS/heads2" --num-heads 5 --num-layers 1 \
+  --draft-vocab-size 8192 --loss-decay 0.8 --epochs 4 --lr 2e-3 --batch-size 256 --top-k 5
+# 5. number of heads, top-k and tree size by measurement on held-out (not distilled) training prompts
+python -m training.tune_drafter --heads "$RUNS/heads2" --distilled "$RUNS/distill2" --num-prompts 8 \
+  --max-new-tokens 96 --num-heads 3 4 5 --top-k 8 10 --tree auto 64 --output "$RUNS/drafter2.json"
+# 6. into the package (heads, drafter.json, training log, distillation manifest; the rescorers stay)
+python -m training.ship --heads "$RUNS/heads2" --distilled "$RUNS/distill2" --drafter "$RUNS/drafter2.json" \
+  --to hf_bpd/assets/smollm2
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
