@@ -17,7 +17,7 @@ import os
 import platform
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -277,6 +277,29 @@ def read_journal(path: str | Path, header: dict) -> dict[int, list[dict]]:
     return dict(rows)
 
 
+def merge_journals(paths: list[str | Path]) -> tuple[list[str], list[dict]]:
+    """(methods, records) of the finished rows of several journals of one run split by row selection
+    (e.g. `--categories` per process or machine). Raises when they were written with other settings, or
+    when two of them hold the same turn."""
+    headers, records = [], []
+    for path in paths:
+        header, recs = _load_journal(Path(path))
+        if header is None:
+            raise ValueError(f"{path}: no bench journal there")
+        headers.append(header)
+        records += recs
+    keys = [k for k in RESUME_KEYS if k not in ("selection", "rows")]
+    for path, header in zip(paths[1:], headers[1:]):
+        differ = [k for k in keys if header.get(k) != headers[0].get(k)]
+        if differ:
+            raise ValueError(f"{path} was written with other settings than {paths[0]}: {', '.join(differ)}")
+    seen = Counter((r["question_id"], r["turn"], r["method"]) for r in records)
+    twice = [key for key, n in seen.items() if n > 1]
+    if twice:
+        raise ValueError(f"the journals overlap: {len(twice)} (question, turn, method) records twice, e.g. {twice[0]}")
+    return headers[0]["methods"], records
+
+
 def _load_journal(path: Path) -> tuple[dict | None, list[dict]]:
     """(header, records) of a journal file; (None, []) when there is none."""
     if not path.is_file():
@@ -454,7 +477,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--overwrite", action="store_true", help="start over when --output's journal exists")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JOURNAL",
+        help="run nothing: summarize the finished rows of these journals (one run split with --categories over "
+        "processes or machines) into --output",
+    )
     args = parser.parse_args(argv)
+    if args.merge:
+        methods, records = merge_journals(args.merge)
+        results = summarize(records, methods)
+        return _report(results, {"merged": args.merge, "turns": len(records) // len(methods)}, args.output)
 
     from .heads import BlockDraftHeads
     from .models import load_model
@@ -531,27 +566,35 @@ def main(argv: list[str] | None = None) -> int:
     results = run_bench(
         model, tokenizer, rows, methods, args.max_new_tokens, not args.no_progress, journal=journal, header=header
     )
-    report = {
-        "environment": environment(args.device, args.dtype),
-        "args": vars(args),
-        "drafter": {
-            "heads": args.heads,
-            "num_heads": drafter.num_heads,
-            "top_k": drafter.top_k,
-            "max_tree_tokens": drafter.max_tree_tokens,
+    return _report(
+        results,
+        {
+            "environment": environment(args.device, args.dtype),
+            "args": vars(args),
+            "drafter": {
+                "heads": args.heads,
+                "num_heads": drafter.num_heads,
+                "top_k": drafter.top_k,
+                "max_tree_tokens": drafter.max_tree_tokens,
+            },
+            "rows": len(rows),
+            "learned": learned(methods),  # rows of this process only (a resumed run relearns)
         },
-        "rows": len(rows),
-        "methods": results,
-        "learned": learned(methods),  # rows of this process only (a resumed run relearns)
-    }
+        args.output,
+    )
+
+
+def _report(results: dict, info: dict, output: str | None) -> int:
+    """Print the tables; write JSON (`info` + results), .md and .png beside `output`; 1 if not lossless."""
+    report = {**info, "methods": results}
     table = markdown_table(results)
     print(table)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=2))
-        Path(args.output).with_suffix(".md").write_text(table + "\n")
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(report, indent=2))
+        Path(output).with_suffix(".md").write_text(table + "\n")
         try:
-            plot(results, Path(args.output).with_suffix(".png"))
+            plot(results, Path(output).with_suffix(".png"))
         except ImportError:
             print("matplotlib is not installed: no plot (pip install hf_bpd[analysis])", file=sys.stderr)
     bad = [m for m, r in results.items() if not r["overall"]["identical"]]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -114,3 +116,41 @@ def test_journal_resumes_an_interrupted_run_without_redoing_rows(tmp_path):
     assert len(journal.read_text().splitlines()) == 1 + 4 * 2
     with pytest.raises(ValueError, match="max_new_tokens"):
         bench.run_bench(model, TinyChatTokenizer(), ROWS, methods(), 9, progress=False, journal=journal)
+
+
+def _journal(path, selection, records, top_k=4):
+    header = {"methods": ["greedy", "hf_bpd"], "max_new_tokens": 8, "selection": selection, "drafter": {"top_k": top_k}}
+    path.write_text("".join(json.dumps(x) + "\n" for x in [{"header": header}, *records]))
+    return path
+
+
+def _record(qid, category, method, tokens, forwards):
+    return {
+        "row": 0,
+        "question_id": qid,
+        "category": category,
+        "turn": 0,
+        "method": method,
+        "tokens": tokens,
+        "forwards": forwards,
+        "seconds": 1.0,
+        "greedy_seconds": 1.0,
+        "identical": True,
+    }
+
+
+def test_merge_journals_of_a_run_split_by_category(tmp_path):
+    from hf_bpd.bench import merge_journals, summarize
+
+    a = _journal(tmp_path / "a.jsonl", ["qa"], [_record(1, "qa", "greedy", 8, 8), _record(1, "qa", "hf_bpd", 8, 4)])
+    b = _journal(tmp_path / "b.jsonl", ["rag"], [_record(2, "rag", "greedy", 8, 8), _record(2, "rag", "hf_bpd", 8, 2)])
+    methods, records = merge_journals([a, b])
+    assert methods == ["greedy", "hf_bpd"] and len(records) == 4
+    merged = summarize(records, methods)["hf_bpd"]
+    assert merged["overall"]["tau"] == 16 / 6  # tokens / forwards over both parts, not a mean of ratios
+    assert set(merged["categories"]) == {"qa", "rag"}
+    with pytest.raises(ValueError, match="overlap"):
+        merge_journals([a, a])
+    other = _journal(tmp_path / "c.jsonl", ["rag"], [_record(3, "rag", "greedy", 8, 8)], top_k=8)
+    with pytest.raises(ValueError, match="other settings"):
+        merge_journals([a, other])

@@ -105,9 +105,9 @@ def compute_features(
 ) -> Features:
     """Base last hidden states for every response position of every sample (length-sorted batches of at
     most `batch_tokens` padded tokens). Sample indices start at `first_sample`."""
-    from tqdm import tqdm
-
     import inspect
+
+    from tqdm import tqdm
 
     device = next(model.parameters()).device
     # only hidden states are needed: skip the LM head on every position but one where the model allows it
