@@ -211,7 +211,16 @@ def test_data_parallel_training_under_torchrun(tmp_path, mode):
     model.save_pretrained(tmp_path / "model")
     tiny_distilled(model, n=16).save_to_disk(str(tmp_path / "data"))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "training.train_heads"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "training.train_heads",
+    ]
     cmd += ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"), "--output", str(out)]
     cmd += ["--mode", mode, "--num-heads", "2", "--epochs", "2", "--no-progress", "--log-every", "0"]
     cmd += ["--batch-size", "16", "--lr", "3e-2"] if mode == "frozen" else ["--batch-size", "2", "--lora-r", "4"]
