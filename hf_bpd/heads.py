@@ -14,7 +14,7 @@ Optional next-token input (`use_next_token`): the first residual block of each h
 model's input embedding of token t+1 (`x + SiLU(W [x; e(token t+1)] + b)`). That token is the base model's
 own choice, already known when drafting (it is the root of the draft tree), so conditioning on it costs
 one embedding lookup and is still one head call per step. A plain Medusa head must guess token t+1 again
-before it can predict t+2; on SmolLM2-135M the input raises head-1 top-1 accuracy from 0.34 to 0.42 on
+before it can predict t+2; on SmolLM2-135M the input raises head-1 top-1 accuracy from 0.33 to 0.43 on
 the same data (BENCHMARKS.md). Like the LM head, the embedding is borrowed from the base model at `bind`.
 
 The residual weights start at zero, so an untrained head is the base LM head applied to the base hidden
