@@ -267,9 +267,8 @@ def read_journal(path: str | Path, header: dict) -> dict[int, list[dict]]:
     old, records = _load_journal(Path(path))
     if old is None:
         return {}
-    differ = sorted(k for k in set(old) | set(header) if k in RESUME_KEYS and old.get(k) != header.get(k))
-    if differ:
-        changes = ", ".join(f"{k}: {old.get(k)!r} vs {header.get(k)!r}" for k in differ)
+    changes = _setting_changes(old, header, RESUME_KEYS)
+    if changes:
         raise ValueError(f"{path} was written with other settings ({changes}); use another --output or --overwrite")
     rows: dict[int, list[dict]] = defaultdict(list)
     for record in records:
@@ -288,16 +287,21 @@ def merge_journals(paths: list[str | Path]) -> tuple[list[str], list[dict]]:
             raise ValueError(f"{path}: no bench journal there")
         headers.append(header)
         records += recs
-    keys = [k for k in RESUME_KEYS if k not in ("selection", "rows")]
+    keys = [k for k in RESUME_KEYS if k not in ("selection", "rows")]  # the parts select different rows
     for path, header in zip(paths[1:], headers[1:]):
-        differ = [k for k in keys if header.get(k) != headers[0].get(k)]
-        if differ:
-            raise ValueError(f"{path} was written with other settings than {paths[0]}: {', '.join(differ)}")
+        changes = _setting_changes(headers[0], header, keys)
+        if changes:
+            raise ValueError(f"{path} was written with other settings than {paths[0]} ({changes})")
     seen = Counter((r["question_id"], r["turn"], r["method"]) for r in records)
     twice = [key for key, n in seen.items() if n > 1]
     if twice:
         raise ValueError(f"the journals overlap: {len(twice)} (question, turn, method) records twice, e.g. {twice[0]}")
     return headers[0]["methods"], records
+
+
+def _setting_changes(old: dict, new: dict, keys) -> str:
+    """The settings among `keys` on which two journal headers differ, as "key: old vs new" ('' if none)."""
+    return ", ".join(f"{k}: {old.get(k)!r} vs {new.get(k)!r}" for k in keys if old.get(k) != new.get(k))
 
 
 def _load_journal(path: Path) -> tuple[dict | None, list[dict]]:
@@ -571,12 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "environment": environment(args.device, args.dtype),
             "args": vars(args),
-            "drafter": {
-                "heads": args.heads,
-                "num_heads": drafter.num_heads,
-                "top_k": drafter.top_k,
-                "max_tree_tokens": drafter.max_tree_tokens,
-            },
+            "drafter": {"heads": args.heads, **header["drafter"]},
             "rows": len(rows),
             "learned": learned(methods),  # rows of this process only (a resumed run relearns)
         },

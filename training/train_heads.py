@@ -150,6 +150,10 @@ def cached_features(
     sample 0 and hold the same samples (token digest) with enough heads; any other chunk is recomputed."""
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
+
+    def rows(start: int, end: int):  # a datasets.Dataset or a list
+        return data.select(range(start, end)) if hasattr(data, "select") else data[start:end]
+
     parts, covered = [], 0
     while covered < len(data):
         part = None
@@ -158,17 +162,16 @@ def cached_features(
             if end > len(data):
                 continue
             saved = torch.load(path)
-            rows = data.select(range(covered, end)) if hasattr(data, "select") else data[covered:end]
-            if saved["digest"] == rows_digest(rows) and saved["targets"].shape[1] >= num_heads:
+            if saved["digest"] == rows_digest(rows(covered, end)) and saved["targets"].shape[1] >= num_heads:
                 part = Features(**{f.name: saved[f.name] for f in fields(Features)})
                 break
             path.unlink()  # other samples or fewer heads: stale
         if part is None:
             end = min(covered + chunk, len(data))
-            rows = data.select(range(covered, end)) if hasattr(data, "select") else data[covered:end]
-            part = compute_features(model, rows, num_heads, progress=progress, first_sample=covered)
+            new_rows = rows(covered, end)
+            part = compute_features(model, new_rows, num_heads, progress=progress, first_sample=covered)
             tmp = cache_dir / f".features-{covered:07d}-{end:07d}.tmp"
-            torch.save({**part.__dict__, "digest": rows_digest(rows)}, tmp)
+            torch.save({**part.__dict__, "digest": rows_digest(new_rows)}, tmp)
             tmp.replace(cache_dir / f"features-{covered:07d}-{end:07d}.pt")  # atomic: no half-written chunk
         part.targets = part.targets[:, :num_heads]
         parts.append(part)
@@ -275,7 +278,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     torch.manual_seed(args.seed)
     cache = Path(args.features_cache or Path(args.output) / "features")
-    # every process computes the same features; only the main process writes the cache
+    # the main process computes what the cache lacks and writes it; the others then read it back
     if accelerator.is_main_process:
         feats = cached_features(model, data, args.num_heads, cache, progress=not args.no_progress)
     accelerator.wait_for_everyone()
