@@ -92,10 +92,12 @@ def analyze_row(model, drafter, rescorer, prompt_ids: list[int], answer: list[in
     p = len(prompt_ids)
     # position t of the answer is drafted from the hidden state of the token before it
     states = hidden[p - 1 : p - 1 + len(answer)]
-    logits = heads(states.to(heads.dtype), torch.tensor(answer))  # [T, h, S]; answer[t]: token t+1
+    # answer[t] is token t+1 of position t; heads that read tokens get the true ones (teacher forcing)
+    h = heads.num_heads
+    continuation = torch.tensor([(answer[t : t + h] + [-1] * h)[:h] for t in range(len(answer))])
+    logits = heads(states.to(heads.dtype), heads.teacher_forced_tokens(continuation))  # [T, h, S]
     token_ids = heads.draft_vocab if heads.config.draft_vocab_size else None
     lattice = Lattice.from_logits(logits, min(MAX_K, logits.shape[-1]), token_ids)
-    h = heads.num_heads
     out = defaultdict(list)
     out["entropy"] = entropy(logits).tolist()  # [T][h]
     if rescorer is not None and hasattr(rescorer, "reset"):

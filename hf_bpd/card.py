@@ -72,11 +72,13 @@ def render_card(
     softmax = "tied to the base LM head" if cfg.tie_lm_head else "of its own"
     if cfg.draft_vocab_size:
         softmax += f", over a {cfg.draft_vocab_size}-token draft vocabulary"
-    inputs = (
-        "the base model's last hidden state and the embedding of its own next token (the draft tree's root)"
-        if cfg.use_next_token
-        else "the base model's last hidden state"
-    )
+    inputs = {
+        "": "the base model's last hidden state",
+        "next": "the base model's last hidden state and the embedding of its own next token (the draft tree's root)",
+        "previous": "the base model's last hidden state and the embedding of the token right before the head's "
+        "target (head 1: the base model's own next token; head i: the drafted token at depth i-1, so each "
+        "tree branch is drafted from its own tokens)",
+    }[cfg.token_input]
     return template.format(
         base_model=cfg.base_model_name or "unknown",
         repo_id=repo_id,

@@ -2,6 +2,8 @@
 
 One drafting step: head logits -> top-k `Lattice` -> (optional rescorer: scored paths) -> `DraftTree` of at
 most `max_tree_tokens` nodes. The rescorer only changes WHICH drafts are verified, never the output.
+Heads that read the drafted token before their target ("previous" heads) grow the tree node by node
+instead (`expansion.py`); their rescorers see the lattice of the heads' greedy chain.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from .calibration import AcceptanceCalibration, Arc
 from .cost import ForwardCost, LearnedForwardCost, best_tree_size, measure_forward_cost
+from .expansion import chain_lattice, expand_tree
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
 from .tree import DraftTree
@@ -167,8 +170,11 @@ class BlockDrafter:
 
     def lattice(self, hidden_last: torch.Tensor, root: torch.Tensor) -> Lattice:
         """Head logits on the last accepted hidden state `[batch, hidden]` -> top-k lattice. `root [batch]`:
-        the base model's token from that state (the tree root; heads with `use_next_token` read it)."""
+        the base model's token from that state (the tree root; heads with a token input read it). For
+        "previous" heads: the lattice of their greedy chain (`expansion.chain_lattice`)."""
         with torch.no_grad():
+            if self.heads.conditions_on_draft:
+                return chain_lattice(self.heads, hidden_last.to(self.heads.dtype), root, self.top_k)
             logits = self.heads(hidden_last.to(self.heads.dtype), root)
             ids = self.heads.draft_vocab if self.heads.config.draft_vocab_size else None
             return Lattice.from_logits(logits, self.top_k, ids)
@@ -214,10 +220,14 @@ class BlockDrafter:
         context: torch.Tensor,
         max_depth: int | None = None,
         rescored: list[list[ScoredPath]] | None = None,
+        hidden_last: torch.Tensor | None = None,
     ) -> list[DraftTree]:
         """One draft tree per batch row: the most probable nodes among the heads' best prefixes and the
         `rescored` drafts (drafts without estimates first); with a forward-cost curve, cut to the prefix
-        with the best expected tokens per second. Probabilities are calibrated (`calibration`)."""
+        with the best expected tokens per second. Probabilities are calibrated (`calibration`). "Previous"
+        heads grow each tree from `hidden_last [batch, hidden]` (`expansion.expand_tree`) instead."""
+        if self.heads.conditions_on_draft and hidden_last is None:
+            raise ValueError("heads that read the drafted token grow trees from the hidden state: pass hidden_last")
         budget = self.tree_budget
         trees = []
         self._verified = []
@@ -235,21 +245,11 @@ class BlockDrafter:
                     continue
                 for d, lp in enumerate(path.token_logprobs[: len(toks)]):
                     estimates[toks[: d + 1]] = max(lp, estimates.get(toks[: d + 1], -math.inf))
-            tables = None
-            if estimates or self.forward_cost is not None:
-                tokens, logprobs = lattice.row(b)
-                tables = [dict(zip(t, lp)) for t, lp in zip(tokens, logprobs)]
-            if len(tree) < budget:
-                drafts = [p.tokens for p in lattice.best_prefixes(b, budget - 1, max_depth)]
-                if estimates:
-                    drafts = _by_estimated_probability(root, drafts, estimates, tables, self.calibration)
-                for draft in drafts:
-                    tree.add_path(draft, budget)
-                    if len(tree) >= budget:
-                        break
-            # each node's arc, once: it sizes the tree and, kept, lets `observe` score the verification
-            needed = tables is not None and (self.forward_cost is not None or self.calibration is not None)
-            arcs = tree.node_arcs(tables, estimates, self.calibration) if needed else None
+            if self.heads.conditions_on_draft:
+                hidden = hidden_last[b : b + 1].to(self.heads.dtype)
+                arcs = expand_tree(tree, self.heads, hidden, self.top_k, budget, max_depth, estimates, self.calibration)
+            else:
+                arcs = self._fill_from_lattice(tree, lattice, b, budget, max_depth, estimates)
             if self.forward_cost is not None and len(tree) > 1:
                 logprobs = tree.path_logprobs(arcs, self.calibration)
                 tree = tree.truncated(best_tree_size([math.exp(lp) for lp in logprobs], self.step_cost))
@@ -257,6 +257,34 @@ class BlockDrafter:
             known = arcs is not None and self.calibration is not None
             self._verified.append((tree, arcs[: len(tree)]) if known else None)  # a prefix keeps node indices
         return trees
+
+    def _fill_from_lattice(
+        self,
+        tree: DraftTree,
+        lattice: Lattice,
+        b: int,
+        budget: int,
+        max_depth: int | None,
+        estimates: dict[tuple[int, ...], float],
+    ) -> list[Arc] | None:
+        """Fill `tree` up to `budget` with row `b`'s best lattice prefixes (ordered against the rescorer's
+        `estimates` when there are any). Returns each node's arc where estimates are used (tree sizing or
+        calibration), else None."""
+        tables = None
+        if estimates or self.forward_cost is not None:
+            tokens, logprobs = lattice.row(b)
+            tables = [dict(zip(t, lp)) for t, lp in zip(tokens, logprobs)]
+        if len(tree) < budget:
+            drafts = [p.tokens for p in lattice.best_prefixes(b, budget - 1, max_depth)]
+            if estimates:
+                drafts = _by_estimated_probability(tree.tokens[0], drafts, estimates, tables, self.calibration)
+            for draft in drafts:
+                tree.add_path(draft, budget)
+                if len(tree) >= budget:
+                    break
+        # each node's arc, once: it sizes the tree and, kept, lets `observe` score the verification
+        needed = tables is not None and (self.forward_cost is not None or self.calibration is not None)
+        return tree.node_arcs(tables, estimates, self.calibration) if needed else None
 
     def observe(
         self, accepted_nodes: list[list[int]], finished: list[bool], tree_tokens: int, seconds: float | None
@@ -288,7 +316,7 @@ class BlockDrafter:
         t1 = self._sync(hidden_last.device)
         rescored = self.rescore(lattice, context)
         t2 = time.perf_counter()
-        trees = self.tree(lattice, context, max_depth, rescored)
+        trees = self.tree(lattice, context, max_depth, rescored, hidden_last)
         t3 = time.perf_counter()
         self.stats.time_heads += t1 - t0
         self.stats.time_rescore += t2 - t1

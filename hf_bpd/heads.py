@@ -10,12 +10,21 @@ the distilled data instead of the whole vocabulary (frequency-ranked drafting). 
 be drafted, which only costs speed, never correctness (verification uses the base model's full
 vocabulary), while the heads' softmax layer becomes V/S times cheaper in training and at every step.
 
-Optional next-token input (`use_next_token`): the first residual block of each head also reads the base
-model's input embedding of token t+1 (`x + SiLU(W [x; e(token t+1)] + b)`). That token is the base model's
-own choice, already known when drafting (it is the root of the draft tree), so conditioning on it costs
-one embedding lookup and is still one head call per step. A plain Medusa head must guess token t+1 again
-before it can predict t+2; on SmolLM2-135M the input raises head-1 top-1 accuracy from 0.33 to 0.43 on
-the same data (BENCHMARKS.md). Like the LM head, the embedding is borrowed from the base model at `bind`.
+Optional token input (`token_input`): the first residual block of each head also reads the base model's
+input embedding of one token (`x + SiLU(W [x; e(token)] + b)`). Like the LM head, the embedding is
+borrowed from the base model at `bind`.
+  "next"      every head reads token t+1: the base model's own choice, already known when drafting (the
+              draft tree's root), so it is still one head call per step. A plain Medusa head must guess
+              token t+1 again before it can predict t+2; on SmolLM2-135M this input raises head-1 top-1
+              accuracy from 0.33 to 0.43 on the same data (BENCHMARKS.md).
+  "previous"  head i reads token t+i, the token right before its own target (head 1: token t+1, as
+              above; head i > 1: the token the draft puts at depth i-1). The heads then draft like a small
+              autoregressive model: each tree node's children come from the next head applied to the
+              node's own token (`step`), so a branch continues what it actually drafted instead of what
+              the best draft did (Hydra-style sequentially dependent heads, with one token of context).
+              Same-data ablation on SmolLM2-135M: head-2/3 top-1 0.34/0.29 against 0.24/0.15 for "next"
+              (BENCHMARKS.md). Drafting costs one batched head call per tree depth instead of one per step.
+  ""          plain Medusa heads (the hidden state only).
 
 The residual weights start at zero, so an untrained head is the base LM head applied to the base hidden
 state: it repeats the base model's own next-token guess (the paper's and Medusa's initialisation).
@@ -29,6 +38,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 MAX_HEADS = 32
+TOKEN_INPUTS = ("", "next", "previous")
 
 
 class BlockDraftHeadsConfig(PretrainedConfig):
@@ -46,6 +56,7 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         base_lm_head_fingerprint: list[float] | None = None,
         draft_vocab_size: int = 0,
         use_next_token: bool = False,
+        token_input: str | None = None,
         **kwargs,
     ) -> None:
         self.base_model_name = base_model_name
@@ -57,7 +68,13 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         self.tie_lm_head = tie_lm_head
         self.base_lm_head_fingerprint = base_lm_head_fingerprint
         self.draft_vocab_size = draft_vocab_size  # 0: the full vocabulary
-        self.use_next_token = use_next_token  # heads also read the embedding of token t+1
+        # token_input supersedes use_next_token (older checkpoints only have the latter)
+        if token_input is None:
+            token_input = "next" if use_next_token else ""
+        if token_input not in TOKEN_INPUTS:
+            raise ValueError(f"token_input must be one of {TOKEN_INPUTS}, got {token_input!r}")
+        self.token_input = token_input
+        self.use_next_token = token_input == "next"
         super().__init__(**kwargs)
 
 
@@ -118,9 +135,11 @@ class BlockDraftHeads(PreTrainedModel):
             raise ValueError(f"num_layers must be >= 0, got {config.num_layers}")
         if config.hidden_size <= 0 or config.vocab_size <= 0:
             raise ValueError("BlockDraftHeadsConfig needs positive hidden_size and vocab_size")
-        if config.use_next_token and config.num_layers < 1:
-            raise ValueError("use_next_token needs num_layers >= 1 (the first block reads the token embedding)")
-        extra = config.hidden_size if config.use_next_token else 0
+        if config.token_input and config.num_layers < 1:
+            raise ValueError(
+                f"token_input {config.token_input!r} needs num_layers >= 1 (the first block reads the token embedding)"
+            )
+        extra = config.hidden_size if config.token_input else 0
         # heads[i][j]: block j of head i (state-dict keys as with nn.Sequential: heads.i.j.linear.*)
         self.heads = nn.ModuleList(
             nn.ModuleList(ResidualBlock(config.hidden_size, extra if j == 0 else 0) for j in range(config.num_layers))
@@ -170,10 +189,12 @@ class BlockDraftHeads(PreTrainedModel):
         tie_lm_head: bool = True,
         draft_vocab: torch.Tensor | None = None,
         use_next_token: bool = False,
+        token_input: str | None = None,
     ) -> BlockDraftHeads:
         """Untrained heads that fit `model` (hidden size, vocabulary, LM head fingerprint), bound to it.
-        `draft_vocab`: token ids the heads may draft (default: all); `use_next_token`: heads also read the
-        embedding of token t+1 (module docstring)."""
+        `draft_vocab`: token ids the heads may draft (default: all); `token_input`: which token embedding
+        the heads also read, "next", "previous" or "" (module docstring; `use_next_token=True` is
+        `token_input="next"`)."""
         lm_head = _output_embeddings(model)
         config = BlockDraftHeadsConfig(
             base_model_name=getattr(model.config, "_name_or_path", "") or "",
@@ -186,6 +207,7 @@ class BlockDraftHeads(PreTrainedModel):
             base_lm_head_fingerprint=lm_head_fingerprint(lm_head.weight),
             draft_vocab_size=0 if draft_vocab is None else int(draft_vocab.numel()),
             use_next_token=use_next_token,
+            token_input=token_input,
         )
         heads = cls(config)
         if draft_vocab is not None:
@@ -222,12 +244,12 @@ class BlockDraftHeads(PreTrainedModel):
         if self.config.draft_vocab_size:  # a copy of the draft rows: S x hidden, not the full V x hidden
             weight = weight.detach()[self.draft_vocab.to(weight.device)]
         self.__dict__["_tied_weight"] = weight
-        if self.config.use_next_token:
+        if self.config.token_input:
             embedding = model.get_input_embeddings()
             shape = None if embedding is None else tuple(embedding.weight.shape)
             if shape is None or shape[0] < self.config.vocab_size or shape[1] != self.config.hidden_size:
                 raise ValueError(
-                    "draft heads that read token t+1 need base input embeddings of at least "
+                    "draft heads that read a token need base input embeddings of at least "
                     f"{self.config.vocab_size} x {self.config.hidden_size}, got {shape}"
                 )
             self.__dict__["_token_embedding"] = embedding.weight.detach()
@@ -250,31 +272,71 @@ class BlockDraftHeads(PreTrainedModel):
     def num_heads(self) -> int:
         return self.config.num_heads
 
-    def head_states(self, hidden_states: torch.Tensor, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Residual-block outputs `[..., h, hidden]`, before the softmax layer (training computes the
-        vocabulary projection head by head to bound memory). `next_tokens [...]`: token t+1 at each
-        position (the base model's own choice), required by heads with `use_next_token`, ignored else."""
-        extra = self._next_token_embedding(hidden_states, next_tokens) if self.config.use_next_token else None
-        out = []
-        for head in self.heads:
-            x = hidden_states
-            for j, block in enumerate(head):
-                x = block(x, extra if j == 0 else None)
-            out.append(x)
-        return torch.stack(out, dim=-2)
+    @property
+    def conditions_on_draft(self) -> bool:
+        """Whether head i > 1 reads the drafted token before its target (`token_input="previous"`): drafting
+        then expands the tree depth by depth with `step` instead of one lattice call."""
+        return self.config.token_input == "previous"
 
-    def _next_token_embedding(self, hidden_states: torch.Tensor, next_tokens: torch.Tensor | None) -> torch.Tensor:
-        if next_tokens is None:
-            raise ValueError("these draft heads read token t+1 (use_next_token): pass next_tokens")
-        if tuple(next_tokens.shape) != tuple(hidden_states.shape[:-1]):
+    def teacher_forced_tokens(self, continuation: torch.Tensor) -> torch.Tensor | None:
+        """The tokens these heads read at positions whose true continuation is known (training, analysis):
+        `continuation [n, m]` holds tokens t+1, t+2, ... (negative past the end). "next" heads: `[n]`
+        token t+1; "previous" heads: `[n, h]` tokens t+1..t+h, so each head reads the true token before
+        its target (in decoding it reads the drafted one, which matters only where the draft so far is
+        right); plain heads: None. Past the end any token will do: the head reading it has no target."""
+        kind = self.config.token_input
+        if not kind:
+            return None
+        if kind == "next":
+            return continuation[:, 0]
+        tokens = continuation[:, : self.num_heads].clamp(min=0)
+        if tokens.shape[1] < self.num_heads:
+            tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], self.num_heads - tokens.shape[1])], dim=1)
+        return tokens
+
+    def head_states(self, hidden_states: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Residual-block outputs `[..., h, hidden]`, before the softmax layer (training computes the
+        vocabulary projection head by head to bound memory). `tokens`: for "next" heads `[...]`, token t+1
+        at each position (the base model's own choice); for "previous" heads `[..., h]`, tokens t+1..t+h
+        (head i reads `tokens[..., i-1]`; in training the true continuation, i.e. teacher forcing);
+        ignored by plain heads."""
+        kind = self.config.token_input
+        if kind == "previous":
+            want = (*hidden_states.shape[:-1], self.num_heads)
+            if tokens is None or tuple(tokens.shape) != want:
+                got = None if tokens is None else tuple(tokens.shape)
+                raise ValueError(
+                    f"these draft heads read the token before each head's target (token_input='previous'): pass "
+                    f"tokens of shape {want} (tokens t+1..t+h), got {got}"
+                )
+            return torch.stack([self.step(i, hidden_states, tokens[..., i]) for i in range(self.num_heads)], dim=-2)
+        extra = self._embed(hidden_states, tokens) if kind else None
+        return torch.stack([self._head(i, hidden_states, extra) for i in range(self.num_heads)], dim=-2)
+
+    def step(self, i: int, hidden_states: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The state `[..., hidden]` of head `i` (0-based) alone, reading `tokens [...]` (for "previous"
+        heads the token before its target; for "next" heads token t+1; ignored by plain heads). Drafting
+        with "previous" heads calls it once per tree depth on all the nodes it expands."""
+        extra = self._embed(hidden_states, tokens) if self.config.token_input else None
+        return self._head(i, hidden_states, extra)
+
+    def _head(self, i: int, x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        for j, block in enumerate(self.heads[i]):
+            x = block(x, extra if j == 0 else None)
+        return x
+
+    def _embed(self, hidden_states: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        if tokens is None or tuple(tokens.shape) != tuple(hidden_states.shape[:-1]):
+            got = None if tokens is None else tuple(tokens.shape)
+            what = "token t+1 (next_tokens)" if self.config.token_input == "next" else "a token"
             raise ValueError(
-                f"next_tokens shape {tuple(next_tokens.shape)} does not match hidden states "
-                f"{tuple(hidden_states.shape)} (one token per position)"
+                f"these draft heads read {what} at each position: expected tokens of shape "
+                f"{tuple(hidden_states.shape[:-1])}, got {got}"
             )
         weight = self.__dict__["_token_embedding"]
         if weight is None:
-            raise RuntimeError("draft heads that read token t+1 need the base model's embeddings: call bind(model)")
-        embedded = torch.nn.functional.embedding(next_tokens.to(weight.device), weight)
+            raise RuntimeError("draft heads that read a token need the base model's embeddings: call bind(model)")
+        embedded = torch.nn.functional.embedding(tokens.to(weight.device), weight)
         return embedded.to(device=hidden_states.device, dtype=hidden_states.dtype)
 
     def project(self, states: torch.Tensor) -> torch.Tensor:
@@ -316,7 +378,7 @@ class BlockDraftHeads(PreTrainedModel):
     def forward(
         self, hidden_states: torch.Tensor, next_tokens: torch.Tensor | None = None, return_states: bool = False
     ) -> torch.Tensor:
-        """`[..., hidden]` base hidden states (and, for `use_next_token` heads, `[...]` token t+1) ->
+        """`[..., hidden]` base hidden states (and the tokens the heads read, see `head_states`) ->
         `[..., h, S]` draft logits; with `return_states`, the `head_states` before the softmax layer (the
         training loss projects head by head, but must call the module itself so that a data-parallel
         wrapper synchronises gradients)."""

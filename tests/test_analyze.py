@@ -26,9 +26,10 @@ def test_small_statistics():
     assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0) and math.isnan(pearson([1, 2], [1, 2]))
 
 
-def test_analyze_row_and_summary_on_a_tiny_model():
+@pytest.mark.parametrize("token_input", ["", "next", "previous"])
+def test_analyze_row_and_summary_on_a_tiny_model(token_input):
     model = tiny_model("llama", eos_token_id=None)
-    drafter = BlockDrafter(random_heads(model, 3), top_k=4)
+    drafter = BlockDrafter(random_heads(model, 3, token_input=token_input), top_k=4)
     drafter.heads.bind(model)
     prompt = [1, 10, 11, 12]
     answer = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20)[0, 4:].tolist()

@@ -37,6 +37,9 @@ def test_card_renders_real_numbers():
     assert "| qa | 2.20 | 1.20× | True |" in card and "2.41" in card
     assert "1200 prompts" in card and 'from_pretrained("me/heads", top_k=7' in card
     assert "{" not in card.split("```python")[0]  # no unrendered placeholder before the code block
+    assert "the embedding of" not in card  # plain heads read the hidden state only
+    previous = render_card(random_heads(tiny_model("llama"), num_heads=2, token_input="previous"), "me/heads")
+    assert "the drafted token at depth i-1" in previous
 
 
 def test_hub_folder_loads_back(tmp_path):

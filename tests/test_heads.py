@@ -81,6 +81,43 @@ def test_next_token_heads_read_token_t_plus_1(model, tmp_path):
         BlockDraftHeads.for_base_model(model, num_layers=0, use_next_token=True)
 
 
+def test_previous_heads_read_the_token_before_each_target(model, tmp_path):
+    x = hidden(2, 5)
+    tokens = torch.randint(0, VOCAB, (2, 5, 3), generator=torch.Generator().manual_seed(2))  # tokens t+1..t+3
+    heads = random_heads(model, num_heads=3, token_input="previous")
+    assert heads.conditions_on_draft and not heads.config.use_next_token
+    out = heads(x, tokens)
+    assert out.shape == (2, 5, 3, VOCAB)
+    emb = model.get_input_embeddings().weight
+    for i in range(3):  # head i+1 reads token t+1+i, the one right before its target t+2+i
+        block = heads.heads[i][0]
+        want = x + block.act(block.linear(torch.cat([x, emb[tokens[..., i]]], dim=-1)))
+        torch.testing.assert_close(out[..., i, :], model.lm_head(want))
+        torch.testing.assert_close(heads.project(heads.step(i, x, tokens[..., i])), out[..., i, :])
+    changed = tokens.clone()
+    changed[..., 1] = (changed[..., 1] + 1) % VOCAB
+    again = heads(x, changed)
+    assert torch.equal(again[..., [0, 2], :], out[..., [0, 2], :])  # only head 2 reads token t+2
+    assert not torch.allclose(again[..., 1, :], out[..., 1, :])
+    with pytest.raises(ValueError, match="previous"):
+        heads(x, tokens[..., 0])  # only token t+1: not enough for heads 2 and 3
+    with pytest.raises(ValueError, match="previous"):
+        heads(x)
+    heads.save_pretrained(tmp_path)
+    loaded = BlockDraftHeads.from_pretrained(tmp_path).bind(model)
+    assert loaded.config.token_input == "previous" and torch.equal(loaded(x, tokens), out)
+
+
+def test_token_input_config_values():
+    from hf_bpd.heads import BlockDraftHeadsConfig
+
+    assert BlockDraftHeadsConfig(use_next_token=True).token_input == "next"  # checkpoints before token_input
+    assert BlockDraftHeadsConfig().token_input == ""
+    assert BlockDraftHeadsConfig(token_input="previous").use_next_token is False
+    with pytest.raises(ValueError, match="token_input"):
+        BlockDraftHeadsConfig(token_input="hydra")
+
+
 def test_random_heads_differ_from_each_other(model):
     heads = random_heads(model, num_heads=3)
     out = heads(hidden(4))

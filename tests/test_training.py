@@ -88,7 +88,7 @@ def test_frozen_training_loss_falls_and_reloads_bit_identical(tmp_path):
         tmp_path, num_heads=2, epochs=30, lr=3e-2, batch_size=64, val_fraction=0.2, top_k=3, draft_vocab_size=64
     )
     heads, history = train_heads.train_frozen(model, data, args)
-    assert heads.config.use_next_token  # the default: heads read token t+1
+    assert heads.config.token_input == "previous"  # the default: head i reads the token before its target
     losses = [r["train_loss"] for r in history]
     assert losses[-1] < 0.8 * losses[0]
     assert len(history[-1]["top1"]) == 2 and 0.0 <= history[-1]["oracle_top3"] <= 2.0

@@ -39,7 +39,7 @@ IGNORE = -100
 class Features:
     """Cached training positions: hidden [n, H] (base last hidden state at t), targets [n, h] (token at
     t+1+i for head i, IGNORE past the end), next_token [n] (token t+1: the base model's own choice, read
-    by `use_next_token` heads), sample [n] (index of the distilled sample)."""
+    by heads with a token input), sample [n] (index of the distilled sample)."""
 
     hidden: torch.Tensor
     targets: torch.Tensor
@@ -206,13 +206,15 @@ def heads_loss(
     next_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Weighted CE over heads, computed head by head (a [n, h, V] logit tensor would not fit).
-    `next_tokens`: token t+1 per position, for heads with `use_next_token`. `heads` may be wrapped for data
+    `next_tokens`: token t+1 per position, for heads with a token input. `heads` may be wrapped for data
     parallelism (`accelerator.prepare`): the forward goes through the wrapper, or gradients would not be
     synchronised across processes."""
     from accelerate.utils import extract_model_from_parallel
 
-    states = heads(hidden, next_tokens, return_states=True)
-    project = extract_model_from_parallel(heads).project
+    bare = extract_model_from_parallel(heads)
+    tokens = None if next_tokens is None else bare.teacher_forced_tokens(torch.cat([next_tokens[:, None], targets], 1))
+    states = heads(hidden, tokens, return_states=True)
+    project = bare.project
     total, per_head = hidden.new_zeros(()).float(), []
     for i, w in enumerate(weights):
         tgt = targets[:, i] if vocab_index is None else vocab_index[targets[:, i].clamp(min=0)]
@@ -227,7 +229,10 @@ def heads_loss(
 
 @torch.no_grad()
 def evaluate(heads: BlockDraftHeads, feats: Features, top_k: int, batch: int = 512) -> dict:
-    """Per-head top-1 / top-k accuracy (over positions with a target) and the top-k lattice oracle."""
+    """Per-head top-1 / top-k accuracy (over positions with a target) and the top-k lattice oracle. For
+    "previous" heads the accuracies are given the true tokens before each target, and the oracle is that
+    of a tree that expands each head's top-k: the longest true prefix whose every token is in its head's
+    top-k given the true tokens before it."""
     device = next(heads.parameters()).device
     h = heads.num_heads
     hit1, hitk, count = torch.zeros(h), torch.zeros(h), torch.zeros(h)
@@ -236,7 +241,8 @@ def evaluate(heads: BlockDraftHeads, feats: Features, top_k: int, batch: int = 5
     for s in range(0, feats.hidden.shape[0], batch):
         x = feats.hidden[s : s + batch].to(device=device, dtype=heads.dtype)
         t = feats.targets[s : s + batch].to(device)
-        logits = heads(x, feats.next_token[s : s + batch].to(device))  # [n, h, S]
+        tokens = heads.teacher_forced_tokens(torch.cat([feats.next_token[s : s + batch, None].to(device), t], 1))
+        logits = heads(x, tokens)  # [n, h, S]
         topk = ids[logits.topk(top_k, dim=-1).indices]  # token ids [n, h, k]
         valid = t != IGNORE
         in_k = (topk == t[..., None]).any(-1) & valid
@@ -297,7 +303,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         train_samples = set(train.sample.unique().tolist())
         draft_vocab = draft_vocabulary([data[i] for i in sorted(train_samples)], args.draft_vocab_size, vocab, always)
     heads = BlockDraftHeads.for_base_model(
-        model, args.num_heads, args.num_layers, draft_vocab=draft_vocab, use_next_token=args.next_token
+        model, args.num_heads, args.num_layers, draft_vocab=draft_vocab, token_input=token_input(args)
     )
     heads.float()
     vocab_index = None
@@ -359,11 +365,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-layers", type=int, default=1)
     parser.add_argument("--draft-vocab-size", type=int, default=0, help="0: full vocabulary")
     parser.add_argument(
-        "--next-token",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="heads also read the embedding of token t+1, the base model's own choice (--no-next-token: "
-        "plain Medusa heads)",
+        "--token-input",
+        choices=["previous", "next", "none"],
+        default="previous",
+        help="the token embedding each head also reads: 'previous' the token before its target (drafted "
+        "node by node), 'next' token t+1 (the base model's own choice), 'none' plain Medusa heads",
     )
     parser.add_argument("--features-cache", default=None, help="frozen mode: cache folder (default: OUTPUT/features)")
     parser.add_argument("--loss-decay", type=float, default=0.8, help="head i loss weight = decay**(i-1)")
@@ -380,6 +386,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--no-progress", action="store_true")
+
+
+def token_input(args: argparse.Namespace) -> str:
+    """`--token-input` as `BlockDraftHeadsConfig.token_input` ("none" -> "")."""
+    return "" if args.token_input == "none" else args.token_input
 
 
 def main(argv: list[str] | None = None) -> int:

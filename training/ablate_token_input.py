@@ -1,10 +1,13 @@
-"""Same-data ablation of the heads' next-token input: plain Medusa heads vs heads that also read token t+1.
+"""Same-data ablation of the heads' token input (`hf-bpd train-heads --token-input`).
 
-Trains both kinds on the first `--samples` distilled samples with identical settings (one shared feature
-cache, same held-out samples, same seed) and prints per-head validation accuracy after each epoch.
+Trains each kind of heads on the first `--samples` distilled samples with identical settings (one shared
+feature cache, same held-out samples, same seed) and prints per-head validation accuracy after each epoch:
+  none      plain Medusa heads
+  next      heads that also read token t+1
+  previous  head i also reads token t+i, the one before its target
 
-    python -m training.ablate_next_token --data runs/distill2 --samples 896 --features-cache runs/heads2/features \
-        --output benchmarks/next_token_ablation.json
+    python -m training.ablate_token_input --data runs/distill2 --samples 896 --features-cache runs/heads2/features \
+        --variants next none --output benchmarks/next_token_ablation.json
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features-cache", required=True)
     parser.add_argument("--num-heads", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--variants", nargs="+", choices=["previous", "next", "none"], default=["previous", "next"])
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
 
@@ -35,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"{args.data} holds {len(data)} samples, fewer than --samples {args.samples}")
     data = data.select(range(args.samples))
     results = {}
-    for next_token in (True, False):
+    for variant in args.variants:
         parser = argparse.ArgumentParser()
         train_heads.add_args(parser)
         # the shipped recipe's settings (training/recipes/smollm2.sh), fewer epochs
@@ -44,11 +48,11 @@ def main(argv: list[str] | None = None) -> int:
                 "--data", args.data, "--output", "unused", "--features-cache", args.features_cache,
                 "--num-heads", str(args.num_heads), "--draft-vocab-size", "8192", "--loss-decay", "0.8",
                 "--epochs", str(args.epochs), "--lr", "2e-3", "--batch-size", "256", "--top-k", "5",
-                "--log-every", "0", "--no-progress", "--next-token" if next_token else "--no-next-token",
+                "--log-every", "0", "--no-progress", "--token-input", variant,
             ]
         )  # fmt: skip
         _, history = train_heads.train_frozen(model, data, train_args)
-        results["next_token" if next_token else "plain"] = history
+        results[variant] = history
     text = json.dumps({"args": vars(args), "results": results}, indent=2)
     if args.output:
         Path(args.output).write_text(text)

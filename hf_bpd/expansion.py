@@ -1,0 +1,134 @@
+"""Drafting with heads that read the drafted token before their target (`token_input="previous"`).
+
+Such heads draft like a small autoregressive model: the children of a tree node at depth d are head d+1's
+top-k tokens given the base hidden state and the node's own token. There is no single lattice any more:
+each node has its own distribution. The tree is grown best-first on path probability:
+
+    candidates = top-k children of the root (head 1 reading the root token)
+    repeat: add the most probable candidates to the tree; expand the new nodes (one batched head call
+            per depth among them) and add their top-k children to the candidates
+
+so every branch continues what it actually drafted. Parents are always added before their children, so
+any prefix of the insertion order is a tree (the drafter cuts trees to a size that pays off).
+
+Rescorers still see a `Lattice`: `chain_lattice` is the top-k of each depth along the heads' own greedy
+draft (head i reading the top-1 token of depth i-1). A rescorer's drafts that carry per-token acceptance
+estimates join the candidates with those estimates, so they compete with the heads' children on
+(calibrated) path probability, as they do for lattice heads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import torch
+
+from .calibration import HEADS, RESCORER, AcceptanceCalibration, Arc
+from .heads import BlockDraftHeads
+from .lattice import Lattice
+from .tree import DraftTree
+
+EXPAND_BATCH = 8  # candidates added per round: fewer head calls, at the cost of a slightly less greedy order
+
+
+def _top_children(
+    heads: BlockDraftHeads, hidden: torch.Tensor, depth: int, tokens: list[int], top_k: int
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Head `depth`+1's top-k (token ids, log-probabilities) for nodes at `depth` carrying `tokens`."""
+    with torch.no_grad():
+        token_tensor = torch.tensor(tokens, device=hidden.device)
+        states = heads.step(depth, hidden.expand(len(tokens), -1), token_tensor)
+        logprobs = torch.log_softmax(heads.project(states).float(), dim=-1)
+        values, index = logprobs.topk(top_k, dim=-1)
+        ids = heads.draft_vocab.to(index.device)[index] if heads.config.draft_vocab_size else index
+    return ids.tolist(), values.tolist()
+
+
+def chain_lattice(heads: BlockDraftHeads, hidden: torch.Tensor, root: torch.Tensor, top_k: int) -> Lattice:
+    """`[batch, hidden]` last accepted hidden states, `[batch]` roots -> the lattice of the heads' greedy
+    chain: position i holds head i's top-k given the top-1 token of position i-1 (position 1: the root)."""
+    tokens, logprobs = [], []
+    previous = root.tolist()
+    for i in range(heads.num_heads):
+        rows = [_top_children(heads, hidden[b : b + 1], i, [previous[b]], top_k) for b in range(hidden.shape[0])]
+        tokens.append([ids[0] for ids, _ in rows])
+        logprobs.append([lps[0] for _, lps in rows])
+        previous = [ids[0][0] for ids, _ in rows]
+    return Lattice(
+        tokens=torch.tensor(tokens, dtype=torch.long).transpose(0, 1),
+        logprobs=torch.tensor(logprobs, dtype=torch.float32).transpose(0, 1),
+    )
+
+
+def expand_tree(
+    tree: DraftTree,
+    heads: BlockDraftHeads,
+    hidden: torch.Tensor,
+    top_k: int,
+    budget: int,
+    max_depth: int | None = None,
+    estimates: dict[tuple[int, ...], float] | None = None,
+    calibration: AcceptanceCalibration | None = None,
+) -> list[Arc]:
+    """Grow `tree` (a root, maybe with drafts already merged) in place up to `budget` nodes, best-first on
+    calibrated path probability, from "previous" heads on `hidden [1, hidden]` and the rescorer's
+    `estimates` ({draft prefix: log-probability of its last token}). Returns every node's arc (the
+    estimate that ordered it; -inf for a node merged before that the search never reached)."""
+    depth_limit = heads.num_heads if max_depth is None else min(max_depth, heads.num_heads)
+    estimates = estimates or {}
+    proposals: dict[tuple[int, ...], list[tuple[int, float]]] = {}  # draft prefix -> rescorer's next tokens
+    for path, logprob in estimates.items():
+        if len(path) <= depth_limit:
+            proposals.setdefault(path[:-1], []).append((path[-1], logprob))
+    arcs = [Arc(0.0, HEADS)] + [Arc(-math.inf, HEADS)] * (len(tree) - 1)
+    path_logprob = {0: 0.0}
+    paths: dict[int, tuple[int, ...]] = {0: ()}
+    heap: list[tuple[float, int, int, int, Arc]] = []  # (-path logprob, tie-break, parent, token, arc)
+    counter = 0
+
+    def push(parent: int, token: int, arc: Arc) -> None:
+        nonlocal counter
+        depth = tree.depths[parent] + 1
+        logprob = arc.logprob if calibration is None else calibration.calibrated(arc, depth)
+        if logprob > -math.inf:
+            heapq.heappush(heap, (-(path_logprob[parent] + logprob), counter, parent, token, arc))
+            counter += 1
+
+    def expand(nodes: list[int]) -> None:
+        by_depth: dict[int, list[int]] = {}
+        for node in nodes:
+            if tree.depths[node] < depth_limit:
+                by_depth.setdefault(tree.depths[node], []).append(node)
+        for depth, group in by_depth.items():
+            ids, lps = _top_children(heads, hidden, depth, [tree.tokens[n] for n in group], top_k)
+            for node, node_ids, node_lps in zip(group, ids, lps):
+                for token, logprob in zip(node_ids, node_lps):
+                    push(node, token, Arc(logprob, HEADS))
+        for node in nodes:
+            for token, logprob in proposals.get(paths[node], []):
+                push(node, token, Arc(logprob, RESCORER))
+
+    expand([0])
+    while heap:
+        added = []
+        while heap and len(added) < EXPAND_BATCH:
+            neg, _, parent, token, arc = heapq.heappop(heap)
+            node = tree.child(parent, token)
+            if node is not None and node in path_logprob:  # already reached by a more probable candidate
+                continue
+            if node is None:
+                if len(tree) >= budget:
+                    continue
+                tree.add_path((*paths[parent], token), budget)
+                node = len(tree) - 1
+                arcs.append(arc)
+            else:  # merged before (a rescorer's draft without estimates): now reached
+                arcs[node] = arc
+            path_logprob[node] = -neg
+            paths[node] = (*paths[parent], token)
+            added.append(node)
+        if not added or (len(tree) >= budget and len(path_logprob) == len(tree)):
+            break  # full, and no merged node left for the search to reach
+        expand(added)
+    return arcs

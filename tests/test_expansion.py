@@ -1,0 +1,124 @@
+"""Best-first tree expansion for heads that read the drafted token (`hf_bpd.expansion`)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import random_heads, tiny_model
+
+from hf_bpd import expansion
+from hf_bpd.calibration import HEADS, RESCORER
+from hf_bpd.expansion import chain_lattice, expand_tree
+from hf_bpd.tree import DraftTree
+
+ROOT = 11
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model("llama", eos_token_id=None)
+    heads = random_heads(model, num_heads=3, token_input="previous", std=0.2).eval()
+    hidden = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    return heads, hidden
+
+
+def child_logprobs(heads, hidden, depth: int, token: int) -> torch.Tensor:
+    """Head depth+1's log-probabilities over the vocabulary given the node's token."""
+    with torch.no_grad():
+        state = heads.step(depth, hidden, torch.tensor([token]))
+        return torch.log_softmax(heads.project(state).float(), dim=-1)[0]
+
+
+def all_paths(heads, hidden, k: int) -> dict[tuple[int, ...], float]:
+    """Brute force: every path of the k-ary expansion and its log-probability."""
+    out: dict[tuple[int, ...], float] = {}
+    frontier = [((), ROOT, 0.0)]
+    for depth in range(heads.num_heads):
+        nxt = []
+        for path, token, lp in frontier:
+            values, ids = child_logprobs(heads, hidden, depth, token).topk(k)
+            for v, t in zip(values.tolist(), ids.tolist()):
+                out[(*path, t)] = lp + v
+                nxt.append(((*path, t), t, lp + v))
+        frontier = nxt
+    return out
+
+
+@pytest.mark.parametrize("budget", [1, 2, 5, 13, 40])
+def test_expansion_picks_the_most_probable_nodes(setup, monkeypatch, budget):
+    heads, hidden = setup
+    monkeypatch.setattr(expansion, "EXPAND_BATCH", 1)  # strictly best-first: the exact top nodes
+    tree = DraftTree.root_only(ROOT)
+    arcs = expand_tree(tree, heads, hidden, top_k=3, budget=budget)
+    assert len(tree) == min(budget, 1 + 3 + 9 + 27) and len(arcs) == len(tree)
+    brute = all_paths(heads, hidden, 3)
+    got = set(tree.node_paths()[1:])
+    best = sorted(brute.values(), reverse=True)[: budget - 1]
+    assert sorted((brute[p] for p in got), reverse=True) == pytest.approx(best)
+    for i, path in enumerate(tree.node_paths()[1:], start=1):
+        assert tree.parents[i] < i and tree.depths[i] == len(path) <= heads.num_heads
+        assert arcs[i].source == HEADS
+        parent_token = ROOT if len(path) == 1 else path[-2]
+        want = child_logprobs(heads, hidden, len(path) - 1, parent_token)[path[-1]]
+        assert arcs[i].logprob == pytest.approx(float(want), abs=1e-5)  # the node's own head, its own parent
+
+
+def test_batched_expansion_keeps_parents_first_and_respects_limits(setup):
+    heads, hidden = setup
+    tree = DraftTree.root_only(ROOT)
+    arcs = expand_tree(tree, heads, hidden, top_k=4, budget=30, max_depth=2)
+    assert len(tree) == 1 + 4 + 16 == len(arcs)  # depth 2 holds all 4 + 16 candidates, under the budget of 30
+    assert max(tree.depths) == 2 and all(tree.parents[i] < i for i in range(1, len(tree)))
+    # the root's first child is head 1's top token given the root
+    assert tree.tokens[1] == int(child_logprobs(heads, hidden, 0, ROOT).argmax())
+    logprobs = tree.path_logprobs(arcs)
+    assert logprobs[1] == max(logprobs[1:])
+
+
+def test_rescorer_estimates_compete_and_merged_drafts_are_not_duplicated(setup):
+    heads, hidden = setup
+    top = child_logprobs(heads, hidden, 0, ROOT).topk(3).indices.tolist()
+    outside = next(t for t in range(60) if t not in top)
+    tree = DraftTree.root_only(ROOT)
+    tree.add_path((top[1], 7), 10)  # a draft without estimates, merged first
+    arcs = expand_tree(tree, heads, hidden, top_k=3, budget=10, estimates={(outside,): 0.0, (outside, 5): -50.0})
+    paths = tree.node_paths()
+    assert len(set(paths)) == len(paths) == 10 == len(arcs)
+    assert (outside,) in paths and arcs[paths.index((outside,))].source == RESCORER  # certain: added early
+    assert (outside, 5) not in paths  # hopeless estimate: the heads' nodes win the budget
+    assert paths.index((top[1],)) == 1 and arcs[1].source == HEADS and arcs[1].logprob > -math.inf  # reached
+    assert paths[2] == (top[1], 7)  # the merged draft keeps its slot; its arc is known once the search reaches it
+    reached = 7 in child_logprobs(heads, hidden, 1, top[1]).topk(3).indices.tolist()
+    assert (arcs[2].logprob > -math.inf) == reached
+
+
+def test_chain_lattice_follows_the_greedy_draft(setup):
+    heads, hidden = setup
+    lattice = chain_lattice(heads, hidden.expand(2, -1), torch.tensor([ROOT, 3]), top_k=4)
+    assert lattice.tokens.shape == lattice.logprobs.shape == (2, 3, 4)
+    for b, root in enumerate([ROOT, 3]):
+        previous = root
+        for depth in range(3):
+            values, ids = child_logprobs(heads, hidden, depth, previous).topk(4)
+            assert lattice.tokens[b, depth].tolist() == ids.tolist()
+            torch.testing.assert_close(lattice.logprobs[b, depth], values)
+            previous = ids[0].item()
+
+
+def test_expansion_with_a_draft_vocabulary_maps_token_ids():
+    model = tiny_model("llama", eos_token_id=None)
+    vocab = torch.arange(10, 60, 2)
+    heads = random_heads(model, num_heads=2, token_input="previous", draft_vocab=vocab).eval()
+    tree = DraftTree.root_only(ROOT)
+    expand_tree(tree, heads, torch.randn(1, model.config.hidden_size), top_k=3, budget=13)
+    assert len(tree) == 13 and set(tree.tokens[1:]) <= set(vocab.tolist())
+
+
+def test_a_large_budget_holds_the_whole_expansion(setup):
+    heads, hidden = setup
+    tree = DraftTree.root_only(ROOT)
+    expand_tree(tree, heads, hidden, top_k=2, budget=100)
+    assert len(tree) == 1 + 2 + 4 + 8  # the whole 2-ary expansion of 3 heads
+    assert set(tree.node_paths()[1:]) == set(all_paths(heads, hidden, 2))
