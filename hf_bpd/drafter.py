@@ -208,15 +208,15 @@ class BlockDrafter:
             self._learned_cost = LearnedForwardCost(self.forward_cost)
         return self._learned_cost
 
-    def rescore(self, lattice: Lattice, context: torch.Tensor) -> list[list[ScoredPath]] | None:
+    def rescore(self, lattice: Lattice | None, context: torch.Tensor) -> list[list[ScoredPath]] | None:
         """The rescorer's drafts per batch row (None without a rescorer or room for drafts)."""
-        if self.rescorer is None or self.tree_budget <= 1:
+        if self.rescorer is None or lattice is None or self.tree_budget <= 1:
             return None
         return self.rescorer(lattice, context)
 
     def tree(
         self,
-        lattice: Lattice,
+        lattice: Lattice | None,
         context: torch.Tensor,
         max_depth: int | None = None,
         rescored: list[list[ScoredPath]] | None = None,
@@ -225,13 +225,16 @@ class BlockDrafter:
         """One draft tree per batch row: the most probable nodes among the heads' best prefixes and the
         `rescored` drafts (drafts without estimates first); with a forward-cost curve, cut to the prefix
         with the best expected tokens per second. Probabilities are calibrated (`calibration`). "Previous"
-        heads grow each tree from `hidden_last [batch, hidden]` (`expansion.expand_tree`) instead."""
+        heads grow each tree from `hidden_last [batch, hidden]` (`expansion.expand_tree`) instead and need
+        no `lattice`."""
         if self.heads.conditions_on_draft and hidden_last is None:
             raise ValueError("heads that read the drafted token grow trees from the hidden state: pass hidden_last")
+        if lattice is None and not self.heads.conditions_on_draft:
+            raise ValueError("these heads draft from their lattice: pass it")
         budget = self.tree_budget
         trees = []
         self._verified = []
-        for b in range(lattice.batch_size):
+        for b in range(context.shape[0]):
             root = int(context[b, -1])
             tree = DraftTree.root_only(root)
             # Rescored drafts with per-token acceptance estimates compete with the heads' prefixes on
@@ -312,7 +315,9 @@ class BlockDrafter:
     ) -> Sequence[DraftTree]:
         """Heads -> lattice -> trees, timing each phase into `stats`."""
         t0 = self._sync(hidden_last.device)
-        lattice = self.lattice(hidden_last, context[:, -1])
+        # "previous" heads draft the tree node by node; their chain lattice only serves a rescorer
+        needs_lattice = self.rescorer is not None or not self.heads.conditions_on_draft
+        lattice = self.lattice(hidden_last, context[:, -1]) if needs_lattice else None
         t1 = self._sync(hidden_last.device)
         rescored = self.rescore(lattice, context)
         t2 = time.perf_counter()

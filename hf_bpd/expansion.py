@@ -5,8 +5,9 @@ top-k tokens given the base hidden state and the node's own token. There is no s
 each node has its own distribution. The tree is grown best-first on path probability:
 
     candidates = top-k children of the root (head 1 reading the root token)
-    repeat: add the most probable candidates to the tree; expand the new nodes (one batched head call
-            per depth among them) and add their top-k children to the candidates
+    repeat: add the most probable candidates to the tree (a batch: about a quarter of the budget); expand
+            the new nodes (each depth's residual block on its nodes, then one shared softmax call) and add
+            their top-k children to the candidates
 
 so every branch continues what it actually drafted. Parents are always added before their children, so
 any prefix of the insertion order is a tree (the drafter cuts trees to a size that pays off).
@@ -29,20 +30,30 @@ from .heads import BlockDraftHeads
 from .lattice import Lattice
 from .tree import DraftTree
 
-EXPAND_BATCH = 8  # candidates added per round: fewer head calls, at the cost of a slightly less greedy order
+EXPAND_ROUNDS = 4  # target head-call rounds per tree: each round adds a batch of the best candidates
 
 
 def _top_children(
-    heads: BlockDraftHeads, hidden: torch.Tensor, depth: int, tokens: list[int], top_k: int
-) -> tuple[list[list[int]], list[list[float]]]:
-    """Head `depth`+1's top-k (token ids, log-probabilities) for nodes at `depth` carrying `tokens`."""
+    heads: BlockDraftHeads, hidden: torch.Tensor, groups: dict[int, list[int]], top_k: int
+) -> dict[int, tuple[list[list[int]], list[list[float]]]]:
+    """For nodes grouped by depth ({depth: their tokens}), head depth+1's top-k (token ids, log-probs).
+    On a CPU the cost is reading weights, not arithmetic: every depth's residual block runs once on its
+    group, and the shared softmax layer (the largest weight by far) once on all of them."""
     with torch.no_grad():
-        token_tensor = torch.tensor(tokens, device=hidden.device)
-        states = heads.step(depth, hidden.expand(len(tokens), -1), token_tensor)
-        logprobs = torch.log_softmax(heads.project(states).float(), dim=-1)
-        values, index = logprobs.topk(top_k, dim=-1)
+        states = [
+            heads.step(depth, hidden.expand(len(tokens), -1), torch.tensor(tokens, device=hidden.device))
+            for depth, tokens in groups.items()
+        ]
+        logits = heads.project(torch.cat(states)).float()
+        values, index = logits.topk(top_k, dim=-1)
+        values = values - logits.logsumexp(dim=-1, keepdim=True)  # log-softmax of the top-k only
         ids = heads.draft_vocab.to(index.device)[index] if heads.config.draft_vocab_size else index
-    return ids.tolist(), values.tolist()
+    ids_list, values_list = ids.tolist(), values.tolist()
+    out, start = {}, 0
+    for depth, tokens in groups.items():
+        out[depth] = (ids_list[start : start + len(tokens)], values_list[start : start + len(tokens)])
+        start += len(tokens)
+    return out
 
 
 def chain_lattice(heads: BlockDraftHeads, hidden: torch.Tensor, root: torch.Tensor, top_k: int) -> Lattice:
@@ -51,7 +62,7 @@ def chain_lattice(heads: BlockDraftHeads, hidden: torch.Tensor, root: torch.Tens
     tokens, logprobs = [], []
     previous = root.tolist()
     for i in range(heads.num_heads):
-        rows = [_top_children(heads, hidden[b : b + 1], i, [previous[b]], top_k) for b in range(hidden.shape[0])]
+        rows = [_top_children(heads, hidden[b : b + 1], {i: [previous[b]]}, top_k)[i] for b in range(hidden.shape[0])]
         tokens.append([ids[0] for ids, _ in rows])
         logprobs.append([lps[0] for _, lps in rows])
         previous = [ids[0][0] for ids, _ in rows]
@@ -100,8 +111,10 @@ def expand_tree(
         for node in nodes:
             if tree.depths[node] < depth_limit:
                 by_depth.setdefault(tree.depths[node], []).append(node)
+        groups = {d: [tree.tokens[n] for n in g] for d, g in by_depth.items()}
+        children = _top_children(heads, hidden, groups, top_k) if groups else {}
         for depth, group in by_depth.items():
-            ids, lps = _top_children(heads, hidden, depth, [tree.tokens[n] for n in group], top_k)
+            ids, lps = children[depth]
             for node, node_ids, node_lps in zip(group, ids, lps):
                 for token, logprob in zip(node_ids, node_lps):
                     push(node, token, Arc(logprob, HEADS))
@@ -109,10 +122,11 @@ def expand_tree(
             for token, logprob in proposals.get(paths[node], []):
                 push(node, token, Arc(logprob, RESCORER))
 
+    batch = max(1, math.ceil((budget - 1) / EXPAND_ROUNDS))
     expand([0])
     while heap:
         added = []
-        while heap and len(added) < EXPAND_BATCH:
+        while heap and len(added) < batch:
             neg, _, parent, token, arc = heapq.heappop(heap)
             node = tree.child(parent, token)
             if node is not None and node in path_logprob:  # already reached by a more probable candidate

@@ -49,7 +49,7 @@ def all_paths(heads, hidden, k: int) -> dict[tuple[int, ...], float]:
 @pytest.mark.parametrize("budget", [1, 2, 5, 13, 40])
 def test_expansion_picks_the_most_probable_nodes(setup, monkeypatch, budget):
     heads, hidden = setup
-    monkeypatch.setattr(expansion, "EXPAND_BATCH", 1)  # strictly best-first: the exact top nodes
+    monkeypatch.setattr(expansion, "EXPAND_ROUNDS", 10**6)  # one candidate per round: strictly best-first
     tree = DraftTree.root_only(ROOT)
     arcs = expand_tree(tree, heads, hidden, top_k=3, budget=budget)
     assert len(tree) == min(budget, 1 + 3 + 9 + 27) and len(arcs) == len(tree)
