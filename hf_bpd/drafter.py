@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,8 @@ from .expansion import chain_lattice, expand_tree
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
 from .tree import DraftTree
+
+RECENT_STEPS = 16  # steps whose tree sizes bound how far "previous" heads grow a tree that will be cut
 
 
 @runtime_checkable
@@ -133,6 +136,7 @@ class BlockDrafter:
         self._learned_cost: LearnedForwardCost | None = None
         self.stats = DecodingStats()
         self._bound_to: int | None = None
+        self._recent_sizes: deque[int] = deque(maxlen=RECENT_STEPS)  # sizes of the last sized trees
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> BlockDrafter:
@@ -250,16 +254,26 @@ class BlockDrafter:
                     estimates[toks[: d + 1]] = max(lp, estimates.get(toks[: d + 1], -math.inf))
             if self.heads.conditions_on_draft:
                 hidden = hidden_last[b : b + 1].to(self.heads.dtype)
-                arcs = expand_tree(tree, self.heads, hidden, self.top_k, budget, max_depth, estimates, self.calibration)
+                grow = self._growth_budget(budget)
+                arcs = expand_tree(tree, self.heads, hidden, self.top_k, grow, max_depth, estimates, self.calibration)
             else:
                 arcs = self._fill_from_lattice(tree, lattice, b, budget, max_depth, estimates)
             if self.forward_cost is not None and len(tree) > 1:
                 logprobs = tree.path_logprobs(arcs, self.calibration)
                 tree = tree.truncated(best_tree_size([math.exp(lp) for lp in logprobs], self.step_cost))
+                self._recent_sizes.append(len(tree))
             trees.append(tree)
             known = arcs is not None and self.calibration is not None
             self._verified.append((tree, arcs[: len(tree)]) if known else None)  # a prefix keeps node indices
         return trees
+
+    def _growth_budget(self, budget: int) -> int:
+        """Nodes to grow for a tree that the forward-cost curve will cut: each expansion round costs head
+        calls, so grow at most twice the largest tree of the last steps (at least 8; all of `budget`
+        without a curve or before any step). Self-correcting: a tree cut at that bound raises it."""
+        if self.forward_cost is None or not self._recent_sizes:
+            return budget
+        return min(budget, max(8, 2 * max(self._recent_sizes)))
 
     def _fill_from_lattice(
         self,

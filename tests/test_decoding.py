@@ -438,3 +438,26 @@ def test_previous_heads_accept_multi_token_drafts():
     ref, out = run_both(model, drafter, torch.tensor([[5, 6, 7]]), max_new_tokens=60)
     assert out.tolist() == ref.tolist()
     assert max(drafter.stats.accepted_lengths) > 1
+
+
+def test_previous_heads_grow_little_more_than_the_cost_curve_keeps(monkeypatch):
+    """With a forward-cost curve, "previous" heads grow at most twice the largest recent tree (>= 8)."""
+    from hf_bpd import drafter as drafter_module
+    from hf_bpd.cost import ForwardCost
+
+    grown = []
+    expand = drafter_module.expand_tree
+
+    def spy(tree, heads, hidden, top_k, budget, *args):
+        grown.append(budget)
+        return expand(tree, heads, hidden, top_k, budget, *args)
+
+    monkeypatch.setattr(drafter_module, "expand_tree", spy)
+    model = tiny_model("llama", eos_token_id=None)
+    costly = ForwardCost((1, 2, 64), (0.01, 0.1, 0.1))  # any tree beyond the root costs 10 plain steps
+    heads = random_heads(model, num_heads=3, token_input="previous", std=0.05)
+    drafter = BlockDrafter(heads, top_k=4, max_tree_tokens=64, forward_cost=costly)
+    ref, out = run_both(model, drafter, torch.tensor([[5, 6, 7]]), max_new_tokens=12)
+    assert out.tolist() == ref.tolist()
+    assert set(drafter.stats.tree_sizes) == {1}
+    assert grown[0] == 64 and set(grown[1:]) == {8}  # the first step grows the whole budget, then 2 x 1 -> 8
