@@ -461,3 +461,25 @@ def test_previous_heads_grow_little_more_than_the_cost_curve_keeps(monkeypatch):
     assert out.tolist() == ref.tolist()
     assert set(drafter.stats.tree_sizes) == {1}
     assert grown[0] == 64 and set(grown[1:]) == {8}  # the first step grows the whole budget, then 2 x 1 -> 8
+
+
+@pytest.mark.parametrize("max_tree_tokens", [12, "auto"])
+def test_previous_heads_with_a_rescorer_stay_exact(max_tree_tokens):
+    """A rescorer sees the chain lattice of "previous" heads; its drafts (with acceptance estimates, from
+    the context n-gram) join the expansion. The output is still greedy's."""
+    from hf_bpd.ngram import NgramRescorer
+
+    model = tiny_model("llama", eos_token_id=None)
+    heads = random_heads(model, num_heads=3, token_input="previous", std=0.05)
+    calls = []
+
+    class Spy(NgramRescorer):
+        def __call__(self, lattice, context):
+            calls.append(tuple(lattice.tokens.shape))
+            return super().__call__(lattice, context)
+
+    drafter = BlockDrafter(heads, 3, max_tree_tokens, rescorer=Spy(None, context_weight=0.5, num_paths=2))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # repetitive: the context n-gram proposes drafts
+    ref, out = run_both(model, drafter, ids, max_new_tokens=30)
+    assert out.tolist() == ref.tolist()
+    assert calls and set(calls) == {(1, 3, 3)}  # one chain lattice per step: 3 depths x top-3
