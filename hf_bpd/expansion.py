@@ -5,7 +5,7 @@ top-k tokens given the base hidden state and the node's own token. There is no s
 each node has its own distribution. The tree is grown best-first on path probability:
 
     candidates = top-k children of the root (head 1 reading the root token)
-    repeat: add the most probable candidates to the tree (a batch: about a quarter of the budget); expand
+    repeat: add the most probable candidates to the tree (a batch: `round_size`); expand
             the new nodes (each depth's residual block on its nodes, then one shared softmax call) and add
             their top-k children to the candidates
 
@@ -30,7 +30,15 @@ from .heads import BlockDraftHeads
 from .lattice import Lattice
 from .tree import DraftTree
 
-EXPAND_ROUNDS = 4  # target head-call rounds per tree: each round adds a batch of the best candidates
+MAX_ROUNDS = 4  # head-call rounds per tree at most: each round adds a batch of the best candidates
+
+
+def round_size(budget: int) -> int:
+    """Candidates added per round for a tree of `budget` nodes. Each round costs a read of the heads'
+    weights, so small trees take fewer rounds: 8 nodes 2, 16 nodes 3, 32 or more 4. A round adds its
+    candidates in order but before their own children are known, so best-first is slightly loosened."""
+    rounds = min(MAX_ROUNDS, max(1, budget.bit_length() - 2))
+    return max(1, math.ceil((budget - 1) / rounds))
 
 
 def _top_children(
@@ -122,7 +130,7 @@ def expand_tree(
             for token, logprob in proposals.get(paths[node], []):
                 push(node, token, Arc(logprob, RESCORER))
 
-    batch = max(1, math.ceil((budget - 1) / EXPAND_ROUNDS))
+    batch = round_size(budget)
     expand([0])
     while heap:
         added = []

@@ -49,7 +49,7 @@ def all_paths(heads, hidden, k: int) -> dict[tuple[int, ...], float]:
 @pytest.mark.parametrize("budget", [1, 2, 5, 13, 40])
 def test_expansion_picks_the_most_probable_nodes(setup, monkeypatch, budget):
     heads, hidden = setup
-    monkeypatch.setattr(expansion, "EXPAND_ROUNDS", 10**6)  # one candidate per round: strictly best-first
+    monkeypatch.setattr(expansion, "round_size", lambda budget: 1)  # one candidate per round: strictly best-first
     tree = DraftTree.root_only(ROOT)
     arcs = expand_tree(tree, heads, hidden, top_k=3, budget=budget)
     assert len(tree) == min(budget, 1 + 3 + 9 + 27) and len(arcs) == len(tree)
@@ -92,6 +92,10 @@ def test_rescorer_estimates_compete_and_merged_drafts_are_not_duplicated(setup):
     assert paths[2] == (top[1], 7)  # the merged draft keeps its slot; its arc is known once the search reaches it
     reached = 7 in child_logprobs(heads, hidden, 1, top[1]).topk(3).indices.tolist()
     assert (arcs[2].logprob > -math.inf) == reached
+
+
+def test_round_sizes_take_fewer_rounds_for_small_trees():
+    assert [expansion.round_size(b) for b in (1, 2, 5, 8, 16, 64)] == [1, 1, 4, 4, 5, 16]
 
 
 def test_chain_lattice_follows_the_greedy_draft(setup):
