@@ -22,8 +22,9 @@ borrowed from the base model at `bind`.
               autoregressive model: each tree node's children come from the next head applied to the
               node's own token (`step`), so a branch continues what it actually drafted instead of what
               the best draft did (Hydra-style sequentially dependent heads, with one token of context).
-              Same-data ablation on SmolLM2-135M: head-2/3 top-1 0.34/0.29 against 0.24/0.15 for "next"
-              (BENCHMARKS.md). Drafting costs one batched head call per tree depth instead of one per step.
+              Same-data ablation on SmolLM2-135M: head-2/3 top-1 0.33/0.31 against 0.24/0.16 for "next"
+              (BENCHMARKS.md). Drafting costs up to 4 rounds of batched head calls per step instead of
+              one call.
   ""          plain Medusa heads (the hidden state only).
 
 The residual weights start at zero, so an untrained head is the base LM head applied to the base hidden
