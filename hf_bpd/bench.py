@@ -321,13 +321,14 @@ def _load_journal(path: Path) -> tuple[dict | None, list[dict]]:
     return first["header"], records
 
 
+# Heads are identified by content (`drafter.heads_sha1`), not by the `heads` argument: "packaged" names
+# other heads once new ones are shipped, and a folder may move.
 RESUME_KEYS = (
     "methods",
     "max_new_tokens",
     "rows",
     "data",
     "model",
-    "heads",
     "selection",
     "dtype",
     "device",

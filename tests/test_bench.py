@@ -118,6 +118,15 @@ def test_journal_resumes_an_interrupted_run_without_redoing_rows(tmp_path):
         bench.run_bench(model, TinyChatTokenizer(), ROWS, methods(), 9, progress=False, journal=journal)
 
 
+def test_resume_identifies_heads_by_content_not_by_name(tmp_path):
+    header = {"methods": ["hf_bpd"], "max_new_tokens": 8, "heads": "packaged", "drafter": {"heads_sha1": "aa"}}
+    journal = tmp_path / "run.journal.jsonl"
+    journal.write_text(json.dumps({"header": header}) + "\n")
+    assert bench.read_journal(journal, {**header, "heads": "runs/heads3"}) == {}  # same heads, moved
+    with pytest.raises(ValueError, match="heads_sha1"):  # "packaged" now names other heads
+        bench.read_journal(journal, {**header, "drafter": {"heads_sha1": "bb"}})
+
+
 def _journal(path, selection, records, top_k=4):
     header = {"methods": ["greedy", "hf_bpd"], "max_new_tokens": 8, "selection": selection, "drafter": {"top_k": top_k}}
     path.write_text("".join(json.dumps(x) + "\n" for x in [{"header": header}, *records]))
