@@ -41,6 +41,15 @@ def round_size(budget: int) -> int:
     return max(1, math.ceil((budget - 1) / rounds))
 
 
+def _top_k(heads: BlockDraftHeads, states: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head states `[n, hidden]` -> their top-k token ids and log-probabilities, `[n, k]` each."""
+    logits = heads.project(states).float()
+    values, index = logits.topk(top_k, dim=-1)
+    values = values - logits.logsumexp(dim=-1, keepdim=True)  # log-softmax of the top-k only
+    ids = heads.draft_vocab.to(index.device)[index] if heads.config.draft_vocab_size else index
+    return ids, values
+
+
 def _top_children(
     heads: BlockDraftHeads, hidden: torch.Tensor, groups: dict[int, list[int]], top_k: int
 ) -> dict[int, tuple[list[list[int]], list[list[float]]]]:
@@ -52,10 +61,7 @@ def _top_children(
             heads.step(depth, hidden.expand(len(tokens), -1), torch.tensor(tokens, device=hidden.device))
             for depth, tokens in groups.items()
         ]
-        logits = heads.project(torch.cat(states)).float()
-        values, index = logits.topk(top_k, dim=-1)
-        values = values - logits.logsumexp(dim=-1, keepdim=True)  # log-softmax of the top-k only
-        ids = heads.draft_vocab.to(index.device)[index] if heads.config.draft_vocab_size else index
+        ids, values = _top_k(heads, torch.cat(states), top_k)
     ids_list, values_list = ids.tolist(), values.tolist()
     out, start = {}, 0
     for depth, tokens in groups.items():
@@ -66,18 +72,17 @@ def _top_children(
 
 def chain_lattice(heads: BlockDraftHeads, hidden: torch.Tensor, root: torch.Tensor, top_k: int) -> Lattice:
     """`[batch, hidden]` last accepted hidden states, `[batch]` roots -> the lattice of the heads' greedy
-    chain: position i holds head i's top-k given the top-1 token of position i-1 (position 1: the root)."""
+    chain: position i holds head i's top-k given the top-1 token of position i-1 (position 1: the root).
+    One head call per position, on all batch rows."""
     tokens, logprobs = [], []
-    previous = root.tolist()
-    for i in range(heads.num_heads):
-        rows = [_top_children(heads, hidden[b : b + 1], {i: [previous[b]]}, top_k)[i] for b in range(hidden.shape[0])]
-        tokens.append([ids[0] for ids, _ in rows])
-        logprobs.append([lps[0] for _, lps in rows])
-        previous = [ids[0][0] for ids, _ in rows]
-    return Lattice(
-        tokens=torch.tensor(tokens, dtype=torch.long).transpose(0, 1),
-        logprobs=torch.tensor(logprobs, dtype=torch.float32).transpose(0, 1),
-    )
+    previous = root.to(hidden.device)
+    with torch.no_grad():
+        for i in range(heads.num_heads):
+            ids, values = _top_k(heads, heads.step(i, hidden, previous), top_k)
+            tokens.append(ids)
+            logprobs.append(values)
+            previous = ids[:, 0]
+    return Lattice(tokens=torch.stack(tokens, dim=1), logprobs=torch.stack(logprobs, dim=1))
 
 
 def expand_tree(
