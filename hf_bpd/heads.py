@@ -345,13 +345,18 @@ class BlockDraftHeads(PreTrainedModel):
         maps index -> token id; S = vocab size unless a draft vocabulary is set)."""
         if self.lm_head is not None:
             return self.lm_head(states)
+        return self.base_logits(states)
+
+    def base_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The base model's own logits over the draft vocabulary, `[..., hidden] -> [..., S]`: its LM head
+        (the rows `bind` borrowed) on its last hidden state. The soft target of teacher distillation."""
         weight = self.__dict__["_tied_weight"]
         if weight is None:
-            raise RuntimeError("tied draft heads need the base model's LM head: call `heads.bind(model)` first")
-        if weight.device != states.device or weight.dtype != states.dtype:
-            weight = weight.to(device=states.device, dtype=states.dtype)
-            self.__dict__["_tied_weight"] = weight
-        return torch.nn.functional.linear(states, weight)
+            raise RuntimeError("draft heads need the base model's LM head: call `heads.bind(model)` first")
+        if weight.device != hidden_states.device or weight.dtype != hidden_states.dtype:
+            weight = weight.to(device=hidden_states.device, dtype=hidden_states.dtype)
+            self.__dict__["_tied_weight"] = weight  # converted once, not at every drafting step
+        return torch.nn.functional.linear(hidden_states, weight)
 
     def push_to_hub(
         self,

@@ -81,6 +81,51 @@ def test_feature_cache_resumes_and_only_computes_new_samples(tmp_path, monkeypat
     assert sum(computed) == 12
 
 
+def test_teacher_rows_hold_the_base_models_distribution_over_each_heads_target():
+    model = tiny_model("llama", eos_token_id=None)
+    data = tiny_distilled(model, n=6, new=10)
+    feats = train_heads.compute_features(model, data, 3, progress=False)
+    rows = train_heads.teacher_rows(feats, 3)
+    # a target exactly where a teacher row exists, and the teacher row is of the same sample
+    assert torch.equal(rows >= 0, feats.targets != IGNORE)
+    has = rows >= 0
+    assert torch.equal(feats.sample[rows[has]], feats.sample[:, None].expand_as(rows)[has])
+    # the distilled token is greedy: the argmax of the base model's logits at the teacher row
+    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3)
+    choice = heads.base_logits(feats.hidden[rows[has]].float()).argmax(-1)
+    assert torch.equal(choice, feats.targets[has])
+
+
+def test_teacher_loss_is_the_cross_entropy_against_the_base_distribution():
+    model = tiny_model("llama", eos_token_id=None)
+    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=1)
+    teacher = torch.randn(5, heads.config.hidden_size)
+    teacher[3] = float("nan")  # no teacher: left out of the mean
+    logits = torch.randn(5, heads.config.vocab_size)
+    p = heads.base_logits(teacher[[0, 1, 2, 4]]).softmax(-1)
+    want = -(p * logits[[0, 1, 2, 4]].log_softmax(-1)).sum(-1).mean()
+    assert torch.allclose(train_heads.teacher_loss(heads, logits, teacher), want)
+    # a head that already outputs the base distribution has the smallest loss: the teacher's entropy
+    same = heads.base_logits(teacher.nan_to_num())
+    entropy = -(p * p.log()).sum(-1).mean()
+    assert torch.allclose(train_heads.teacher_loss(heads, same, teacher), entropy, atol=1e-5)
+
+
+def test_frozen_training_with_teacher_weight_loss_falls_and_drafts_losslessly(tmp_path):
+    model = tiny_model("llama", eos_token_id=None)
+    data = tiny_distilled(model)
+    args = args_for(tmp_path, num_heads=2, epochs=20, lr=3e-2, batch_size=64, val_fraction=0.2, teacher_weight=0.5)
+    heads, history = train_heads.train_frozen(model, data, args)
+    losses = [r["train_loss"] for r in history]
+    assert losses[-1] < 0.8 * losses[0]
+    assert history[-1]["top1"][0] > 2 * history[0]["top1"][0]  # held-out accuracy rises with it
+    drafter = hf_bpd.BlockDrafter(heads, top_k=3, max_tree_tokens=8)
+    ids = torch.tensor([data[0]["prompt_ids"]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=20)
+    out = model.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist()
+
+
 def test_frozen_training_loss_falls_and_reloads_bit_identical(tmp_path):
     model = tiny_model("llama", eos_token_id=None)
     data = tiny_distilled(model)

@@ -1,22 +1,33 @@
-"""Same-data ablation of the heads' token input (`hf-bpd train-heads --token-input`).
+"""Same-data ablation of head training choices: the heads' token input (`hf-bpd train-heads --token-input`)
+and any other `train-heads` option.
 
-Trains each kind of heads on the first `--samples` distilled samples with identical settings (one shared
-feature cache, same held-out samples, same seed) and prints per-head validation accuracy after each epoch:
+Trains each variant on the first `--samples` distilled samples with identical settings (one shared
+feature cache, same held-out samples, same seed) and prints per-head validation accuracy after each epoch.
+A variant is a token input,
   none      plain Medusa heads
   next      heads that also read token t+1
   previous  head i also reads token t+i, the one before its target
+or a quoted string of `train-heads` options that replace the defaults below, e.g.
+"--token-input previous --teacher-weight 0.5".
 
     python -m training.ablate_token_input --data runs/distill2 --samples 896 --features-cache runs/heads2/features \
         --variants next none --output benchmarks/next_token_ablation.json
+    python -m training.ablate_token_input ... --variants previous "--token-input previous --teacher-weight 0.5"
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 from training import train_heads
+
+
+def variant_args(variant: str) -> list[str]:
+    """`train-heads` options of a variant: a bare token input means `--token-input` it."""
+    return ["--token-input", variant] if variant in ("previous", "next", "none") else shlex.split(variant)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features-cache", required=True)
     parser.add_argument("--num-heads", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--variants", nargs="+", choices=["previous", "next", "none"], default=["previous", "next"])
+    parser.add_argument("--variants", nargs="+", default=["previous", "next"], help="token inputs or option strings")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
 
@@ -48,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--data", args.data, "--output", "unused", "--features-cache", args.features_cache,
                 "--num-heads", str(args.num_heads), "--draft-vocab-size", "8192", "--loss-decay", "0.8",
                 "--epochs", str(args.epochs), "--lr", "2e-3", "--batch-size", "256", "--top-k", "5",
-                "--log-every", "0", "--no-progress", "--token-input", variant,
+                "--log-every", "0", "--no-progress", *variant_args(variant),
             ]
         )  # fmt: skip
         _, history = train_heads.train_frozen(model, data, train_args)

@@ -1,7 +1,12 @@
 """Train block draft heads on self-distilled data.
 
 From the base model's last hidden state at position t, head i (1..h) learns the token at t+1+i (the base
-model itself predicts t+1). Loss = sum_i w_i * CE_i with per-head weights w_i (the paper's lambda_h).
+model itself predicts t+1). Loss = sum_i w_i * L_i with per-head weights w_i (the paper's lambda_h), where
+L_i = (1 - b) * CE(token t+1+i) + b * CE(the base model's own distribution over token t+1+i)
+(`--teacher-weight b`). The distilled token is that distribution's argmax; the whole distribution also
+says which other tokens the base model nearly chose, which is what a head's top-k in a draft tree needs.
+It costs no extra base-model pass: the base model's logits for token t+1+i are its LM head on the cached
+hidden state at position t+i (Hydra++'s teacher distillation, without running the teacher again).
 
 Modes
   frozen  (Medusa-1) the base model is frozen: its last hidden states are computed once and cached to
@@ -66,6 +71,18 @@ def head_targets(sequence: list[int], start: int, num_heads: int) -> torch.Tenso
         m = min(n, src.numel())
         out[:m, i - 1] = src[:m]
     return out
+
+
+def teacher_rows(feats: Features, num_heads: int) -> torch.Tensor:
+    """[n, h]: for each position t and head i, the row of `feats` at position t+i of the same sample (its
+    hidden state gives the base model's own distribution over token t+1+i, head i's target), -1 where
+    head i has no target. Rows of one sample are consecutive positions (`compute_features`)."""
+    n = feats.sample.shape[0]
+    rows = torch.arange(n)[:, None] + torch.arange(1, num_heads + 1)[None]
+    valid = (feats.targets[:, :num_heads] != IGNORE) & (rows < n)
+    rows = rows.clamp(max=max(n - 1, 0))
+    valid &= feats.sample[rows] == feats.sample[:, None]
+    return torch.where(valid, rows, -1)
 
 
 def response_positions(prompt_len: int) -> int:
@@ -204,9 +221,13 @@ def heads_loss(
     weights: list[float],
     vocab_index: torch.Tensor | None,
     next_tokens: torch.Tensor | None = None,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: float = 0.0,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Weighted CE over heads, computed head by head (a [n, h, V] logit tensor would not fit).
-    `next_tokens`: token t+1 per position, for heads with a token input. `heads` may be wrapped for data
+    `next_tokens`: token t+1 per position, for heads with a token input. `teacher_hidden [n, h, H]`: the
+    base hidden state at position t+i for head i (NaN where there is none), whose base-model logits are
+    the soft target mixed in with `teacher_weight` (module docstring). `heads` may be wrapped for data
     parallelism (`accelerator.prepare`): the forward goes through the wrapper, or gradients would not be
     synchronised across processes."""
     from accelerate.utils import extract_model_from_parallel
@@ -222,9 +243,22 @@ def heads_loss(
         logits = project(states[:, i]).float()
         loss = torch.nn.functional.cross_entropy(logits, tgt, ignore_index=IGNORE)
         loss = torch.nan_to_num(loss)  # a batch with no target for this head
+        if teacher_weight:
+            loss = (1 - teacher_weight) * loss + teacher_weight * teacher_loss(bare, logits, teacher_hidden[:, i])
         per_head.append(loss.detach())
         total = total + w * loss
     return total, per_head
+
+
+def teacher_loss(heads: BlockDraftHeads, logits: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
+    """Mean CE of the head's `logits [n, S]` against the base model's own distribution over the draft
+    vocabulary (`heads.base_logits` of `teacher_hidden [n, H]`), over the rows that have a teacher (not NaN)."""
+    has = ~teacher_hidden[:, 0].isnan()
+    if not bool(has.any()):
+        return logits.new_zeros(())
+    with torch.no_grad():
+        target = heads.base_logits(teacher_hidden[has].to(logits.dtype)).float().softmax(-1)
+    return -(target * logits[has].log_softmax(-1)).sum(-1).mean()
 
 
 @torch.no_grad()
@@ -270,12 +304,13 @@ def check_replicas_agree(accelerator, module: torch.nn.Module) -> None:
         raise RuntimeError(f"data-parallel replicas diverged ({accelerator.num_processes} processes)")
 
 
-def split_by_sample(feats: Features, val_fraction: float, seed: int) -> tuple[Features, Features]:
+def split_by_sample(feats: Features, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices (train, val) of `feats`, holding out a `val_fraction` of the samples whole."""
     num_samples = int(feats.sample.max()) + 1
     g = torch.Generator().manual_seed(seed)
     val_samples = torch.randperm(num_samples, generator=g)[: max(1, int(num_samples * val_fraction))]
     is_val = torch.isin(feats.sample, val_samples)
-    return feats.select(~is_val), feats.select(is_val)
+    return (~is_val).nonzero().squeeze(1), is_val.nonzero().squeeze(1)
 
 
 def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
@@ -290,10 +325,11 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         feats = cached_features(model, data, args.num_heads, cache, progress=False)
-    train, val = split_by_sample(feats, args.val_fraction, args.seed)
-    if args.max_positions and train.hidden.shape[0] > args.max_positions:
-        keep = torch.randperm(train.hidden.shape[0], generator=torch.Generator().manual_seed(args.seed))
-        train = train.select(keep[: args.max_positions])
+    train_index, val_index = split_by_sample(feats, args.val_fraction, args.seed)
+    if args.max_positions and train_index.numel() > args.max_positions:
+        keep = torch.randperm(train_index.numel(), generator=torch.Generator().manual_seed(args.seed))
+        train_index = train_index[keep[: args.max_positions]]
+    train, val = feats.select(train_index), feats.select(val_index)
 
     vocab = model_vocab_size(model)
     draft_vocab = None
@@ -313,7 +349,11 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     weights = loss_weights(args.num_heads, args.loss_decay)
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    dataset = torch.utils.data.TensorDataset(train.hidden, train.targets, train.next_token)
+    # head i's soft target comes from the hidden state at position t+i; rows are found before `select`
+    # reorders anything, as indices into `feats` (val and train rows alike are consecutive per sample)
+    teacher = teacher_rows(feats, args.num_heads)
+    train_teacher = teacher[train_index]
+    dataset = torch.utils.data.TensorDataset(train.hidden, train.targets, train.next_token, train_teacher)
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(args.seed)
     )
@@ -329,9 +369,22 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     for epoch in range(args.epochs):
         heads.train()
         t0, running, steps = time.time(), 0.0, 0
-        for hidden, targets, next_tokens in loader:
+        for hidden, targets, next_tokens, rows in loader:
+            teacher_hidden = None
+            if args.teacher_weight:  # NaN marks "no teacher" (head past the sample's end)
+                teacher_hidden = feats.hidden[rows.clamp(min=0).cpu()].float().to(hidden.device)
+                teacher_hidden[rows < 0] = float("nan")
             with accelerator.autocast():
-                loss, _ = heads_loss(heads, hidden.float(), targets, weights, vocab_index, next_tokens)
+                loss, _ = heads_loss(
+                    heads,
+                    hidden.float(),
+                    targets,
+                    weights,
+                    vocab_index,
+                    next_tokens,
+                    teacher_hidden,
+                    args.teacher_weight,
+                )
             accelerator.backward(loss)
             optimizer.step()
             scheduler.step()
@@ -373,6 +426,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--features-cache", default=None, help="frozen mode: cache folder (default: OUTPUT/features)")
     parser.add_argument("--loss-decay", type=float, default=0.8, help="head i loss weight = decay**(i-1)")
+    parser.add_argument(
+        "--teacher-weight",
+        type=float,
+        default=0.0,
+        help="frozen mode: weight of the base model's own distribution as a soft target (0: distilled tokens only)",
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=256, help="positions (frozen) or samples (joint)")
