@@ -282,3 +282,19 @@ def test_data_parallel_training_under_torchrun(tmp_path, mode):
     ref = model.generate(ids, do_sample=False, max_new_tokens=12)
     got = model.generate(ids, do_sample=False, max_new_tokens=12, custom_generate=hf_bpd.generate, assistant=drafter)
     assert got.tolist() == ref.tolist()
+
+
+def test_load_distilled_concatenates_several_runs_in_order(tmp_path):
+    for name, ids in (("a", ["0", "1"]), ("b", ["instr-0"])):
+        shards = tmp_path / name / "shards"
+        shards.mkdir(parents=True)
+        rows = {"id": ids, "prompt_ids": [[1, 2]] * len(ids), "response_ids": [[3]] * len(ids)}
+        distill.write_shard(shards, rows)
+    both = distill.load_distilled([tmp_path / "a", tmp_path / "b"])
+    assert both["id"] == ["0", "1", "instr-0"] and both.column_names == ["id", "prompt_ids", "response_ids"]
+    assert distill.load_distilled([tmp_path / "b"])["id"] == ["instr-0"]
+    args = args_for(tmp_path)  # train-heads takes several --data folders
+    parser = argparse.ArgumentParser()
+    train_heads.add_args(parser)
+    assert parser.parse_args(["--data", "x", "y", "--output", "o"]).data == ["x", "y"]
+    assert args.data == ["unused"]

@@ -49,11 +49,18 @@ def load_prompts(
     return out[:limit] if limit else out
 
 
-def load_distilled(path: str | Path):
+def load_distilled(path: str | Path | list[str | Path]):
     """A distilled dataset: `hf-bpd distill --output X` given as X (its `dataset/`, or while a run is
-    still going, its finished shards) or as X/dataset."""
-    from datasets import load_dataset, load_from_disk
+    still going, its finished shards) or as X/dataset. Several paths: their rows one after the other
+    (`{id, prompt_ids, response_ids}` only), in the order given."""
+    from datasets import concatenate_datasets, load_dataset, load_from_disk
 
+    if isinstance(path, (list, tuple)):
+        parts = [load_distilled(p) for p in path]
+        if len(parts) == 1:
+            return parts[0]
+        columns = ["id", "prompt_ids", "response_ids"]
+        return concatenate_datasets([d.select_columns(columns) for d in parts])
     path = Path(path)
     if (path / "dataset").is_dir() and not _more_shards_than_dataset(path):
         return load_from_disk(str(path / "dataset"))

@@ -411,7 +411,9 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="packaged", help="base model path or 'packaged'")
-    parser.add_argument("--data", required=True, help="hf-bpd distill --output folder (or its dataset/)")
+    parser.add_argument(
+        "--data", required=True, nargs="+", help="hf-bpd distill --output folders (or their dataset/), in this order"
+    )
     parser.add_argument("--output", required=True)
     parser.add_argument("--mode", choices=["frozen", "joint"], default="frozen")
     parser.add_argument("--num-heads", type=int, default=4)
