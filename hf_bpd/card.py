@@ -79,12 +79,6 @@ def render_card(
         "target (head 1: the base model's own next token; head i: the drafted token at depth i-1, so each "
         "tree branch is drafted from its own tokens)",
     }[cfg.token_input]
-    if cfg.recurrent:
-        inputs = inputs.replace(
-            "the base model's last hidden state and",
-            "the previous head's state (head 1: the base model's last hidden state), so it sees every drafted token "
-            "before its target, and",
-        )
     return template.format(
         base_model=cfg.base_model_name or "unknown",
         repo_id=repo_id,
