@@ -9,9 +9,7 @@ each node has its own distribution. The tree is grown best-first on path probabi
             the new nodes (each depth's residual block on its nodes, then one shared softmax call) and add
             their top-k children to the candidates
 
-so every branch continues what it actually drafted. Recurrent heads (`recurrent=True`) read their
-parent's head state instead of the base hidden state: each expanded node keeps its head state for its
-children. Parents are always added before their children, so
+so every branch continues what it actually drafted. Parents are always added before their children, so
 any prefix of the insertion order is a tree (the drafter cuts trees to a size that pays off).
 
 Rescorers still see a `Lattice`: `chain_lattice` is the top-k of each depth along the heads' own greedy
@@ -53,22 +51,21 @@ def _top_k(heads: BlockDraftHeads, states: torch.Tensor, top_k: int) -> tuple[to
 
 
 def _top_children(
-    heads: BlockDraftHeads, groups: dict[int, tuple[torch.Tensor, list[int]]], top_k: int
-) -> dict[int, tuple[list[list[int]], list[list[float]], torch.Tensor]]:
-    """For nodes grouped by depth ({depth: (the states they read [n, hidden], their tokens)}), head
-    depth+1's top-k (token ids, log-probs) and the head states (recurrent heads: what the nodes' children
-    read). On a CPU the cost is reading weights, not arithmetic: every depth's residual block runs once on
-    its group, and the shared softmax layer (the largest weight by far) once on all of them."""
+    heads: BlockDraftHeads, hidden: torch.Tensor, groups: dict[int, list[int]], top_k: int
+) -> dict[int, tuple[list[list[int]], list[list[float]]]]:
+    """For nodes grouped by depth ({depth: their tokens}), head depth+1's top-k (token ids, log-probs).
+    On a CPU the cost is reading weights, not arithmetic: every depth's residual block runs once on its
+    group, and the shared softmax layer (the largest weight by far) once on all of them."""
     with torch.no_grad():
         states = [
-            heads.step(depth, inputs, torch.tensor(tokens, device=inputs.device))
-            for depth, (inputs, tokens) in groups.items()
+            heads.step(depth, hidden.expand(len(tokens), -1), torch.tensor(tokens, device=hidden.device))
+            for depth, tokens in groups.items()
         ]
         ids, values = _top_k(heads, torch.cat(states), top_k)
     ids_list, values_list = ids.tolist(), values.tolist()
     out, start = {}, 0
-    for (depth, (_, tokens)), state in zip(groups.items(), states):
-        out[depth] = (ids_list[start : start + len(tokens)], values_list[start : start + len(tokens)], state)
+    for depth, tokens in groups.items():
+        out[depth] = (ids_list[start : start + len(tokens)], values_list[start : start + len(tokens)])
         start += len(tokens)
     return out
 
@@ -78,11 +75,10 @@ def chain_lattice(heads: BlockDraftHeads, hidden: torch.Tensor, root: torch.Tens
     chain: position i holds head i's top-k given the top-1 token of position i-1 (position 1: the root).
     One head call per position, on all batch rows."""
     tokens, logprobs = [], []
-    previous, state = root.to(hidden.device), hidden
+    previous = root.to(hidden.device)
     with torch.no_grad():
         for i in range(heads.num_heads):
-            state = heads.step(i, state if heads.config.recurrent else hidden, previous)
-            ids, values = _top_k(heads, state, top_k)
+            ids, values = _top_k(heads, heads.step(i, hidden, previous), top_k)
             tokens.append(ids)
             logprobs.append(values)
             previous = ids[:, 0]
@@ -112,10 +108,6 @@ def expand_tree(
     arcs = [Arc(0.0, HEADS)] + [Arc(-math.inf, HEADS)] * (len(tree) - 1)
     path_logprob = {0: 0.0}
     paths: dict[int, tuple[int, ...]] = {0: ()}
-    # recurrent heads: the head state each expanded node computed, which its children's head reads
-    # (the root's head reads the base hidden state, like every head of non-recurrent heads)
-    recurrent = heads.config.recurrent
-    head_state: dict[int, torch.Tensor] = {}
     heap: list[tuple[float, int, int, int, Arc]] = []  # (-path logprob, tie-break, parent, token, arc)
     counter = 0
 
@@ -132,19 +124,11 @@ def expand_tree(
         for node in nodes:
             if tree.depths[node] < depth_limit:
                 by_depth.setdefault(tree.depths[node], []).append(node)
-        groups = {}
-        for d, g in by_depth.items():
-            if recurrent and d > 0:
-                inputs = torch.stack([head_state[tree.parents[n]] for n in g])
-            else:
-                inputs = hidden.expand(len(g), -1)
-            groups[d] = (inputs, [tree.tokens[n] for n in g])
-        children = _top_children(heads, groups, top_k) if groups else {}
+        groups = {d: [tree.tokens[n] for n in g] for d, g in by_depth.items()}
+        children = _top_children(heads, hidden, groups, top_k) if groups else {}
         for depth, group in by_depth.items():
-            ids, lps, states = children[depth]
-            for j, (node, node_ids, node_lps) in enumerate(zip(group, ids, lps)):
-                if recurrent:
-                    head_state[node] = states[j]
+            ids, lps = children[depth]
+            for node, node_ids, node_lps in zip(group, ids, lps):
                 for token, logprob in zip(node_ids, node_lps):
                     push(node, token, Arc(logprob, HEADS))
         for node in nodes:

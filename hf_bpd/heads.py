@@ -27,12 +27,6 @@ borrowed from the base model at `bind`.
               one call.
   ""          plain Medusa heads (the hidden state only).
 
-Optional recurrence (`recurrent=True`, with "previous" only): head i reads head i-1's state instead of the
-base hidden state (head 1 still reads the base state), `s_i = s_{i-1} + SiLU(W_i [s_{i-1}; e(token t+i)])`.
-Head i then knows every token drafted before its target, not only the last one (ReDrafter's recurrent
-draft head, with one block per depth). Same weights, same cost; the draft tree keeps each node's state
-for its children.
-
 The residual weights start at zero, so an untrained head is the base LM head applied to the base hidden
 state: it repeats the base model's own next-token guess (the paper's and Medusa's initialisation).
 """
@@ -64,7 +58,6 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         draft_vocab_size: int = 0,
         use_next_token: bool = False,
         token_input: str | None = None,
-        recurrent: bool = False,
         **kwargs,
     ) -> None:
         self.base_model_name = base_model_name
@@ -83,11 +76,6 @@ class BlockDraftHeadsConfig(PretrainedConfig):
             raise ValueError(f"token_input must be one of {TOKEN_INPUTS}, got {token_input!r}")
         self.token_input = token_input
         self.use_next_token = token_input == "next"
-        if recurrent and token_input != "previous":
-            raise ValueError(
-                f"recurrent heads read the token before each target: token_input 'previous', not {token_input!r}"
-            )
-        self.recurrent = bool(recurrent)
         super().__init__(**kwargs)
 
 
@@ -203,12 +191,11 @@ class BlockDraftHeads(PreTrainedModel):
         draft_vocab: torch.Tensor | None = None,
         use_next_token: bool = False,
         token_input: str | None = None,
-        recurrent: bool = False,
     ) -> BlockDraftHeads:
         """Untrained heads that fit `model` (hidden size, vocabulary, LM head fingerprint), bound to it.
         `draft_vocab`: token ids the heads may draft (default: all); `token_input`: which token embedding
         the heads also read, "next", "previous" or "" (module docstring; `use_next_token=True` is
-        `token_input="next"`); `recurrent`: "previous" heads that read the previous head's state."""
+        `token_input="next"`)."""
         lm_head = _output_embeddings(model)
         config = BlockDraftHeadsConfig(
             base_model_name=getattr(model.config, "_name_or_path", "") or "",
@@ -222,7 +209,6 @@ class BlockDraftHeads(PreTrainedModel):
             draft_vocab_size=0 if draft_vocab is None else int(draft_vocab.numel()),
             use_next_token=use_next_token,
             token_input=token_input,
-            recurrent=recurrent,
         )
         heads = cls(config)
         if draft_vocab is not None:
@@ -324,18 +310,13 @@ class BlockDraftHeads(PreTrainedModel):
                     f"these draft heads read the token before each head's target (token_input='previous'): pass "
                     f"tokens of shape {want} (tokens t+1..t+h), got {got}"
                 )
-            states, state = [], hidden_states
-            for i in range(self.num_heads):
-                state = self.step(i, state if self.config.recurrent else hidden_states, tokens[..., i])
-                states.append(state)
-            return torch.stack(states, dim=-2)
+            return torch.stack([self.step(i, hidden_states, tokens[..., i]) for i in range(self.num_heads)], dim=-2)
         extra = self._embed(hidden_states, tokens) if kind else None
         return torch.stack([self._head(i, hidden_states, extra) for i in range(self.num_heads)], dim=-2)
 
     def step(self, i: int, hidden_states: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The state `[..., hidden]` of head `i` (0-based) alone, reading `tokens [...]` (for "previous"
-        heads the token before its target; for "next" heads token t+1; ignored by plain heads) and
-        `hidden_states`: the base hidden state, or for recurrent heads with i > 0 head i-1's state. Drafting
+        heads the token before its target; for "next" heads token t+1; ignored by plain heads). Drafting
         with "previous" heads calls it once per tree depth on all the nodes it expands."""
         extra = self._embed(hidden_states, tokens) if self.config.token_input else None
         return self._head(i, hidden_states, extra)

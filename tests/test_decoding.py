@@ -413,14 +413,12 @@ def test_next_token_heads_read_each_step_root_and_stay_exact(arch):
     assert roots == want
 
 
-@pytest.mark.parametrize("recurrent", [False, True], ids=["previous", "recurrent"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("max_tree_tokens", [1, 5, 12, "auto"])
-def test_previous_heads_grow_trees_and_stay_exact(arch, max_tree_tokens, recurrent):
+def test_previous_heads_grow_trees_and_stay_exact(arch, max_tree_tokens):
     """Heads that read the drafted token expand the tree node by node; the output is still greedy's."""
     model = tiny_model(arch, eos_token_id=None)
-    heads = random_heads(model, num_heads=3, token_input="previous", recurrent=recurrent, std=0.05)
-    drafter = BlockDrafter(heads, 3, max_tree_tokens)
+    drafter = BlockDrafter(random_heads(model, num_heads=3, token_input="previous", std=0.05), 3, max_tree_tokens)
     g = torch.Generator().manual_seed(3)
     for trial in range(3):
         ids = torch.randint(3, 97, (1, int(torch.randint(1, 12, (1,), generator=g))), generator=g)
@@ -432,11 +430,10 @@ def test_previous_heads_grow_trees_and_stay_exact(arch, max_tree_tokens, recurre
             assert max(drafter.stats.tree_sizes) == max_tree_tokens  # expansion fills the budget
 
 
-@pytest.mark.parametrize("recurrent", [False, True], ids=["previous", "recurrent"])
-def test_previous_heads_accept_multi_token_drafts(recurrent):
+def test_previous_heads_accept_multi_token_drafts():
     model = tiny_model("llama", eos_token_id=None)
     # zero residuals: every head repeats the base model's next-token guess, often right on a random model
-    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=4, token_input="previous", recurrent=recurrent)
+    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=4, token_input="previous")
     drafter = BlockDrafter(heads, top_k=3, max_tree_tokens=16)
     ref, out = run_both(model, drafter, torch.tensor([[5, 6, 7]]), max_new_tokens=60)
     assert out.tolist() == ref.tolist()
@@ -473,7 +470,7 @@ def test_previous_heads_with_a_rescorer_stay_exact(max_tree_tokens):
     from hf_bpd.ngram import NgramRescorer
 
     model = tiny_model("llama", eos_token_id=None)
-    heads = random_heads(model, num_heads=3, token_input="previous", recurrent=True, std=0.05)
+    heads = random_heads(model, num_heads=3, token_input="previous", std=0.05)
     calls = []
 
     class Spy(NgramRescorer):

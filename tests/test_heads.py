@@ -81,31 +81,6 @@ def test_next_token_heads_read_token_t_plus_1(model, tmp_path):
         BlockDraftHeads.for_base_model(model, num_layers=0, use_next_token=True)
 
 
-def test_recurrent_heads_read_the_previous_heads_state(model, tmp_path):
-    x = hidden(2, 5)
-    tokens = torch.randint(0, VOCAB, (2, 5, 3), generator=torch.Generator().manual_seed(2))
-    heads = random_heads(model, num_heads=3, token_input="previous", recurrent=True)
-    out = heads(x, tokens)
-    state = x
-    for i in range(3):  # s_i = block_i(s_{i-1}, token t+i), s_0 = the base hidden state
-        state = heads.step(i, state, tokens[..., i])
-        torch.testing.assert_close(heads.project(state), out[..., i, :])
-    changed = tokens.clone()
-    changed[..., 0] = (changed[..., 0] + 1) % VOCAB
-    again = heads(x, changed)
-    for i in range(3):  # every head now sees token t+1, not only head 1
-        assert not torch.allclose(again[..., i, :], out[..., i, :])
-    plain = random_heads(model, num_heads=3, token_input="previous")  # same weights, not recurrent
-    assert torch.equal(plain(x, tokens)[..., 0, :], out[..., 0, :])
-    assert not torch.allclose(plain(x, tokens)[..., 1, :], out[..., 1, :])
-    heads.save_pretrained(tmp_path)
-    loaded = BlockDraftHeads.from_pretrained(tmp_path).bind(model)
-    assert loaded.config.recurrent and torch.equal(loaded(x, tokens), out)
-    for kind in ("next", ""):
-        with pytest.raises(ValueError, match="recurrent"):
-            BlockDraftHeads.for_base_model(model, token_input=kind, recurrent=True)
-
-
 def test_previous_heads_read_the_token_before_each_target(model, tmp_path):
     x = hidden(2, 5)
     tokens = torch.randint(0, VOCAB, (2, 5, 3), generator=torch.Generator().manual_seed(2))  # tokens t+1..t+3

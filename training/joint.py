@@ -44,9 +44,7 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
 
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     torch.manual_seed(args.seed)
-    heads = BlockDraftHeads.for_base_model(
-        model, args.num_heads, args.num_layers, token_input=token_input(args), recurrent=args.recurrent
-    )
+    heads = BlockDraftHeads.for_base_model(model, args.num_heads, args.num_layers, token_input=token_input(args))
     heads.float()
     lora = LoraConfig(
         r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"

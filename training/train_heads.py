@@ -339,12 +339,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         train_samples = set(train.sample.unique().tolist())
         draft_vocab = draft_vocabulary([data[i] for i in sorted(train_samples)], args.draft_vocab_size, vocab, always)
     heads = BlockDraftHeads.for_base_model(
-        model,
-        args.num_heads,
-        args.num_layers,
-        draft_vocab=draft_vocab,
-        token_input=token_input(args),
-        recurrent=args.recurrent,
+        model, args.num_heads, args.num_layers, draft_vocab=draft_vocab, token_input=token_input(args)
     )
     heads.float()
     vocab_index = None
@@ -430,12 +425,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default="previous",
         help="the token embedding each head also reads: 'previous' the token before its target (drafted "
         "node by node), 'next' token t+1 (the base model's own choice), 'none' plain Medusa heads",
-    )
-    parser.add_argument(
-        "--recurrent",
-        action="store_true",
-        help="with --token-input previous: head i reads head i-1's state, so it sees every drafted token before "
-        "its target (ReDrafter-style)",
     )
     parser.add_argument("--features-cache", default=None, help="frozen mode: cache folder (default: OUTPUT/features)")
     parser.add_argument("--loss-decay", type=float, default=0.8, help="head i loss weight = decay**(i-1)")
