@@ -39,6 +39,17 @@ hf-bpd distill --output "$RUNS/distill2" --limit 3712 --max-new-tokens 128 --max
   --batch-size 64 --shard-size 64
 hf-bpd train-heads --data "$RUNS/distill2" --output "$RUNS/heads3" --num-heads 5 --num-layers 1 \
   --draft-vocab-size 8192 --loss-decay 0.8 --epochs 4 --lr 2e-3 --batch-size 256 --top-k 5 --token-input previous
+# 6c. heads v4 (session 6, measured, NOT shipped; BENCHMARKS.md): the seeded distillation continued to 4,160
+#     prompts, 704 templated open-ended instructions distilled beside them (their seeded order's first 704,
+#     closed like step 1), and the base model's own distribution as a half-weight soft target
+hf-bpd distill --output "$RUNS/distill2" --limit 4160 --max-new-tokens 128 --max-prompt-tokens 256 \
+  --batch-size 64 --shard-size 64
+python -m training.instructions --output training/data/instructions.jsonl --num 2000 --seed 0
+hf-bpd distill --prompts training/data/instructions.jsonl --output "$RUNS/distill_instr" --limit 704 \
+  --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 32 --shard-size 64
+hf-bpd train-heads --data "$RUNS/distill2" "$RUNS/distill_instr" --output "$RUNS/heads4" \
+  --features-cache "$RUNS/heads2/features" --num-heads 5 --num-layers 1 --draft-vocab-size 8192 --loss-decay 0.8 \
+  --epochs 4 --lr 2e-3 --batch-size 256 --top-k 5 --token-input previous --teacher-weight 0.5
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
