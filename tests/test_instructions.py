@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import SPEC_BENCH
 
+from hf_bpd.jsonl import read_jsonl
 from training.instructions import TEMPLATES, generate_instructions, main
-
-SPEC_BENCH = Path(__file__).resolve().parents[1] / "../shared/data/spec_bench_dev.jsonl"
 
 
 def test_same_seed_same_prompts_and_all_distinct():
@@ -40,9 +39,9 @@ def test_shipped_file_is_what_the_command_writes(tmp_path):
     assert out.read_text() == shipped.read_text()
 
 
-@pytest.mark.skipif(not SPEC_BENCH.is_file(), reason="needs ../shared/data")
+@pytest.mark.skipif(not SPEC_BENCH.is_file(), reason=f"{SPEC_BENCH} not present (CI and dev machines have ../shared)")
 def test_no_prompt_is_benchmark_text():
-    bench = [t for line in SPEC_BENCH.open() for t in json.loads(line)["turns"]]
+    bench = [t for row in read_jsonl(SPEC_BENCH) for t in row["turns"]]
     ours = [r["prompt"] for r in generate_instructions(2000, seed=0)]
     assert not set(ours) & set(bench)
     # not even as a part of a benchmark turn (long prompts only: short phrases may coincide)
