@@ -27,7 +27,7 @@ from training import train_heads
 
 def variant_args(variant: str) -> list[str]:
     """`train-heads` options of a variant: a bare token input means `--token-input` it."""
-    return ["--token-input", variant] if variant in ("previous", "next", "none") else shlex.split(variant)
+    return ["--token-input", variant] if variant in train_heads.TOKEN_INPUT_CHOICES else shlex.split(variant)
 
 
 def main(argv: list[str] | None = None) -> int:

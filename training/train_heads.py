@@ -38,6 +38,7 @@ from hf_bpd.heads import BlockDraftHeads
 from hf_bpd.vocab import model_vocab_size
 
 IGNORE = -100
+TOKEN_INPUT_CHOICES = ("previous", "next", "none")  # --token-input; "none" is token_input ""
 
 
 @dataclass
@@ -421,7 +422,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab-size", type=int, default=0, help="0: full vocabulary")
     parser.add_argument(
         "--token-input",
-        choices=["previous", "next", "none"],
+        choices=TOKEN_INPUT_CHOICES,
         default="previous",
         help="the token embedding each head also reads: 'previous' the token before its target (drafted "
         "node by node), 'next' token t+1 (the base model's own choice), 'none' plain Medusa heads",
