@@ -150,6 +150,87 @@ def test_frozen_training_loss_falls_and_reloads_bit_identical(tmp_path):
     assert out.tolist() == ref.tolist()
 
 
+class Interrupted(Exception):
+    pass
+
+
+def interrupt_after(monkeypatch, module, calls: int) -> None:
+    """Make `module.heads_loss` raise on its call number `calls` + 1, as a Ctrl-C in mid-epoch would."""
+    real, seen = module.heads_loss, []
+
+    def loss(*a, **kw):
+        seen.append(1)
+        if len(seen) > calls:
+            raise Interrupted
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, "heads_loss", loss)
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def without_seconds(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in history]
+
+
+def test_frozen_training_interrupted_resumes_to_the_same_weights(tmp_path, monkeypatch):
+    from training.checkpoint import checkpoint_path
+
+    model = tiny_model("llama", eos_token_id=None)
+    data = tiny_distilled(model)
+    settings = dict(num_heads=2, epochs=3, lr=3e-2, batch_size=64, val_fraction=0.2, teacher_weight=0.5)
+    straight, straight_log = train_heads.train_frozen(model, data, args_for(tmp_path / "straight", **settings))
+    steps_per_epoch = 10  # 24 samples x 26 positions, 80 % of them in batches of 64
+    out = tmp_path / "resumed"
+    with monkeypatch.context() as m:
+        interrupt_after(m, train_heads, steps_per_epoch + 4)  # in the middle of epoch 1
+        with pytest.raises(Interrupted):
+            train_heads.train_frozen(model, data, args_for(out, **settings))
+    assert torch.load(checkpoint_path(out))["epochs_done"] == 1
+    resumed, resumed_log = train_heads.train_frozen(model, data, args_for(out, **settings))
+    assert same_weights(resumed, straight)  # bit for bit: same shuffle order, optimizer and schedule
+    assert without_seconds(resumed_log) == without_seconds(straight_log)
+    # a finished run re-run trains nothing more and returns the same heads
+    again, _ = train_heads.train_frozen(model, data, args_for(out, **settings))
+    assert same_weights(again, straight)
+    # another setting, or other data, is refused by name rather than mixed into this run
+    with pytest.raises(ValueError, match="lr differ"):
+        train_heads.train_frozen(model, data, args_for(out, **{**settings, "lr": 1e-2}))
+    with pytest.raises(ValueError, match="data differ"):
+        train_heads.train_frozen(model, tiny_distilled(model, seed=1), args_for(out, **settings))
+    checkpoint_path(out).write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable train-heads checkpoint"):
+        train_heads.train_frozen(model, data, args_for(out, **settings))
+
+
+def test_joint_training_interrupted_resumes_to_the_same_heads_and_adapter(tmp_path, monkeypatch):
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from training import joint
+
+    data = tiny_distilled(tiny_model("llama", eos_token_id=None), n=8)
+
+    def run(out, interrupt: int = 0):
+        args = args_for(out, mode="joint", num_heads=2, epochs=2, lr=1e-3, batch_size=4, lora_r=4)
+        with monkeypatch.context() as m:
+            if interrupt:
+                interrupt_after(m, joint, interrupt)
+            heads, history = joint.train_joint(tiny_model("llama", eos_token_id=None), data, args)
+        return heads, history, load_file(out / "lora" / "adapter_model.safetensors")
+
+    heads, history, adapter = run(tmp_path / "straight")
+    with pytest.raises(Interrupted):
+        run(tmp_path / "resumed", interrupt=3)  # 2 batches an epoch: in epoch 1
+    heads2, history2, adapter2 = run(tmp_path / "resumed")
+    assert same_weights(heads2, heads)
+    assert adapter.keys() == adapter2.keys() and all(torch.equal(adapter[k], adapter2[k]) for k in adapter)
+    assert without_seconds(history2) == without_seconds(history)
+
+
 def test_joint_lora_checkpoint_reloads_and_drafts(tmp_path):
     pytest.importorskip("peft")
     from training.joint import train_joint

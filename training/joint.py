@@ -13,16 +13,37 @@ import time
 import torch
 
 from hf_bpd.heads import BlockDraftHeads
+from training.checkpoint import run_fingerprint
 from training.train_heads import (
     IGNORE,
     check_replicas_agree,
+    checkpoint,
     head_targets,
     heads_loss,
     loss_weights,
     response_positions,
+    resume,
     right_padded,
+    rows_digest,
     token_input,
 )
+
+
+class LoraWeights:
+    """The adapter's weights as a checkpoint entry: the base model itself is frozen and hundreds of MB."""
+
+    def __init__(self, peft_model) -> None:
+        self.peft_model = peft_model
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.peft_model)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(self.peft_model, state)
 
 
 def collate(rows, num_heads: int) -> dict[str, torch.Tensor]:
@@ -53,17 +74,21 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     weights = loss_weights(args.num_heads, args.loss_decay)
     params = [p for p in peft_model.parameters() if p.requires_grad] + list(heads.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr)
+    shuffle = torch.Generator().manual_seed(args.seed)
     loader = torch.utils.data.DataLoader(
         list(data),
         batch_size=args.batch_size,
         shuffle=True,
         collate_fn=lambda rows: collate(rows, args.num_heads),
-        generator=torch.Generator().manual_seed(args.seed),
+        generator=shuffle,
     )
+    fingerprint = run_fingerprint(args, rows_digest(data))
+    trained = {"heads": heads, "lora": LoraWeights(peft_model)}
+    history, first_epoch = resume(args.output, fingerprint, trained, optimizer, None, shuffle)
     peft_model, heads, optimizer, loader = accelerator.prepare(peft_model, heads, optimizer, loader)
     bare_heads = accelerator.unwrap_model(heads)
-    history = []
-    for epoch in range(args.epochs):
+    trained = {"heads": bare_heads, "lora": LoraWeights(accelerator.unwrap_model(peft_model))}
+    for epoch in range(first_epoch, args.epochs):
         peft_model.train()
         t0, running, steps = time.time(), 0.0, 0
         for batch in loader:
@@ -95,6 +120,7 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         history.append(record)
         if accelerator.is_main_process:
             print(json.dumps(record), flush=True)
+            checkpoint(args.output, fingerprint, history, trained, optimizer, None, shuffle)
     unwrapped = accelerator.unwrap_model(peft_model)
     if accelerator.is_main_process:
         unwrapped.save_pretrained(f"{args.output}/lora")

@@ -36,6 +36,7 @@ import torch
 
 from hf_bpd.heads import BlockDraftHeads
 from hf_bpd.vocab import model_vocab_size
+from training.checkpoint import EpochCheckpoint, checkpoint_path, load_checkpoint, run_fingerprint, save_checkpoint
 
 IGNORE = -100
 TOKEN_INPUT_CHOICES = ("previous", "next", "none")  # --token-input; "none" is token_input ""
@@ -355,19 +356,19 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     teacher = teacher_rows(feats, args.num_heads)
     train_teacher = teacher[train_index]
     dataset = torch.utils.data.TensorDataset(train.hidden, train.targets, train.next_token, train_teacher)
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(args.seed)
-    )
+    shuffle = torch.Generator().manual_seed(args.seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, generator=shuffle)
     total_steps = max(1, args.epochs * len(loader))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s / total_steps, 1.0)))
     )
+    fingerprint = run_fingerprint(args, rows_digest(data))
+    history, first_epoch = resume(args.output, fingerprint, {"heads": heads}, optimizer, scheduler, shuffle)
     heads, optimizer, loader, scheduler = accelerator.prepare(heads, optimizer, loader, scheduler)
     bare = accelerator.unwrap_model(heads)
     if vocab_index is not None:
         vocab_index = vocab_index.to(accelerator.device)
-    history = []
-    for epoch in range(args.epochs):
+    for epoch in range(first_epoch, args.epochs):
         heads.train()
         t0, running, steps = time.time(), 0.0, 0
         for hidden, targets, next_tokens, rows in loader:
@@ -407,7 +408,40 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         history.append(record)
         if accelerator.is_main_process:
             print(json.dumps(record), flush=True)
+            checkpoint(args.output, fingerprint, history, {"heads": bare}, optimizer, scheduler, shuffle)
     return bare, history
+
+
+def resume(output, fingerprint: dict, modules: dict, optimizer, scheduler, shuffle) -> tuple[list[dict], int]:
+    """Load `output`'s checkpoint into the (not yet `accelerator.prepare`d) training state, if there is one.
+    Returns the finished epochs' records and the first epoch to train."""
+    ckpt = load_checkpoint(output, fingerprint)
+    if ckpt is None:
+        return [], 0
+    for name, module in modules.items():
+        module.load_state_dict(ckpt.modules[name])
+    optimizer.load_state_dict(ckpt.optimizer)
+    if scheduler is not None:
+        scheduler.load_state_dict(ckpt.scheduler)
+    shuffle.set_state(ckpt.shuffle)
+    print(f"resuming from {checkpoint_path(output)}: {ckpt.epochs_done} epoch(s) done", flush=True)
+    return list(ckpt.history), ckpt.epochs_done
+
+
+def checkpoint(output, fingerprint: dict, history: list[dict], modules: dict, optimizer, scheduler, shuffle) -> None:
+    """Write the state after `len(history)` epochs (main process only)."""
+    save_checkpoint(
+        output,
+        EpochCheckpoint(
+            epochs_done=len(history),
+            history=history,
+            modules={name: {k: v.detach().cpu() for k, v in m.state_dict().items()} for name, m in modules.items()},
+            optimizer=optimizer.state_dict(),
+            scheduler=None if scheduler is None else scheduler.state_dict(),
+            shuffle=shuffle.get_state(),
+            fingerprint=fingerprint,
+        ),
+    )
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
