@@ -13,8 +13,8 @@ import hf_bpd
 from hf_bpd import packaged
 
 
-def assert_identical_on_prompts(model, tokenizer, prompts, max_new_tokens, rescorer=None):
-    drafter = hf_bpd.load_packaged_drafter(rescorer=rescorer)
+def assert_identical_on_prompts(model, tokenizer, prompts, max_new_tokens, rescorer=None, **drafter_settings):
+    drafter = hf_bpd.load_packaged_drafter(rescorer=rescorer, **drafter_settings)
     taus = []
     for prompt in prompts:
         inputs = tokenizer.apply_chat_template(
@@ -49,8 +49,12 @@ def test_packaged_model_loads_and_knows_its_vocabulary(smollm2):
 @pytest.mark.real
 def test_smollm2_identical_on_spec_bench_subset(smollm2):
     model, tokenizer = smollm2
-    taus = assert_identical_on_prompts(model, tokenizer, spec_bench_prompts(4), max_new_tokens=64)
-    assert all(t >= 1.0 for t in taus) and max(taus) > 1.0  # the shipped heads get drafts accepted
+    prompts = spec_bench_prompts(4)
+    assert_identical_on_prompts(model, tokenizer, prompts, max_new_tokens=64)  # the shipped settings
+    # The shipped "auto" trees are sized by timed forwards: on a loaded CPU they may all be single tokens,
+    # and then nothing is drafted. A fixed tree makes acceptance independent of timing.
+    taus = assert_identical_on_prompts(model, tokenizer, prompts, max_new_tokens=64, max_tree_tokens=16)
+    assert min(taus) >= 1.0 and sum(taus) / len(taus) > 1.2, taus  # the shipped heads get drafts accepted
 
 
 @pytest.mark.real
