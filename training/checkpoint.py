@@ -70,3 +70,35 @@ def load_checkpoint(output: str | Path, fingerprint: dict) -> EpochCheckpoint | 
             "use the same arguments to resume, or another --output"
         )
     return ckpt
+
+
+def resume(output, fingerprint: dict, modules: dict, optimizer, scheduler, shuffle) -> tuple[list[dict], int]:
+    """Load `output`'s checkpoint into the (not yet `accelerator.prepare`d) training state, if there is one.
+    Returns the finished epochs' records and the first epoch to train."""
+    ckpt = load_checkpoint(output, fingerprint)
+    if ckpt is None:
+        return [], 0
+    for name, module in modules.items():
+        module.load_state_dict(ckpt.modules[name])
+    optimizer.load_state_dict(ckpt.optimizer)
+    if scheduler is not None:
+        scheduler.load_state_dict(ckpt.scheduler)
+    shuffle.set_state(ckpt.shuffle)
+    print(f"resuming from {checkpoint_path(output)}: {ckpt.epochs_done} epoch(s) done", flush=True)
+    return list(ckpt.history), ckpt.epochs_done
+
+
+def save_epoch(output, fingerprint: dict, history: list[dict], modules: dict, optimizer, scheduler, shuffle) -> None:
+    """Write the state after `len(history)` epochs (main process only)."""
+    save_checkpoint(
+        output,
+        EpochCheckpoint(
+            epochs_done=len(history),
+            history=history,
+            modules={name: {k: v.detach().cpu() for k, v in m.state_dict().items()} for name, m in modules.items()},
+            optimizer=optimizer.state_dict(),
+            scheduler=None if scheduler is None else scheduler.state_dict(),
+            shuffle=shuffle.get_state(),
+            fingerprint=fingerprint,
+        ),
+    )

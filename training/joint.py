@@ -13,16 +13,14 @@ import time
 import torch
 
 from hf_bpd.heads import BlockDraftHeads
-from training.checkpoint import run_fingerprint
+from training.checkpoint import resume, run_fingerprint, save_epoch
 from training.train_heads import (
     IGNORE,
     check_replicas_agree,
-    checkpoint,
     head_targets,
     heads_loss,
     loss_weights,
     response_positions,
-    resume,
     right_padded,
     rows_digest,
     token_input,
@@ -120,7 +118,7 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         history.append(record)
         if accelerator.is_main_process:
             print(json.dumps(record), flush=True)
-            checkpoint(args.output, fingerprint, history, trained, optimizer, None, shuffle)
+            save_epoch(args.output, fingerprint, history, trained, optimizer, None, shuffle)
     unwrapped = accelerator.unwrap_model(peft_model)
     if accelerator.is_main_process:
         unwrapped.save_pretrained(f"{args.output}/lora")

@@ -36,7 +36,7 @@ import torch
 
 from hf_bpd.heads import BlockDraftHeads
 from hf_bpd.vocab import model_vocab_size
-from training.checkpoint import EpochCheckpoint, checkpoint_path, load_checkpoint, run_fingerprint, save_checkpoint
+from training.checkpoint import resume, run_fingerprint, save_epoch
 
 IGNORE = -100
 TOKEN_INPUT_CHOICES = ("previous", "next", "none")  # --token-input; "none" is token_input ""
@@ -408,40 +408,8 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         history.append(record)
         if accelerator.is_main_process:
             print(json.dumps(record), flush=True)
-            checkpoint(args.output, fingerprint, history, {"heads": bare}, optimizer, scheduler, shuffle)
+            save_epoch(args.output, fingerprint, history, {"heads": bare}, optimizer, scheduler, shuffle)
     return bare, history
-
-
-def resume(output, fingerprint: dict, modules: dict, optimizer, scheduler, shuffle) -> tuple[list[dict], int]:
-    """Load `output`'s checkpoint into the (not yet `accelerator.prepare`d) training state, if there is one.
-    Returns the finished epochs' records and the first epoch to train."""
-    ckpt = load_checkpoint(output, fingerprint)
-    if ckpt is None:
-        return [], 0
-    for name, module in modules.items():
-        module.load_state_dict(ckpt.modules[name])
-    optimizer.load_state_dict(ckpt.optimizer)
-    if scheduler is not None:
-        scheduler.load_state_dict(ckpt.scheduler)
-    shuffle.set_state(ckpt.shuffle)
-    print(f"resuming from {checkpoint_path(output)}: {ckpt.epochs_done} epoch(s) done", flush=True)
-    return list(ckpt.history), ckpt.epochs_done
-
-
-def checkpoint(output, fingerprint: dict, history: list[dict], modules: dict, optimizer, scheduler, shuffle) -> None:
-    """Write the state after `len(history)` epochs (main process only)."""
-    save_checkpoint(
-        output,
-        EpochCheckpoint(
-            epochs_done=len(history),
-            history=history,
-            modules={name: {k: v.detach().cpu() for k, v in m.state_dict().items()} for name, m in modules.items()},
-            optimizer=optimizer.state_dict(),
-            scheduler=None if scheduler is None else scheduler.state_dict(),
-            shuffle=shuffle.get_state(),
-            fingerprint=fingerprint,
-        ),
-    )
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
