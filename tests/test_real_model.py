@@ -13,20 +13,27 @@ import hf_bpd
 from hf_bpd import packaged
 
 
-def assert_identical_on_prompts(model, tokenizer, prompts, max_new_tokens, rescorer=None, **drafter_settings):
-    drafter = hf_bpd.load_packaged_drafter(rescorer=rescorer, **drafter_settings)
-    taus = []
+def assert_identical_on_prompts(model, tokenizer, prompts, max_new_tokens, *drafters) -> list[list[float]]:
+    """Every drafter's output (default: the packaged drafter) equals greedy's on every prompt; greedy runs
+    once per prompt. Returns each drafter's τ per prompt."""
+    drafters = drafters or (hf_bpd.load_packaged_drafter(),)
+    taus: list[list[float]] = [[] for _ in drafters]
     for prompt in prompts:
         inputs = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
         ref = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
-        out = model.generate(
-            **inputs, do_sample=False, max_new_tokens=max_new_tokens, custom_generate=hf_bpd.generate, assistant=drafter
-        )
-        assert out.tolist() == ref.tolist(), prompt[:80]
-        assert drafter.stats.new_tokens == ref.shape[1] - inputs["input_ids"].shape[1]
-        taus.append(drafter.stats.block_efficiency)
+        for drafter, drafter_taus in zip(drafters, taus):
+            out = model.generate(
+                **inputs,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                custom_generate=hf_bpd.generate,
+                assistant=drafter,
+            )
+            assert out.tolist() == ref.tolist(), prompt[:80]
+            assert drafter.stats.new_tokens == ref.shape[1] - inputs["input_ids"].shape[1]
+            drafter_taus.append(drafter.stats.block_efficiency)
     return taus
 
 
@@ -49,11 +56,11 @@ def test_packaged_model_loads_and_knows_its_vocabulary(smollm2):
 @pytest.mark.real
 def test_smollm2_identical_on_spec_bench_subset(smollm2):
     model, tokenizer = smollm2
-    prompts = spec_bench_prompts(4)
-    assert_identical_on_prompts(model, tokenizer, prompts, max_new_tokens=64)  # the shipped settings
+    shipped = hf_bpd.load_packaged_drafter()
     # The shipped "auto" trees are sized by timed forwards: on a loaded CPU they may all be single tokens,
     # and then nothing is drafted. A fixed tree makes acceptance independent of timing.
-    taus = assert_identical_on_prompts(model, tokenizer, prompts, max_new_tokens=64, max_tree_tokens=16)
+    fixed_tree = hf_bpd.load_packaged_drafter(max_tree_tokens=16)
+    _, taus = assert_identical_on_prompts(model, tokenizer, spec_bench_prompts(4), 64, shipped, fixed_tree)
     assert min(taus) >= 1.0 and sum(taus) / len(taus) > 1.2, taus  # the shipped heads get drafts accepted
 
 
@@ -107,7 +114,8 @@ def test_packaged_drafter_rejects_unknown_rescorer_names():
 @pytest.mark.parametrize("name", ["ngram", "ngram_p16", "context", "best"])
 def test_smollm2_identical_with_each_shipped_rescorer(smollm2, name):
     model, tokenizer = smollm2
-    assert_identical_on_prompts(model, tokenizer, spec_bench_prompts(2), max_new_tokens=48, rescorer=name)
+    drafter = hf_bpd.load_packaged_drafter(rescorer=name)
+    assert_identical_on_prompts(model, tokenizer, spec_bench_prompts(2), 48, drafter)
 
 
 @pytest.mark.real
@@ -115,7 +123,8 @@ def test_smollm2_identical_with_each_shipped_rescorer(smollm2, name):
 @pytest.mark.parametrize("name", sorted(packaged.packaged_rescorers()))
 def test_smollm2_identical_on_20_prompts_with_each_shipped_rescorer(smollm2, name):
     model, tokenizer = smollm2
-    assert_identical_on_prompts(model, tokenizer, spec_bench_prompts(20), max_new_tokens=64, rescorer=name)
+    drafter = hf_bpd.load_packaged_drafter(rescorer=name)
+    assert_identical_on_prompts(model, tokenizer, spec_bench_prompts(20), 64, drafter)
 
 
 def test_every_shipped_rescorer_builds_and_names_are_checked():

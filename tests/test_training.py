@@ -151,7 +151,7 @@ def test_frozen_training_loss_falls_and_reloads_bit_identical(tmp_path):
 
 
 class Interrupted(Exception):
-    pass
+    """Stands for a Ctrl-C in the middle of an epoch."""
 
 
 def interrupt_after(monkeypatch, module, calls: int) -> None:
