@@ -301,7 +301,16 @@ def merge_journals(paths: list[str | Path]) -> tuple[list[str], list[dict]]:
 
 def _setting_changes(old: dict, new: dict, keys) -> str:
     """The settings among `keys` on which two journal headers differ, as "key: old vs new" ('' if none)."""
+    old, new = _with_defaults(old), _with_defaults(new)
     return ", ".join(f"{k}: {old.get(k)!r} vs {new.get(k)!r}" for k in keys if old.get(k) != new.get(k))
+
+
+def _with_defaults(header: dict) -> dict:
+    """Settings added after a journal was written, at the value such runs had: packed_linear "off"."""
+    drafter = header.get("drafter")
+    if isinstance(drafter, dict) and "packed_linear" not in drafter:
+        header = {**header, "drafter": {**drafter, "packed_linear": "off"}}
+    return header
 
 
 def _load_journal(path: Path) -> tuple[dict | None, list[dict]]:
@@ -448,6 +457,10 @@ def environment(device: str, dtype: str) -> dict:
     }
 
 
+def _tree_size(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-bpd bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("data", nargs="?", default=DEFAULT_DATA, help="Spec-Bench-format jsonl")
@@ -455,7 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default="packaged", help="heads folder, 'packaged', or 'untrained'")
     parser.add_argument("--num-heads", type=int, default=4, help="with --heads untrained")
     parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--max-tree-tokens", type=int, default=None)
+    parser.add_argument(
+        "--max-tree-tokens", type=_tree_size, default=None, help="an integer, or 'auto' (sized by the forward cost)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="rows in all")
     parser.add_argument("--per-category", type=int, default=None, help="rows per category")
@@ -470,6 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--packed-linear",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="hf_bpd's verification with oneDNN pre-packed linear weights (BlockDrafter's packed_linear)",
+    )
     parser.add_argument(
         "--output",
         default=None,
@@ -510,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter.profile = True
     else:
         drafter = BlockDrafter.from_pretrained(args.heads, profile=True, **kwargs)
+    drafter.packed_linear = {"auto": None, "on": True, "off": False}[args.packed_linear]
     if args.resume and not args.output:
         raise SystemExit("--resume continues the journal of --output: give --output")
     journal = Path(args.output).with_suffix(".journal.jsonl") if args.output else None
@@ -531,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             "top_k": drafter.top_k,
             "max_tree_tokens": drafter.max_tree_tokens,
             "calibrate": drafter.calibration is not None,
+            "packed_linear": args.packed_linear,
             "heads_sha1": _digest(drafter.heads.state_dict()),
         },
         "rescorer_specs": _rescorer_specs(args.methods),
@@ -540,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         if old and "forward_cost" in old:  # a resumed run keeps its curve
             drafter.forward_cost = ForwardCost(*map(tuple, old["forward_cost"]))
         else:
-            drafter.forward_cost = measure_forward_cost(model)
+            drafter.forward_cost = measure_forward_cost(model, packed_linear=drafter.packed_linear)
         header["forward_cost"] = [list(drafter.forward_cost.sizes), list(drafter.forward_cost.seconds)]
 
     def with_rescorer(name: str) -> Method:

@@ -1,8 +1,9 @@
 """Tree size from the hardware.
 
 The base model's verification cost depends on the number of tree tokens N, and how depends on the device:
-on the dev CPU (MKL on AMD) one token costs 66 ms but two cost 127 ms (GEMV vs small-M GEMM), then the
-curve is nearly flat up to 16; on a GPU it is flat far longer. `ForwardCost` holds that curve (measured by
+on the dev CPU (MKL on AMD) one token costs 66 ms but two cost 100-127 ms (GEMV vs small-M GEMM), then the
+curve is nearly flat up to 16; with oneDNN pre-packed weights (`packed_linear`) two to eight tokens cost
+70-95 ms; on a GPU the curve is flat far longer. `ForwardCost` holds that curve (measured by
 `measure_forward_cost`), and `best_tree_size` picks, per step, the N that maximises expected accepted
 tokens per second: (1 + sum of the first N-1 nodes' probabilities) / cost(N).
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .packed_linear import linear_context
 from .vocab import model_vocab_size
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -48,8 +50,11 @@ class ForwardCost:
 
 
 @torch.no_grad()
-def measure_forward_cost(model, sizes=DEFAULT_SIZES, context: int = 256, repeats: int = 3) -> ForwardCost:
-    """Median time of a forward of N tokens on a `context`-token cache, with the tree-style 4D mask."""
+def measure_forward_cost(
+    model, sizes=DEFAULT_SIZES, context: int = 256, repeats: int = 3, packed_linear: bool | None = None
+) -> ForwardCost:
+    """Median time of a forward of N tokens on a `context`-token cache, with the tree-style 4D mask, run
+    the way verification runs it (`packed_linear`: as the drafter's setting)."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -67,14 +72,15 @@ def measure_forward_cost(model, sizes=DEFAULT_SIZES, context: int = 256, repeats
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=cache,
-                use_cache=True,
-                output_hidden_states=True,
-            )
+            with linear_context(model, packed_linear):
+                model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                    output_hidden_states=True,
+                )
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             runs.append(time.perf_counter() - t0)

@@ -127,6 +127,16 @@ def test_resume_identifies_heads_by_content_not_by_name(tmp_path):
         bench.read_journal(journal, {**header, "drafter": {"heads_sha1": "bb"}})
 
 
+def test_journals_from_before_packed_linear_resume_as_packed_linear_off(tmp_path):
+    header = {"methods": ["hf_bpd"], "max_new_tokens": 8, "drafter": {"heads_sha1": "aa"}}  # no packed_linear
+    journal = tmp_path / "run.journal.jsonl"
+    journal.write_text(json.dumps({"header": header}) + "\n")
+    off = {**header, "drafter": {"heads_sha1": "aa", "packed_linear": "off"}}
+    assert bench.read_journal(journal, off) == {}
+    with pytest.raises(ValueError, match="'packed_linear': 'off'} vs .*'packed_linear': 'on'"):
+        bench.read_journal(journal, {**header, "drafter": {"heads_sha1": "aa", "packed_linear": "on"}})
+
+
 def _journal(path, selection, records, top_k=4):
     header = {"methods": ["greedy", "hf_bpd"], "max_new_tokens": 8, "selection": selection, "drafter": {"top_k": top_k}}
     path.write_text("".join(json.dumps(x) + "\n" for x in [{"header": header}, *records]))

@@ -302,6 +302,23 @@ def test_distill_interrupted_and_restarted_finishes_without_duplicates(tmp_path,
     assert json.dumps(sorted(by_id)) == json.dumps(sorted(data["id"]))
 
 
+def test_distill_offset_continues_a_closed_run_without_overlap(tmp_path):
+    """`--offset N` after a run closed with `--limit N`: the same seeded order, the prompts after N."""
+    rows = [{"id": f"p{i}", "prompt": f"prompt {i}"} for i in range(10)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    whole = distill.load_prompts(str(path), "prompt", "id", None, seed=0)
+    first = distill.load_prompts(str(path), "prompt", "id", 4, seed=0)
+    rest = distill.load_prompts(str(path), "prompt", "id", None, seed=0, offset=4)
+    assert first + rest == whole and first == whole[:4]
+    assert distill.load_prompts(str(path), "prompt", "id", 3, seed=0, offset=4) == whole[4:7]
+    assert distill.load_prompts(str(path), "prompt", "id", None, seed=0, offset=10) == []
+    with pytest.raises(ValueError, match="offset 11 is past the 10 prompts"):
+        distill.load_prompts(str(path), "prompt", "id", None, seed=0, offset=11)
+    with pytest.raises(ValueError, match="offset and limit must be >= 0"):
+        distill.load_prompts(str(path), "prompt", "id", None, seed=0, offset=-1)
+
+
 class FakeAccelerator:
     """Two processes whose replicas hold `checksums`."""
 

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model()
     drafter = load_packaged_drafter()
     drafter.profile = True
-    drafter.forward_cost = measure_forward_cost(model)
+    drafter.forward_cost = measure_forward_cost(model, packed_linear=drafter.packed_linear)
     variants = {
         f"{args.rescorer} uncalibrated": drafter.with_rescorer(packaged_rescorer(args.rescorer, tokenizer)),
         f"{args.rescorer} calibrated": drafter.with_rescorer(packaged_rescorer(args.rescorer, tokenizer)),

@@ -25,10 +25,14 @@ DEFAULT_PROMPTS = "../shared/data/train_prompts.jsonl"
 
 
 def load_prompts(
-    source: str, column: str, id_column: str | None, limit: int | None, seed: int | None = 0
+    source: str, column: str, id_column: str | None, limit: int | None, seed: int | None = 0, offset: int = 0
 ) -> list[tuple[str, str]]:
     """(id, prompt) pairs from a jsonl file, a `save_to_disk` folder or a Hub dataset name, shuffled with
-    `seed` (None keeps file order) before `limit`: prompt files are often grouped by task."""
+    `seed` (None keeps file order) before `offset` and `limit`: prompt files are often grouped by task.
+    `offset` skips the first prompts of that order (another run closed with `--limit offset` has them),
+    so a prompt set can be distilled in disjoint runs without changing the earlier ones."""
+    if offset < 0 or (limit is not None and limit < 0):
+        raise ValueError(f"offset and limit must be >= 0, got offset={offset}, limit={limit}")
     if source.endswith((".jsonl", ".json")) and Path(source).is_file():
         rows = read_jsonl(source)
     elif Path(source).is_dir():
@@ -46,6 +50,9 @@ def load_prompts(
         import random
 
         random.Random(seed).shuffle(out)
+    if offset > len(out):
+        raise ValueError(f"offset {offset} is past the {len(out)} prompts of {source}")
+    out = out[offset:]
     return out[:limit] if limit else out
 
 
@@ -182,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True)
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed applied before --limit; -1 keeps file order")
+    parser.add_argument(
+        "--offset", type=int, default=0, help="skip the first N prompts of the seeded order (another run's --limit N)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -195,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     prompts = load_prompts(
-        args.prompts, args.prompt_column, args.id_column, args.limit, None if args.seed < 0 else args.seed
+        args.prompts, args.prompt_column, args.id_column, args.limit, None if args.seed < 0 else args.seed, args.offset
     )
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
@@ -205,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": args.prompts,
         "num_prompts": len(prompts),
         "seed": args.seed,
+        "offset": args.offset,
         "max_new_tokens": args.max_new_tokens,
         "max_prompt_tokens": args.max_prompt_tokens,
         "decoding": "greedy, chat template with generation prompt",
@@ -214,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if previous.is_file():  # resuming: the recipe must be the same, or the data would mix two recipes
         old = json.loads(previous.read_text())
         # --limit may change: the seeded order is fixed, so a run of N prompts is a prefix of a run of M > N.
+        old.setdefault("offset", 0)  # manifests written before --offset existed
         changed = [k for k in manifest if k not in ("versions", "num_prompts") and old.get(k) != manifest[k]]
         if changed:
             raise SystemExit(

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     used = set(load_distilled(args.distilled)["id"])
     prompts = [p for i, p in load_prompts(args.prompts, "prompt", "id", None, seed=1) if i not in used]
     prompts = prompts[: args.num_prompts]
-    cost = measure_forward_cost(model)
+    cost = measure_forward_cost(model)  # packed_linear "auto", as the drafters below
     print("forward cost (ms):", {n: round(1000 * t, 1) for n, t in zip(cost.sizes, cost.seconds)})
     methods = [greedy_method(model)]
     settings = {}

@@ -1,0 +1,140 @@
+"""Pre-packed oneDNN linear layers for the tree-verification forward on a CPU.
+
+Why: a tree forward of N > 1 tokens on a CPU costs far more than one token, not because of arithmetic but
+because of how BLAS treats skinny matrices. On the dev CPU (MKL on AMD) `F.linear` of 2 rows costs 2x one
+row for every weight, the 49152 x 576 output layer 20 ms against 9 ms, so a tree of 2 to 8 tokens costs
+about 1.7 single-token steps and blockwise decoding barely breaks even. oneDNN with the weight reordered
+once into its blocked layout (what `torch.compile` does on a CPU) runs 2 to 8 rows for about the price of
+one: the output layer 4 to 7 ms.
+
+Inside `with packed:` the float32 CPU `nn.Linear` layers of the wrapped modules run oneDNN's
+`_linear_pointwise` on a packed copy of their weight, made on first use. No modeling file is copied or
+changed, and outside the block the model is exactly as loaded. Only the verification forward and the heads
+run inside it. Plain `generate` and the prefill are unchanged, and the output is still checked token for
+token against plain `generate`: the packed kernel rounds differently, as any batched forward does.
+
+The cost is memory: a second copy of every linear weight the forward uses (about the model's size).
+A weight changed in place after packing (its `_version` moves) is packed again, never used stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+# the batch-size hint oneDNN packs for; measured on the dev CPU, the blocked layout serves 1 to 64 rows
+PACK_ROWS = 8
+# "auto" packs models whose float32 parameters take at most this much: the packed copy doubles their memory
+AUTO_MAX_BYTES = 2 * 1024**3
+
+_MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its PackedLinear, shared by drafters
+
+
+def packed_linear_available() -> bool:
+    """oneDNN is built into this torch and has the (private, inductor-used) packed linear ops."""
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    return (
+        torch.backends.mkldnn.is_available()
+        and mkldnn is not None
+        and hasattr(mkldnn, "_linear_pointwise")
+        and hasattr(mkldnn, "_reorder_linear_weight")
+    )
+
+
+class PackedLinear:
+    """Route the `nn.Linear` layers of `modules` through oneDNN with packed weights inside `with` blocks
+    (see the module docstring); outside them the layers are untouched.
+
+    Inside a block each layer's `forward` is an instance attribute (the way accelerate's hooks wrap a
+    module), removed again on exit; a class-wide mode (`TorchFunctionMode`) would add a Python call to each
+    of a forward's ~2,400 torch calls, about 10 ms, eating the gain. Reusable: the packed weights are kept
+    between blocks (`clear()` frees them). Calls it cannot serve (one row, another dtype or device,
+    autograd) run the layer's own forward.
+    """
+
+    def __init__(self, *modules: torch.nn.Module) -> None:
+        if not packed_linear_available():
+            raise RuntimeError("this torch build has no oneDNN packed linear ops (torch.ops.mkldnn)")
+        self.layers = [m for module in modules for m in module.modules() if type(m) is torch.nn.Linear]
+        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id -> (weight, version, packed)
+        self._depth = 0
+
+    def __len__(self) -> int:
+        return len(self._packed)
+
+    def clear(self) -> None:
+        self._packed.clear()
+
+    def packed(self, weight: torch.Tensor) -> torch.Tensor:
+        entry = self._packed.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+            entry = (weight, weight._version, packed)
+            self._packed[id(weight)] = entry
+        return entry[2]
+
+    def linear(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """`layer(x)` on the packed weight where servable, else the layer's own forward."""
+        weight, bias = layer.weight, layer.bias
+        # one row stays with BLAS's matrix-vector kernel, which is faster there (dev CPU: 66 against 72 ms)
+        if x.numel() > x.shape[-1] and _servable(x, weight, bias):
+            rows = x.reshape(-1, x.shape[-1])
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed(weight), bias, "none", [], "")
+            return out.reshape(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
+
+    def __enter__(self) -> PackedLinear:
+        if self._depth == 0:
+            for layer in self.layers:
+                layer.forward = functools.partial(self.linear, layer)
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            for layer in self.layers:
+                layer.__dict__.pop("forward", None)
+
+
+def wants_packed_linear(model, packed_linear: bool | None) -> bool:
+    """Resolve a `packed_linear` setting for `model`: True/False as given (True raises where it cannot
+    work), None ("auto") packs float32 CPU models of at most `AUTO_MAX_BYTES` when oneDNN is there."""
+    param = next(model.parameters())
+    servable = param.device.type == "cpu" and param.dtype == torch.float32
+    if packed_linear is None:
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        return servable and packed_linear_available() and size <= AUTO_MAX_BYTES
+    if packed_linear and not servable:
+        raise ValueError(
+            f"packed_linear=True serves float32 models on a CPU; this one is {param.dtype} on {param.device}"
+        )
+    if packed_linear and not packed_linear_available():
+        raise RuntimeError("packed_linear=True needs oneDNN's packed linear ops, which this torch build lacks")
+    return bool(packed_linear)
+
+
+def linear_context(model, packed_linear: bool | None) -> contextlib.AbstractContextManager:
+    """The context the verification forward (and the heads) run in: `model`'s shared `PackedLinear`, or
+    a no-op when `packed_linear` resolves to False (`wants_packed_linear`)."""
+    if not wants_packed_linear(model, packed_linear):
+        return contextlib.nullcontext()
+    mode = _MODES.get(model)
+    if mode is None:
+        mode = _MODES[model] = PackedLinear(model)
+    return mode
+
+
+def _servable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Plain dense float32 CPU tensors outside autograd (the packed op has no backward)."""
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    return (
+        all(isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.layout == torch.strided for t in tensors)
+        and weight.dim() == 2
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    )
