@@ -48,14 +48,21 @@ def tau_table(bench: dict | None, method: str = "hf_bpd") -> str:
 
 
 def data_recipe(manifest: dict | None) -> str:
+    """One sentence per distilled run (`training.ship` writes {"runs": [...]} for several)."""
     if not manifest:
         return "_not recorded_"
-    return (
-        f"Greedy answers of the base model itself to {manifest.get('num_prompts', '?')} prompts of "
-        f"`{Path(str(manifest.get('prompts', '?'))).name}` (shuffle seed {manifest.get('seed', '?')}), chat "
-        f"template, prompts truncated to {manifest.get('max_prompt_tokens', '?')} tokens, "
-        f"max_new_tokens={manifest.get('max_new_tokens', '?')}; produced with `hf-bpd distill`."
-    )
+    runs = manifest.get("runs", [manifest])
+    sentences = []
+    for run in runs:
+        count = run.get("num_samples", run.get("num_prompts", "?"))
+        offset = f", from position {run['offset']}" if run.get("offset") else ""
+        sentences.append(
+            f"Greedy answers of the base model itself to {count} prompts of "
+            f"`{Path(str(run.get('prompts', '?'))).name}` (shuffle seed {run.get('seed', '?')}{offset}), chat "
+            f"template, prompts truncated to {run.get('max_prompt_tokens', '?')} tokens, "
+            f"max_new_tokens={run.get('max_new_tokens', '?')}; produced with `hf-bpd distill`."
+        )
+    return sentences[0] if len(sentences) == 1 else "\n".join(f"- {x}" for x in sentences)
 
 
 def render_card(

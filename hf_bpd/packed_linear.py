@@ -26,7 +26,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-# the batch-size hint oneDNN packs for; measured on the dev CPU, the blocked layout serves 1 to 64 rows
+# the row count oneDNN packs for (any count works): the trees `auto` verifies on the dev CPU have 2-16 tokens
 PACK_ROWS = 8
 # "auto" packs models whose float32 parameters take at most this much: the packed copy doubles their memory
 AUTO_MAX_BYTES = 2 * 1024**3
@@ -34,15 +34,21 @@ AUTO_MAX_BYTES = 2 * 1024**3
 _MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its PackedLinear, shared by drafters
 
 
+@functools.cache
 def packed_linear_available() -> bool:
-    """oneDNN is built into this torch and has the (private, inductor-used) packed linear ops."""
+    """oneDNN is built into this torch and its packed linear ops work as this module calls them. They are
+    private ops (the ones `torch.compile` uses on a CPU), so a torch release that changes them turns the
+    feature off ("auto") or into a clear error (True) instead of breaking decoding."""
     mkldnn = getattr(torch.ops, "mkldnn", None)
-    return (
-        torch.backends.mkldnn.is_available()
-        and mkldnn is not None
-        and hasattr(mkldnn, "_linear_pointwise")
-        and hasattr(mkldnn, "_reorder_linear_weight")
-    )
+    if not torch.backends.mkldnn.is_available() or mkldnn is None:
+        return False
+    try:
+        weight, bias, x = torch.randn(24, 16), torch.randn(24), torch.randn(3, 16)
+        packed = mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        out = mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return bool(torch.allclose(out, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4))
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
 class PackedLinear:
@@ -53,7 +59,8 @@ class PackedLinear:
     module), removed again on exit; a class-wide mode (`TorchFunctionMode`) would add a Python call to each
     of a forward's ~2,400 torch calls, about 10 ms, eating the gain. Reusable: the packed weights are kept
     between blocks (`clear()` frees them). Calls it cannot serve (one row, another dtype or device,
-    autograd) run the layer's own forward.
+    autograd) run the layer's own forward. While a block is open, another thread calling the same layers
+    also gets the packed path (same numbers up to rounding).
     """
 
     def __init__(self, *modules: torch.nn.Module) -> None:

@@ -84,3 +84,18 @@ def spec_bench_prompts(n: int) -> list[str]:
     rows = read_jsonl(SPEC_BENCH)
     step = max(len(rows) // n, 1)
     return [r["turns"][0] for r in rows[::step][:n]]
+
+
+def tiny_distilled(model, n=24, prompt_len=6, new=24, seed=0):
+    """A distilled `datasets.Dataset` of `model`'s own greedy answers to `n` random prompts."""
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    rows = {"id": [], "prompt_ids": [], "response_ids": []}
+    for i in range(n):
+        prompt = torch.randint(3, 97, (1, prompt_len), generator=g)
+        out = model.generate(prompt, do_sample=False, max_new_tokens=new)
+        rows["id"].append(str(i))
+        rows["prompt_ids"].append(prompt[0].tolist())
+        rows["response_ids"].append(out[0, prompt_len:].tolist())
+    return datasets.Dataset.from_dict(rows)

@@ -42,6 +42,18 @@ def test_card_renders_real_numbers():
     assert "the drafted token at depth i-1" in previous
 
 
+def test_card_lists_every_distilled_run():
+    heads = random_heads(tiny_model("llama"), num_heads=2)
+    runs = {
+        "runs": [{**MANIFEST, "num_samples": 4160}, {**MANIFEST, "prompts": "de.jsonl", "num_samples": 9, "offset": 5}]
+    }
+    card = render_card(heads, "me/heads", manifest=runs)
+    assert "- Greedy answers of the base model itself to 4160 prompts of `train_prompts.jsonl`" in card
+    assert (
+        "- Greedy answers of the base model itself to 9 prompts of `de.jsonl` (shuffle seed 0, from position 5)" in card
+    )
+
+
 def test_hub_folder_loads_back(tmp_path):
     model = tiny_model("llama")
     heads = random_heads(model, num_heads=2)

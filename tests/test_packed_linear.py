@@ -81,6 +81,21 @@ def test_auto_resolution_and_refusals():
         hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(tiny_model(), num_heads=2), packed_linear="yes")
 
 
+def test_a_torch_whose_private_ops_changed_turns_packing_off_or_raises(monkeypatch):
+    import hf_bpd.packed_linear as packed_linear
+
+    def changed(*args):
+        raise RuntimeError("mkldnn::_linear_pointwise() expected at most 5 arguments")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", changed)
+    assert packed_linear.packed_linear_available.__wrapped__() is False  # the self-check, uncached
+    monkeypatch.setattr(packed_linear, "packed_linear_available", lambda: False)
+    model = tiny_model("llama")
+    assert not packed_linear.wants_packed_linear(model, None)
+    with pytest.raises(RuntimeError, match="needs oneDNN's packed linear ops"):
+        packed_linear.wants_packed_linear(model, True)
+
+
 @pytest.mark.parametrize("token_input", ["next", "previous"])
 def test_generate_with_packed_linear_equals_greedy(token_input):
     from test_decoding import copying_heads

@@ -8,25 +8,13 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_distilled, tiny_model
 
 import hf_bpd
 from training import distill, train_heads
 from training.train_heads import IGNORE, head_targets
 
 datasets = pytest.importorskip("datasets")
-
-
-def tiny_distilled(model, n=24, prompt_len=6, new=24, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    rows = {"id": [], "prompt_ids": [], "response_ids": []}
-    for i in range(n):
-        prompt = torch.randint(3, 97, (1, prompt_len), generator=g)
-        out = model.generate(prompt, do_sample=False, max_new_tokens=new)
-        rows["id"].append(str(i))
-        rows["prompt_ids"].append(prompt[0].tolist())
-        rows["response_ids"].append(out[0, prompt_len:].tolist())
-    return datasets.Dataset.from_dict(rows)
 
 
 def args_for(tmp_path, **kw):

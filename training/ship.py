@@ -1,5 +1,6 @@
 """Copy trained heads into the package (`hf_bpd/assets/<name>`), with what the model card needs:
-drafter settings (drafter.json), the training log and the distillation manifest."""
+drafter settings (drafter.json), the training log and the distillation manifests (one per distilled run the
+heads were trained on, each with the number of samples it really holds)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from hf_bpd.heads import BlockDraftHeads
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.ship", description=__doc__.split("\n")[0])
     parser.add_argument("--heads", required=True, help="train-heads output folder")
-    parser.add_argument("--distilled", required=True, help="distill output folder (for manifest.json)")
+    parser.add_argument(
+        "--distilled", required=True, nargs="+", help="the distill output folders the heads were trained on"
+    )
     parser.add_argument("--drafter", required=True, help="drafter.json from tune_drafter")
     parser.add_argument("--to", default="hf_bpd/assets/smollm2")
     args = parser.parse_args(argv)
@@ -33,10 +36,22 @@ def main(argv: list[str] | None = None) -> int:
     heads.save_pretrained(dest / "heads")
     (dest / "drafter.json").write_text(json.dumps(settings, indent=2) + "\n")
     shutil.copy(Path(args.heads) / "training_log.json", dest / "training_log.json")
-    shutil.copy(Path(args.distilled) / "manifest.json", dest / "manifest.json")
+    (dest / "manifest.json").write_text(json.dumps(data_manifest(args.distilled), indent=2) + "\n")
     size = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
     print(f"shipped {num_heads} heads to {dest} ({size / 1e6:.1f} MB)")
     return 0
+
+
+def data_manifest(distilled: list[str]) -> dict:
+    """The distillation manifest of one run, or {"runs": [...]} for several; each with `num_samples`, the
+    rows it holds (a run's `num_prompts` is its last --limit, which a longer run that was stopped rewrites)."""
+    from training.distill import load_distilled
+
+    runs = []
+    for path in distilled:
+        manifest = json.loads((Path(path) / "manifest.json").read_text())
+        runs.append({**manifest, "num_samples": len(load_distilled(path))})
+    return runs[0] if len(runs) == 1 else {"runs": runs}
 
 
 if __name__ == "__main__":

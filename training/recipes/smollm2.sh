@@ -64,6 +64,12 @@ hf-bpd distill --prompts "$RUNS/de_prompts.jsonl" --output "$RUNS/distill_de" \
 hf-bpd train-heads --data "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_de" --output "$RUNS/heads5" \
   --features-cache "$RUNS/heads2/features" --num-heads 5 --num-layers 1 --draft-vocab-size 8192 --loss-decay 0.8 \
   --epochs 3 --lr 2e-3 --batch-size 256 --top-k 5 --token-input previous --teacher-weight 0.5
+# 6e. ship v5 (session 8; BENCHMARKS.md): better τ than v2 and, with packed_linear, faster on the dev CPU
+echo '{"top_k": 10, "max_tree_tokens": "auto"}' > "$RUNS/drafter5.json"
+python -m training.ship --heads "$RUNS/heads5" --distilled "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_de" \
+  --drafter "$RUNS/drafter5.json"
+# 6f. (in progress) the rest of the bundled prompts' seeded order, beside distill2 so that v2-v5 stay reproducible
+hf-bpd distill --output "$RUNS/distill_rest" --offset 4160 --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 32
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
