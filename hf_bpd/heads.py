@@ -34,9 +34,12 @@ state: it repeats the base model's own next-token guess (the paper's and Medusa'
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
+
+from .packed_linear import active_packed_linear
 
 MAX_HEADS = 32
 TOKEN_INPUTS = ("", "next", "previous")
@@ -356,7 +359,8 @@ class BlockDraftHeads(PreTrainedModel):
         if weight.device != hidden_states.device or weight.dtype != hidden_states.dtype:
             weight = weight.to(device=hidden_states.device, dtype=hidden_states.dtype)
             self.__dict__["_tied_weight"] = weight  # converted once, not at every drafting step
-        return torch.nn.functional.linear(hidden_states, weight)
+        packed = active_packed_linear()  # the drafter's oneDNN packed linears on a CPU (packed_linear.py)
+        return packed.apply(hidden_states, weight) if packed is not None else F.linear(hidden_states, weight)
 
     def push_to_hub(
         self,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 
 import torch
@@ -32,6 +33,7 @@ PACK_ROWS = 8
 AUTO_MAX_BYTES = 2 * 1024**3
 
 _MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its PackedLinear, shared by drafters
+_THREAD = threading.local()  # the PackedLinear blocks open in this thread, innermost last
 
 
 @functools.cache
@@ -67,45 +69,87 @@ class PackedLinear:
         if not packed_linear_available():
             raise RuntimeError("this torch build has no oneDNN packed linear ops (torch.ops.mkldnn)")
         self.layers = [m for module in modules for m in module.modules() if type(m) is torch.nn.Linear]
-        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id -> (weight, version, packed)
+        self._forwards = [(layer, functools.partial(self.linear, layer)) for layer in self.layers]  # made once
+        # id(weight) -> (weight, its _version when packed, packed weight or None when it cannot be served)
+        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
         self._depth = 0
 
     def __len__(self) -> int:
-        return len(self._packed)
+        """Weights packed so far."""
+        return sum(entry[2] is not None for entry in self._packed.values())
 
     def clear(self) -> None:
         self._packed.clear()
 
-    def packed(self, weight: torch.Tensor) -> torch.Tensor:
+    def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """`weight` in oneDNN's blocked layout, packed on first use and again after an in-place change; None
+        for a weight it cannot serve (not a plain 2D float32 CPU tensor). Checked once per packing, not
+        per call."""
         entry = self._packed.get(id(weight))
         if entry is None or entry[0] is not weight or entry[1] != weight._version:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+            servable = (
+                type(weight) in (torch.Tensor, torch.nn.Parameter)
+                and weight.dim() == 2
+                and weight.dtype == torch.float32
+                and weight.device.type == "cpu"
+                and weight.layout == torch.strided
+            )
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS) if servable else None
             entry = (weight, weight._version, packed)
             self._packed[id(weight)] = entry
         return entry[2]
 
-    def linear(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """`layer(x)` on the packed weight where servable, else the layer's own forward."""
-        weight, bias = layer.weight, layer.bias
-        # one row stays with BLAS's matrix-vector kernel, which is faster there (dev CPU: 66 against 72 ms)
-        if x.numel() > x.shape[-1] and _servable(x, weight, bias):
-            rows = x.reshape(-1, x.shape[-1])
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed(weight), bias, "none", [], "")
-            return out.reshape(*x.shape[:-1], weight.shape[0])
+    def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`F.linear(x, weight, bias)`, on the packed weight where servable: several rows (one row stays with
+        BLAS's matrix-vector kernel, faster there: 66 against 72 ms on the dev CPU), float32 on the CPU,
+        outside autograd (the packed op has no backward)."""
+        if (
+            type(x) is torch.Tensor
+            and x.dim() > 1
+            and x.numel() > x.shape[-1]
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        ):
+            packed = self.packed(weight)
+            if packed is not None:
+                rows = x.reshape(-1, x.shape[-1])
+                out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+                return out.reshape(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
+
+    def linear(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """What `layer(x)` runs inside a block."""
+        return self.apply(x, layer.weight, layer.bias)
 
     def __enter__(self) -> PackedLinear:
         if self._depth == 0:
-            for layer in self.layers:
-                layer.forward = functools.partial(self.linear, layer)
+            for layer, forward in self._forwards:
+                layer.__dict__["forward"] = forward  # the instance attribute shadows the class's forward
         self._depth += 1
+        _active().append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _active().pop()
         self._depth -= 1
         if self._depth == 0:
             for layer in self.layers:
                 layer.__dict__.pop("forward", None)
+
+
+def active_packed_linear() -> PackedLinear | None:
+    """The innermost `PackedLinear` block open in this thread, for linears that are not `nn.Linear`
+    layers (the heads' softmax over the base LM head's rows): `packed.apply(x, weight)`."""
+    stack = _active()
+    return stack[-1] if stack else None
+
+
+def _active() -> list[PackedLinear]:
+    if not hasattr(_THREAD, "stack"):
+        _THREAD.stack = []
+    return _THREAD.stack
 
 
 def wants_packed_linear(model, packed_linear: bool | None) -> bool:
@@ -134,14 +178,3 @@ def linear_context(model, packed_linear: bool | None) -> contextlib.AbstractCont
     if mode is None:
         mode = _MODES[model] = PackedLinear(model)
     return mode
-
-
-def _servable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Plain dense float32 CPU tensors outside autograd (the packed op has no backward)."""
-    tensors = (x, weight) if bias is None else (x, weight, bias)
-    return (
-        all(isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
-        and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.layout == torch.strided for t in tensors)
-        and weight.dim() == 2
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-    )

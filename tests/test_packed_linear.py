@@ -10,7 +10,13 @@ from conftest import tiny_model
 
 import hf_bpd
 from hf_bpd.cost import measure_forward_cost
-from hf_bpd.packed_linear import PackedLinear, linear_context, packed_linear_available, wants_packed_linear
+from hf_bpd.packed_linear import (
+    PackedLinear,
+    active_packed_linear,
+    linear_context,
+    packed_linear_available,
+    wants_packed_linear,
+)
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
 
@@ -66,6 +72,21 @@ def test_packed_linear_is_scoped_to_its_blocks():
     with pytest.raises(KeyError), mode:
         raise KeyError("boom")
     assert "forward" not in layer.__dict__
+
+
+def test_the_heads_softmax_over_the_base_lm_head_is_packed_inside_a_block():
+    model = tiny_model("llama")
+    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2, token_input="previous").bind(model)
+    assert heads.config.tie_lm_head  # the softmax borrows the base LM head: a weight, not an nn.Linear
+    states = torch.randn(5, model.config.hidden_size)
+    outer, inner = PackedLinear(model), PackedLinear(heads)
+    assert active_packed_linear() is None
+    with outer, inner, torch.no_grad():
+        assert active_packed_linear() is inner  # the innermost block serves non-layer linears
+        got = heads.project(states)
+    assert active_packed_linear() is None
+    torch.testing.assert_close(got, F.linear(states, heads.__dict__["_tied_weight"]), rtol=1e-4, atol=1e-4)
+    assert len(inner) == 1 and len(outer) == 0
 
 
 def test_auto_resolution_and_refusals():
