@@ -24,7 +24,7 @@ from .cost import ForwardCost, LearnedForwardCost, best_tree_size, measure_forwa
 from .expansion import chain_lattice, expand_tree
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
-from .packed_linear import PackedLinear, linear_context, wants_packed_linear
+from .packed_linear import PackedLinear, linear_context
 from .tree import DraftTree
 
 RECENT_STEPS = 16  # steps whose tree sizes bound how far "previous" heads grow a tree that will be cut
@@ -173,7 +173,7 @@ class BlockDrafter:
             self.heads.to(device=param.device, dtype=param.dtype)
             self.heads.eval()
             self.linear_context = linear_context(model, self.packed_linear)
-            packs = wants_packed_linear(model, self.packed_linear)
+            packs = isinstance(self.linear_context, PackedLinear)  # the heads follow the model's setting
             self._heads_context = PackedLinear(self.heads) if packs else contextlib.nullcontext()
             if self.max_tree_tokens == "auto" and self.forward_cost is None:
                 self.forward_cost = measure_forward_cost(model, packed_linear=self.packed_linear)

@@ -66,7 +66,7 @@ def test_packed_linear_is_scoped_to_its_blocks():
     mode = PackedLinear(layer)
     with mode:
         with mode:  # re-entered (the heads inside a verification): still packed after the inner exit
-            pass
+            assert "forward" in layer.__dict__
         assert "forward" in layer.__dict__
     assert "forward" not in layer.__dict__  # outside: the layer's own class forward again
     with pytest.raises(KeyError), mode:
