@@ -138,6 +138,62 @@ def test_frozen_training_loss_falls_and_reloads_bit_identical(tmp_path):
     assert out.tolist() == ref.tolist()
 
 
+def test_init_continues_from_saved_heads_keeping_their_shape_and_draft_vocabulary(tmp_path):
+    model = tiny_model("llama", eos_token_id=None)
+    data = tiny_distilled(model)
+    settings = dict(epochs=4, lr=3e-2, batch_size=64, val_fraction=0.2, top_k=3)
+    first, first_log = train_heads.train_frozen(
+        model, data, args_for(tmp_path / "first", num_heads=2, draft_vocab_size=64, token_input="next", **settings)
+    )
+    first.save_pretrained(tmp_path / "first_heads")
+    # the shape arguments are left out: they come from the --init heads, and so does the draft vocabulary,
+    # though more data would pick another one
+    more = tiny_distilled(model, n=32, seed=1)
+    args = args_for(tmp_path / "more", init=tmp_path / "first_heads", **settings)
+    heads, log = train_heads.train_frozen(model, more, args)
+    assert (args.num_heads, args.num_layers, args.token_input, args.draft_vocab_size) == (2, 1, "next", 64)
+    assert heads.config.token_input == "next" and torch.equal(heads.draft_vocab, first.draft_vocab)
+    assert not same_weights(heads, first)  # trained further ...
+    fresh, fresh_log = train_heads.train_frozen(
+        model, more, args_for(tmp_path / "fresh", num_heads=2, draft_vocab_size=64, token_input="next", **settings)
+    )
+    assert log[0]["train_loss"] < fresh_log[0]["train_loss"]  # ... from where the saved heads were, not anew
+    ids = torch.tensor([data[0]["prompt_ids"]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=20)
+    drafter = hf_bpd.BlockDrafter(heads, top_k=3, max_tree_tokens=8)
+    out = model.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist()
+    # continuing cannot change the heads' shape, and heads of another base model are refused
+    with pytest.raises(ValueError, match="--num-heads 3 differs from the --init heads"):
+        train_heads.train_frozen(model, more, args_for(tmp_path / "x", init=tmp_path / "first_heads", num_heads=3))
+    with pytest.raises(ValueError, match="--token-input previous differs"):
+        train_heads.train_frozen(
+            model, more, args_for(tmp_path / "x", init=tmp_path / "first_heads", token_input="previous")
+        )
+    other = tiny_model("llama", seed=1, eos_token_id=None)
+    with pytest.raises(ValueError, match="fingerprint mismatch"):
+        train_heads.train_frozen(other, more, args_for(tmp_path / "y", init=tmp_path / "first_heads", epochs=1))
+    with pytest.raises(ValueError, match="no readable draft-heads config"):
+        train_heads.train_frozen(model, more, args_for(tmp_path / "z", init=tmp_path / "nowhere", epochs=1))
+
+
+def test_joint_training_continues_frozen_heads_with_a_draft_vocabulary(tmp_path):
+    """Medusa-2's recipe: heads trained frozen first, then jointly with LoRA from there."""
+    pytest.importorskip("peft")
+    from training.joint import train_joint
+
+    model = tiny_model("llama", eos_token_id=None)
+    data = tiny_distilled(model, n=8)
+    frozen, _ = train_heads.train_frozen(
+        model, data, args_for(tmp_path / "frozen", num_heads=2, draft_vocab_size=64, epochs=2, val_fraction=0.25)
+    )
+    frozen.save_pretrained(tmp_path / "frozen_heads")
+    args = args_for(tmp_path / "joint", mode="joint", init=tmp_path / "frozen_heads", epochs=1, batch_size=4, lora_r=4)
+    heads, history = train_joint(model, data, args)
+    assert heads.num_heads == 2 and torch.equal(heads.draft_vocab, frozen.draft_vocab)
+    assert torch.isfinite(torch.tensor(history[0]["train_loss"])) and not same_weights(heads, frozen)
+
+
 class Interrupted(Exception):
     """Stands for a Ctrl-C in the middle of an epoch."""
 

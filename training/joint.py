@@ -17,13 +17,15 @@ from training.checkpoint import resume, run_fingerprint, save_epoch
 from training.train_heads import (
     IGNORE,
     check_replicas_agree,
+    draft_index,
     head_targets,
     heads_loss,
+    initial_heads,
     loss_weights,
+    resolve_heads_shape,
     response_positions,
     right_padded,
     rows_digest,
-    token_input,
 )
 
 
@@ -63,8 +65,9 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
 
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     torch.manual_seed(args.seed)
-    heads = BlockDraftHeads.for_base_model(model, args.num_heads, args.num_layers, token_input=token_input(args))
-    heads.float()
+    resolve_heads_shape(args)
+    heads = initial_heads(model, args)
+    vocab_index = draft_index(heads)
     lora = LoraConfig(
         r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
     )
@@ -85,6 +88,8 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     history, first_epoch = resume(args.output, fingerprint, trained, optimizer, None, shuffle)
     peft_model, heads, optimizer, loader = accelerator.prepare(peft_model, heads, optimizer, loader)
     bare_heads = accelerator.unwrap_model(heads)
+    if vocab_index is not None:
+        vocab_index = vocab_index.to(accelerator.device)
     trained = {"heads": bare_heads, "lora": LoraWeights(accelerator.unwrap_model(peft_model))}
     for epoch in range(first_epoch, args.epochs):
         peft_model.train()
@@ -100,7 +105,7 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
                 valid = batch["attention_mask"].bool()
                 hidden = out.hidden_states[-1][valid]
                 next_tokens = batch["labels"][valid].clamp(min=0)  # token t+1; no head target where IGNORE
-                head_loss, _ = heads_loss(heads, hidden, batch["targets"][valid], weights, None, next_tokens)
+                head_loss, _ = heads_loss(heads, hidden, batch["targets"][valid], weights, vocab_index, next_tokens)
                 loss = args.base_loss_weight * base + head_loss
             accelerator.backward(loss)
             optimizer.step()

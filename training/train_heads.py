@@ -211,6 +211,52 @@ def draft_vocabulary(data, size: int, vocab_size: int, always: list[int]) -> tor
     return score.topk(size).indices.sort().values
 
 
+HEADS_SHAPE_DEFAULTS = {"num_heads": 4, "num_layers": 1, "token_input": "previous", "draft_vocab_size": 0}
+
+
+def resolve_heads_shape(args: argparse.Namespace) -> None:
+    """Fill in the heads' shape arguments (`HEADS_SHAPE_DEFAULTS`) left unset, in place: from the `--init`
+    heads when there are some, else the defaults. A value given that differs from the `--init` heads
+    raises ValueError naming it: continuing from heads cannot change their shape."""
+    saved = {}
+    if args.init:
+        cfg = BlockDraftHeads.from_pretrained(args.init).config  # a folder that is not heads raises here
+        saved = {
+            "num_heads": cfg.num_heads,
+            "num_layers": cfg.num_layers,
+            "token_input": cfg.token_input or "none",
+            "draft_vocab_size": cfg.draft_vocab_size,
+        }
+    for name, default in HEADS_SHAPE_DEFAULTS.items():
+        given = getattr(args, name)
+        if given is not None and name in saved and given != saved[name]:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {given} differs from the --init heads in {args.init}, which have {saved[name]}")
+        setattr(args, name, saved.get(name, default) if given is None else given)
+
+
+def initial_heads(model, args: argparse.Namespace, draft_vocab: torch.Tensor | None = None) -> BlockDraftHeads:
+    """The heads training starts from, in float32 and bound to `model`: the `--init` heads (checked to fit
+    `model`), or new ones of the arguments' shape drafting `draft_vocab` (None: the whole vocabulary)."""
+    if args.init:
+        device = next(model.parameters()).device
+        return BlockDraftHeads.from_pretrained(args.init).to(device).float().bind(model)
+    heads = BlockDraftHeads.for_base_model(
+        model, args.num_heads, args.num_layers, draft_vocab=draft_vocab, token_input=token_input(args)
+    )
+    return heads.float()
+
+
+def draft_index(heads: BlockDraftHeads) -> torch.Tensor | None:
+    """Token id -> index in the heads' draft vocabulary (IGNORE for tokens outside it, which no head can
+    draft and so are not trained on); None for heads that draft the whole vocabulary."""
+    if not heads.config.draft_vocab_size:
+        return None
+    index = torch.full((heads.config.vocab_size,), IGNORE, dtype=torch.long, device=heads.draft_vocab.device)
+    index[heads.draft_vocab] = torch.arange(heads.draft_vocab.numel(), device=index.device)
+    return index
+
+
 def loss_weights(num_heads: int, decay: float) -> list[float]:
     """w_i = decay**(i-1): later heads are less accurate and matter less for acceptance."""
     return [decay**i for i in range(num_heads)]
@@ -320,6 +366,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
 
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     torch.manual_seed(args.seed)
+    resolve_heads_shape(args)
     cache = Path(args.features_cache or Path(args.output) / "features")
     # the main process computes what the cache lacks and writes it; the others then read it back
     if accelerator.is_main_process:
@@ -333,21 +380,15 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         train_index = train_index[keep[: args.max_positions]]
     train, val = feats.select(train_index), feats.select(val_index)
 
-    vocab = model_vocab_size(model)
     draft_vocab = None
-    if args.draft_vocab_size:
+    if args.draft_vocab_size and not args.init:  # --init heads keep the draft vocabulary they were trained on
         eos = model.generation_config.eos_token_id
         always = eos if isinstance(eos, list) else [eos] if eos is not None else []
         train_samples = set(train.sample.unique().tolist())
+        vocab = model_vocab_size(model)
         draft_vocab = draft_vocabulary([data[i] for i in sorted(train_samples)], args.draft_vocab_size, vocab, always)
-    heads = BlockDraftHeads.for_base_model(
-        model, args.num_heads, args.num_layers, draft_vocab=draft_vocab, token_input=token_input(args)
-    )
-    heads.float()
-    vocab_index = None
-    if draft_vocab is not None:  # token id -> draft index; tokens outside the draft vocabulary are ignored
-        vocab_index = torch.full((vocab,), IGNORE, dtype=torch.long)
-        vocab_index[draft_vocab] = torch.arange(draft_vocab.numel())
+    heads = initial_heads(model, args, draft_vocab)
+    vocab_index = draft_index(heads)
     weights = loss_weights(args.num_heads, args.loss_decay)
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -419,15 +460,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output", required=True)
     parser.add_argument("--mode", choices=["frozen", "joint"], default="frozen")
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-layers", type=int, default=1)
-    parser.add_argument("--draft-vocab-size", type=int, default=0, help="0: full vocabulary")
+    parser.add_argument(
+        "--init",
+        default=None,
+        help="saved heads to continue training from (more data, or the joint stage after a frozen one); they "
+        "keep their shape and draft vocabulary, and the shape arguments below default to theirs",
+    )
+    parser.add_argument("--num-heads", type=int, default=None, help="default 4")
+    parser.add_argument("--num-layers", type=int, default=None, help="default 1")
+    parser.add_argument("--draft-vocab-size", type=int, default=None, help="default 0: the full vocabulary")
     parser.add_argument(
         "--token-input",
         choices=TOKEN_INPUT_CHOICES,
-        default="previous",
-        help="the token embedding each head also reads: 'previous' the token before its target (drafted "
-        "node by node), 'next' token t+1 (the base model's own choice), 'none' plain Medusa heads",
+        default=None,
+        help="the token embedding each head also reads: 'previous' (the default) the token before its target "
+        "(drafted node by node), 'next' token t+1 (the base model's own choice), 'none' plain Medusa heads",
     )
     parser.add_argument("--features-cache", default=None, help="frozen mode: cache folder (default: OUTPUT/features)")
     parser.add_argument("--loss-decay", type=float, default=0.8, help="head i loss weight = decay**(i-1)")

@@ -68,8 +68,15 @@ hf-bpd train-heads --data "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_
 echo '{"top_k": 10, "max_tree_tokens": "auto"}' > "$RUNS/drafter5.json"
 python -m training.ship --heads "$RUNS/heads5" --distilled "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_de" \
   --drafter "$RUNS/drafter5.json"
-# 6f. (in progress) the rest of the bundled prompts' seeded order, beside distill2 so that v2-v5 stay reproducible
-hf-bpd distill --output "$RUNS/distill_rest" --offset 4160 --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 32
+# 6f. the next 2,048 prompts of the bundled prompts' seeded order (mostly T0 summarization and context-QA
+#     templates), beside distill2 so that v2-v5 stay reproducible; a larger --limit later continues it
+hf-bpd distill --output "$RUNS/distill_rest" --offset 4160 --limit 2048 --max-new-tokens 128 --max-prompt-tokens 256 \
+  --batch-size 32
+# 6g. heads v6 (session 9): v5 continued for one epoch on all four runs; --init keeps v5's shape and draft
+#     vocabulary, and the features cache only computes the new samples
+hf-bpd train-heads --data "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_de" "$RUNS/distill_rest" \
+  --output "$RUNS/heads6" --init "$RUNS/heads5" --features-cache "$RUNS/heads2/features" --loss-decay 0.8 \
+  --epochs 1 --lr 1e-3 --batch-size 256 --top-k 5 --teacher-weight 0.5
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
