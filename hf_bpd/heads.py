@@ -166,10 +166,10 @@ class BlockDraftHeads(PreTrainedModel):
             nn.init.zeros_(module.weight)
             nn.init.zeros_(module.bias)
 
-    @classmethod
-    def from_pretrained(cls, path, *args, **kwargs) -> BlockDraftHeads:
-        """Load saved heads; a folder that is not draft heads, or a corrupt file, raises ValueError
-        naming the folder."""
+    @staticmethod
+    def saved_config(path, **kwargs) -> BlockDraftHeadsConfig:
+        """The config of the heads saved in `path`, without their weights; a folder that is not draft heads
+        raises ValueError naming the folder."""
         try:
             config_dict, _ = BlockDraftHeadsConfig.get_config_dict(path, **kwargs)
         except OSError as err:
@@ -179,6 +179,13 @@ class BlockDraftHeads(PreTrainedModel):
                 f"{path} is not a draft-heads checkpoint (model_type {config_dict.get('model_type')!r}, expected "
                 f"{BlockDraftHeadsConfig.model_type!r})"
             )
+        return BlockDraftHeadsConfig.from_dict(config_dict)
+
+    @classmethod
+    def from_pretrained(cls, path, *args, **kwargs) -> BlockDraftHeads:
+        """Load saved heads; a folder that is not draft heads, or a corrupt file, raises ValueError
+        naming the folder."""
+        cls.saved_config(path, **kwargs)
         try:
             return super().from_pretrained(path, *args, **kwargs)
         except (OSError, RuntimeError, ValueError, SafetensorError) as err:

@@ -220,7 +220,7 @@ def resolve_heads_shape(args: argparse.Namespace) -> None:
     raises ValueError naming it: continuing from heads cannot change their shape."""
     saved = {}
     if args.init:
-        cfg = BlockDraftHeads.from_pretrained(args.init).config  # a folder that is not heads raises here
+        cfg = BlockDraftHeads.saved_config(args.init)  # a folder that is not heads raises here
         saved = {
             "num_heads": cfg.num_heads,
             "num_layers": cfg.num_layers,
