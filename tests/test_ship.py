@@ -9,6 +9,7 @@ from conftest import random_heads, tiny_distilled, tiny_model
 
 import hf_bpd
 from training import ship
+from training.distill import data_digest, load_distilled
 
 
 def test_ship_replaces_heads_and_keeps_rescorers(tmp_path):
@@ -45,6 +46,9 @@ def test_ship_replaces_heads_and_keeps_rescorers(tmp_path):
         ("distill.jsonl", 3),
         ("distill_more.jsonl", 2),
     ]
+    for run, name in zip(manifest["runs"], ("distill", "distill_more")):  # and what they hold, to check reruns
+        held = data_digest(load_distilled(tmp_path / name))
+        assert {k: run[k] for k in held} == held and len(run["sha256"]) == 64
     shipped = hf_bpd.BlockDraftHeads.from_pretrained(dest / "heads").bind(model)
     assert shipped.num_heads == 2 and shipped.config.use_next_token
     x, tokens = torch.randn(3, model.config.hidden_size), torch.tensor([1, 2, 3])

@@ -344,6 +344,20 @@ def test_distill_interrupted_and_restarted_finishes_without_duplicates(tmp_path,
     by_id = {r["id"]: r["response_ids"] for r in datasets.load_from_disk(str(fresh))}
     assert all(by_id[r["id"]] == r["response_ids"] for r in data)  # resumed data equals uninterrupted data
     assert json.dumps(sorted(by_id)) == json.dumps(sorted(data["id"]))
+    assert distill.data_digest(data) == distill.data_digest(datasets.load_from_disk(str(fresh)))
+
+
+def test_data_digest_ignores_row_order_and_sees_every_token():
+    """The digest `ship` records beside the shipped heads: a rerun of the recipe checks against it."""
+    data = datasets.Dataset.from_dict(
+        {"id": ["0", "1", "2"], "prompt_ids": [[5, 6], [7], [8, 9]], "response_ids": [[1, 2, 3], [4], [5, 6]]}
+    )
+    summary = distill.data_digest(data)
+    assert summary["num_samples"] == 3 and summary["num_response_tokens"] == 6
+    assert distill.data_digest(data.select([2, 0, 1])) == summary  # shard order and batching do not matter
+    changed = data.map(lambda r: {"response_ids": [4, 2, 3] if r["id"] == "0" else r["response_ids"]})
+    assert distill.data_digest(changed)["sha256"] != summary["sha256"]
+    assert distill.data_digest(data.select([0, 1]))["sha256"] != summary["sha256"]
 
 
 def test_distill_offset_continues_a_closed_run_without_overlap(tmp_path):

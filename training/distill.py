@@ -79,6 +79,24 @@ def load_distilled(path: str | Path | list[str | Path]):
     return load_from_disk(str(path))
 
 
+def data_digest(data) -> dict:
+    """What a distilled dataset holds, to check a rerun of the recipe against a record of it: its number
+    of samples and response tokens, and a sha256 over its rows sorted by id (independent of shard order
+    and batching, changed by any token). Greedy decoding in float32 on the same torch build gives the same
+    rows; a different kernel may flip a near-tie, which the digest then shows."""
+    import hashlib
+
+    rows = sorted(zip(data["id"], data["prompt_ids"], data["response_ids"]))
+    digest = hashlib.sha256()
+    for pid, prompt, response in rows:
+        digest.update(json.dumps([pid, list(prompt), list(response)]).encode() + b"\n")
+    return {
+        "num_samples": len(rows),
+        "num_response_tokens": sum(len(r) for _, _, r in rows),
+        "sha256": digest.hexdigest(),
+    }
+
+
 def _more_shards_than_dataset(path: Path) -> bool:
     """A run grown with a larger --limit and not finished yet: its shards hold more than dataset/."""
     import pyarrow.parquet as pq
@@ -244,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         args.shard_size,
         progress=not args.no_progress,
     )
-    print(f"distilled {len(prompts)} prompts into {path}")
+    summary = data_digest(load_distilled(output))
+    print(f"distilled {len(prompts)} prompts into {path}: {json.dumps(summary)}")
     return 0
 
 

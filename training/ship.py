@@ -43,14 +43,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def data_manifest(distilled: list[str]) -> dict:
-    """The distillation manifest of one run, or {"runs": [...]} for several; each with `num_samples`, the
-    rows it holds (a run's `num_prompts` is its last --limit, which a longer run that was stopped rewrites)."""
-    from training.distill import load_distilled
+    """The distillation manifest of one run, or {"runs": [...]} for several; each with what it holds
+    (`distill.data_digest`: samples, response tokens, sha256; a run's `num_prompts` is its last --limit,
+    which a longer run that was stopped rewrites), so a rerun of the recipe can be checked against it."""
+    from training.distill import data_digest, load_distilled
 
     runs = []
     for path in distilled:
         manifest = json.loads((Path(path) / "manifest.json").read_text())
-        runs.append({**manifest, "num_samples": len(load_distilled(path))})
+        runs.append({**manifest, **data_digest(load_distilled(path))})
     return runs[0] if len(runs) == 1 else {"runs": runs}
 
 
