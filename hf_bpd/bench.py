@@ -457,6 +457,22 @@ def environment(device: str, dtype: str) -> dict:
     }
 
 
+def load_drafter(heads: str, model, num_heads: int = 4, **kwargs) -> BlockDrafter:
+    """The drafter a benchmark runs, profiled: `heads` is a folder, "packaged" (the shipped heads and
+    their drafter.json settings, which `kwargs` override) or "untrained" (`num_heads` fresh heads)."""
+    from .heads import BlockDraftHeads
+
+    if heads == "untrained":
+        return BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=num_heads), profile=True, **kwargs)
+    if heads == "packaged":
+        from .packaged import load_packaged_drafter
+
+        drafter = load_packaged_drafter(**kwargs)
+        drafter.profile = True
+        return drafter
+    return BlockDrafter.from_pretrained(heads, profile=True, **kwargs)
+
+
 def _tree_size(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
@@ -517,20 +533,11 @@ def main(argv: list[str] | None = None) -> int:
         results = summarize(records, methods)
         return _report(results, {"merged": args.merge, "turns": len(records) // len(methods)}, args.output)
 
-    from .heads import BlockDraftHeads
     from .models import load_model
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     kwargs = {k: v for k, v in (("top_k", args.top_k), ("max_tree_tokens", args.max_tree_tokens)) if v is not None}
-    if args.heads == "untrained":
-        drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=args.num_heads), profile=True, **kwargs)
-    elif args.heads == "packaged":
-        from .packaged import load_packaged_drafter
-
-        drafter = load_packaged_drafter(**kwargs)
-        drafter.profile = True
-    else:
-        drafter = BlockDrafter.from_pretrained(args.heads, profile=True, **kwargs)
+    drafter = load_drafter(args.heads, model, args.num_heads, **kwargs)
     drafter.packed_linear = {"auto": None, "on": True, "off": False}[args.packed_linear]
     if args.resume and not args.output:
         raise SystemExit("--resume continues the journal of --output: give --output")

@@ -11,6 +11,7 @@ def main(argv: list[str] | None = None) -> int:
         "demo": "hf_bpd.demo",
         "bench": "hf_bpd.bench",
         "analyze": "hf_bpd.analyze",
+        "replay": "hf_bpd.replay",
         "distill": "training.distill",
         "train-heads": "training.train_heads",
         "train-ngram": "training.train_ngram",
