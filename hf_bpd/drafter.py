@@ -189,13 +189,14 @@ class BlockDrafter:
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    def lattice(self, hidden_last: torch.Tensor, root: torch.Tensor) -> Lattice:
+    def lattice(self, hidden_last: torch.Tensor, root: torch.Tensor, context: torch.Tensor | None = None) -> Lattice:
         """Head logits on the last accepted hidden state `[batch, hidden]` -> top-k lattice. `root [batch]`:
         the base model's token from that state (the tree root; heads with a token input read it). For
-        "previous" heads: the lattice of their greedy chain (`expansion.chain_lattice`)."""
+        "previous" heads: the lattice of their greedy chain (`expansion.chain_lattice`), where
+        context-copy heads point into `context [batch, L]` (the accepted tokens, ending with the root)."""
         with torch.no_grad():
             if self.heads.conditions_on_draft:
-                return chain_lattice(self.heads, hidden_last.to(self.heads.dtype), root, self.top_k)
+                return chain_lattice(self.heads, hidden_last.to(self.heads.dtype), root, self.top_k, context)
             logits = self.heads(hidden_last.to(self.heads.dtype), root)
             ids = self.heads.draft_vocab if self.heads.config.draft_vocab_size else None
             return Lattice.from_logits(logits, self.top_k, ids)
@@ -273,7 +274,9 @@ class BlockDrafter:
             if self.heads.conditions_on_draft:
                 hidden = hidden_last[b : b + 1].to(self.heads.dtype)
                 grow = self._growth_budget(budget)
-                arcs = expand_tree(tree, self.heads, hidden, self.top_k, grow, max_depth, estimates, self.calibration)
+                arcs = expand_tree(
+                    tree, self.heads, hidden, self.top_k, grow, max_depth, estimates, self.calibration, context[b]
+                )
             else:
                 arcs = self._fill_from_lattice(tree, lattice, b, budget, max_depth, estimates)
             if self.forward_cost is not None and len(tree) > 1:
@@ -350,7 +353,7 @@ class BlockDrafter:
         # "previous" heads draft the tree node by node; their chain lattice only serves a rescorer
         needs_lattice = self.rescorer is not None or not self.heads.conditions_on_draft
         with self._heads_context:
-            lattice = self.lattice(hidden_last, context[:, -1]) if needs_lattice else None
+            lattice = self.lattice(hidden_last, context[:, -1], context) if needs_lattice else None
         t1 = self._sync(hidden_last.device)
         rescored = self.rescore(lattice, context)
         t2 = time.perf_counter()

@@ -26,6 +26,7 @@ import math
 import torch
 
 from .calibration import HEADS, RESCORER, AcceptanceCalibration, Arc
+from .context_copy import CopyMemory
 from .heads import BlockDraftHeads
 from .lattice import Lattice
 from .tree import DraftTree
@@ -41,47 +42,51 @@ def round_size(budget: int) -> int:
     return max(1, math.ceil((budget - 1) / rounds))
 
 
-def _top_k(heads: BlockDraftHeads, states: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Head states `[n, hidden]` -> their top-k token ids and log-probabilities, `[n, k]` each."""
-    logits = heads.project(states).float()
-    values, index = logits.topk(top_k, dim=-1)
-    values = values - logits.logsumexp(dim=-1, keepdim=True)  # log-softmax of the top-k only
-    ids = heads.draft_vocab.to(index.device)[index] if heads.config.draft_vocab_size else index
-    return ids, values
-
-
 def _top_children(
-    heads: BlockDraftHeads, hidden: torch.Tensor, groups: dict[int, list[int]], top_k: int
+    heads: BlockDraftHeads,
+    hidden: torch.Tensor,
+    groups: dict[int, tuple[list[int], list[int]]],
+    top_k: int,
+    memory: CopyMemory | None = None,
 ) -> dict[int, tuple[list[list[int]], list[list[float]]]]:
-    """For nodes grouped by depth ({depth: their tokens}), head depth+1's top-k (token ids, log-probs).
+    """For nodes grouped by depth ({depth: (their tokens, their parents' tokens)}), head depth+1's top-k
+    (token ids, log-probs); parents' tokens feed the context-copy pointer (`memory`, None without one).
     On a CPU the cost is reading weights, not arithmetic: every depth's residual block runs once on its
     group, and the shared softmax layer (the largest weight by far) once on all of them."""
     with torch.no_grad():
         states = [
             heads.step(depth, hidden.expand(len(tokens), -1), torch.tensor(tokens, device=hidden.device))
-            for depth, tokens in groups.items()
+            for depth, (tokens, _) in groups.items()
         ]
-        ids, values = _top_k(heads, torch.cat(states), top_k)
+        head_index = torch.tensor([d for d, (tokens, _) in groups.items() for _ in tokens])
+        before = torch.tensor([b for _, (_, parents) in groups.items() for b in parents])
+        ids, values = heads.top_tokens(torch.cat(states), top_k, head_index, before, memory)
     ids_list, values_list = ids.tolist(), values.tolist()
     out, start = {}, 0
-    for depth, tokens in groups.items():
+    for depth, (tokens, _) in groups.items():
         out[depth] = (ids_list[start : start + len(tokens)], values_list[start : start + len(tokens)])
         start += len(tokens)
     return out
 
 
-def chain_lattice(heads: BlockDraftHeads, hidden: torch.Tensor, root: torch.Tensor, top_k: int) -> Lattice:
+def chain_lattice(
+    heads: BlockDraftHeads, hidden: torch.Tensor, root: torch.Tensor, top_k: int, context: torch.Tensor | None = None
+) -> Lattice:
     """`[batch, hidden]` last accepted hidden states, `[batch]` roots -> the lattice of the heads' greedy
     chain: position i holds head i's top-k given the top-1 token of position i-1 (position 1: the root).
-    One head call per position, on all batch rows."""
+    One head call per position, on all batch rows. `context [batch, L]` (ending with the roots) feeds
+    context-copy heads; other heads ignore it."""
     tokens, logprobs = [], []
     previous = root.to(hidden.device)
+    memory = heads.copy_memory(context) if context is not None else None
+    before = context[:, -2] if memory is not None and context.shape[1] > 1 else previous
     with torch.no_grad():
         for i in range(heads.num_heads):
-            ids, values = _top_k(heads, heads.step(i, hidden, previous), top_k)
+            head = torch.full_like(previous, i)
+            ids, values = heads.top_tokens(heads.step(i, hidden, previous), top_k, head, before, memory)
             tokens.append(ids)
             logprobs.append(values)
-            previous = ids[:, 0]
+            before, previous = previous, ids[:, 0]
     return Lattice(tokens=torch.stack(tokens, dim=1), logprobs=torch.stack(logprobs, dim=1))
 
 
@@ -94,11 +99,15 @@ def expand_tree(
     max_depth: int | None = None,
     estimates: dict[tuple[int, ...], float] | None = None,
     calibration: AcceptanceCalibration | None = None,
+    context: torch.Tensor | None = None,
 ) -> list[Arc]:
     """Grow `tree` (a root, maybe with drafts already merged) in place up to `budget` nodes, best-first on
     calibrated path probability, from "previous" heads on `hidden [1, hidden]` and the rescorer's
-    `estimates` ({draft prefix: log-probability of its last token}). Returns every node's arc (the
+    `estimates` ({draft prefix: log-probability of its last token}). `context [L]`: the accepted tokens,
+    ending with the root, for context-copy heads (others ignore it). Returns every node's arc (the
     estimate that ordered it; -inf for a node merged before that the search never reached)."""
+    memory = heads.copy_memory(context[None]) if context is not None else None
+    before_root = int(context[-2]) if context is not None and context.numel() > 1 else tree.tokens[0]
     depth_limit = heads.num_heads if max_depth is None else min(max_depth, heads.num_heads)
     estimates = estimates or {}
     proposals: dict[tuple[int, ...], list[tuple[int, float]]] = {}  # draft prefix -> rescorer's next tokens
@@ -124,8 +133,11 @@ def expand_tree(
         for node in nodes:
             if tree.depths[node] < depth_limit:
                 by_depth.setdefault(tree.depths[node], []).append(node)
-        groups = {d: [tree.tokens[n] for n in g] for d, g in by_depth.items()}
-        children = _top_children(heads, hidden, groups, top_k) if groups else {}
+        groups = {
+            d: ([tree.tokens[n] for n in g], [tree.tokens[tree.parents[n]] if n else before_root for n in g])
+            for d, g in by_depth.items()
+        }
+        children = _top_children(heads, hidden, groups, top_k, memory) if groups else {}
         for depth, group in by_depth.items():
             ids, lps = children[depth]
             for node, node_ids, node_lps in zip(group, ids, lps):

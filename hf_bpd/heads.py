@@ -27,6 +27,10 @@ borrowed from the base model at `bind`.
               one call.
   ""          plain Medusa heads (the hidden state only).
 
+Optional context copy (`copy_dim` > 0, "previous" heads only): each head also points into the context
+(prompt and answer so far) and mixes the token that followed the matching bigram there into its own
+distribution (`context_copy.py`): what lets the heads copy names, numbers and phrases from a long prompt.
+
 The residual weights start at zero, so an untrained head is the base LM head applied to the base hidden
 state: it repeats the base model's own next-token guess (the paper's and Medusa's initialisation).
 """
@@ -39,6 +43,7 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from .context_copy import INITIAL_SINK, ContextCopy, CopyMemory, CopyTargets, mixed_logprobs, target_logprob
 from .packed_linear import active_packed_linear
 
 MAX_HEADS = 32
@@ -61,6 +66,7 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         draft_vocab_size: int = 0,
         use_next_token: bool = False,
         token_input: str | None = None,
+        copy_dim: int = 0,
         **kwargs,
     ) -> None:
         self.base_model_name = base_model_name
@@ -79,6 +85,7 @@ class BlockDraftHeadsConfig(PretrainedConfig):
             raise ValueError(f"token_input must be one of {TOKEN_INPUTS}, got {token_input!r}")
         self.token_input = token_input
         self.use_next_token = token_input == "next"
+        self.copy_dim = copy_dim  # 0: no context copy
         super().__init__(**kwargs)
 
 
@@ -157,6 +164,14 @@ class BlockDraftHeads(PreTrainedModel):
         # Own softmax layer only when not tied; a tied head borrows the base model's rows at `bind` time and
         # keeps them out of the state dict (they are not parameters).
         self.lm_head = None if config.tie_lm_head else nn.Linear(config.hidden_size, out_size, bias=False)
+        if config.copy_dim and config.token_input != "previous":
+            raise ValueError(
+                f"context copy (copy_dim={config.copy_dim}) needs heads that read the token before their target "
+                f"(token_input='previous'), got token_input={config.token_input!r}"
+            )
+        self.context_copy = (
+            ContextCopy(config.hidden_size, config.num_heads, config.copy_dim) if config.copy_dim else None
+        )
         self.__dict__["_tied_weight"] = None
         self.__dict__["_token_embedding"] = None
         self.post_init()
@@ -165,6 +180,9 @@ class BlockDraftHeads(PreTrainedModel):
         if getattr(module, "_bpd_zero_init", False):
             nn.init.zeros_(module.weight)
             nn.init.zeros_(module.bias)
+        if getattr(module, "_bpd_sink_init", False):  # context copy: the head's own distribution first
+            nn.init.zeros_(module.weight)
+            nn.init.constant_(module.bias, INITIAL_SINK)
 
     @staticmethod
     def saved_config(path, **kwargs) -> BlockDraftHeadsConfig:
@@ -201,11 +219,12 @@ class BlockDraftHeads(PreTrainedModel):
         draft_vocab: torch.Tensor | None = None,
         use_next_token: bool = False,
         token_input: str | None = None,
+        copy_dim: int = 0,
     ) -> BlockDraftHeads:
         """Untrained heads that fit `model` (hidden size, vocabulary, LM head fingerprint), bound to it.
         `draft_vocab`: token ids the heads may draft (default: all); `token_input`: which token embedding
         the heads also read, "next", "previous" or "" (module docstring; `use_next_token=True` is
-        `token_input="next"`)."""
+        `token_input="next"`); `copy_dim`: width of the context-copy pointer (0: none)."""
         lm_head = _output_embeddings(model)
         config = BlockDraftHeadsConfig(
             base_model_name=getattr(model.config, "_name_or_path", "") or "",
@@ -219,6 +238,7 @@ class BlockDraftHeads(PreTrainedModel):
             draft_vocab_size=0 if draft_vocab is None else int(draft_vocab.numel()),
             use_next_token=use_next_token,
             token_input=token_input,
+            copy_dim=copy_dim,
         )
         heads = cls(config)
         if draft_vocab is not None:
@@ -273,7 +293,13 @@ class BlockDraftHeads(PreTrainedModel):
             raise ValueError(f"n must be in [1, {self.num_heads}], got {n}")
         config = BlockDraftHeadsConfig.from_dict({**self.config.to_dict(), "num_heads": n})
         fewer = type(self)(config).to(device=self.device, dtype=self.dtype)
-        state = {k: v for k, v in self.state_dict().items() if not k.startswith("heads.") or int(k.split(".")[1]) < n}
+        state = {}
+        for key, value in self.state_dict().items():
+            parts = key.split(".")  # heads.<i>.* and context_copy.{query,sink}.<i>.* belong to head i
+            per_head = parts[0] == "heads" or parts[:2] in (["context_copy", "query"], ["context_copy", "sink"])
+            if per_head and int(parts[1 if parts[0] == "heads" else 2]) >= n:
+                continue
+            state[key] = value[:n] if key == "context_copy.distance_bias" else value
         fewer.load_state_dict(state)
         fewer.__dict__["_tied_weight"] = self.__dict__["_tied_weight"]
         fewer.__dict__["_token_embedding"] = self.__dict__["_token_embedding"]
@@ -350,6 +376,65 @@ class BlockDraftHeads(PreTrainedModel):
         embedded = torch.nn.functional.embedding(tokens.to(weight.device), weight)
         return embedded.to(device=hidden_states.device, dtype=hidden_states.dtype)
 
+    def with_context_copy(self, copy_dim: int) -> BlockDraftHeads:
+        """A copy of these heads (same weights and draft vocabulary, bound to the same base model) with a
+        new, untrained context-copy pointer of width `copy_dim` (`context_copy.py`)."""
+        if self.context_copy is not None:
+            raise ValueError(f"these heads already have a context-copy pointer (copy_dim {self.config.copy_dim})")
+        config = BlockDraftHeadsConfig.from_dict({**self.config.to_dict(), "copy_dim": copy_dim})
+        heads = type(self)(config).to(device=self.device, dtype=self.dtype)
+        missing, unexpected = heads.load_state_dict(self.state_dict(), strict=False)
+        if unexpected or any(not k.startswith("context_copy.") for k in missing):
+            raise RuntimeError(f"unexpected weights moving heads to context copy: {unexpected or missing}")
+        heads.__dict__["_tied_weight"] = self.__dict__["_tied_weight"]
+        heads.__dict__["_token_embedding"] = self.__dict__["_token_embedding"]
+        return heads
+
+    def copy_memory(self, context: torch.Tensor, lengths: torch.Tensor | None = None) -> CopyMemory | None:
+        """The context-copy memory of `context [B, L]` token ids (each row ending with the tree's root;
+        `lengths [B]` for right-padded rows), or None for heads without context copy."""
+        if self.context_copy is None:
+            return None
+        weight = self.__dict__["_token_embedding"]
+        if weight is None:
+            raise RuntimeError("context-copy heads need the base model's embeddings: call bind(model)")
+        return self.context_copy.memory(context, weight, lengths)
+
+    def copy_weights(
+        self, i: torch.Tensor, states: torch.Tensor, before: torch.Tensor, memory: CopyMemory
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log weight of the head's own distribution `[n]`, log weight of each memory key `[n, L]`) for rows
+        drafted by head `i [n]` (0-based) from head states `[n, H]`; `before [n]`: the token before the one
+        each head read (`context_copy.py`)."""
+        weight = self.__dict__["_token_embedding"]
+        if weight is None:
+            raise RuntimeError("context-copy heads need the base model's embeddings: call bind(model)")
+        before_embedding = torch.nn.functional.embedding(before.to(weight.device), weight).to(states)
+        return self.context_copy.attention(i.to(states.device), states, before_embedding, memory)
+
+    def top_tokens(
+        self,
+        states: torch.Tensor,
+        top_k: int,
+        i: torch.Tensor | None = None,
+        before: torch.Tensor | None = None,
+        memory: CopyMemory | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head states `[n, hidden]` -> their top-k token ids and log-probabilities, `[n, k]` each. With
+        context copy (`memory` given): the mixture of each head's own distribution and its pointer into the
+        context, over the whole vocabulary; `i [n]` is each row's head (0-based) and `before [n]` the token
+        before the one it read."""
+        logits = self.project(states).float()
+        ids = self.draft_vocab if self.config.draft_vocab_size else None
+        if memory is None or self.context_copy is None:
+            values, index = logits.topk(top_k, dim=-1)
+            values = values - logits.logsumexp(dim=-1, keepdim=True)  # log-softmax of the top-k only
+            return (index if ids is None else ids.to(index.device)[index]), values
+        sink, keys = self.copy_weights(i, states, before, memory)
+        mixed = mixed_logprobs(logits.log_softmax(-1), ids, self.config.vocab_size, sink, keys, memory.values)
+        values, index = mixed.topk(top_k, dim=-1)
+        return index, values
+
     def project(self, states: torch.Tensor) -> torch.Tensor:
         """The softmax layer: `[..., hidden] -> [..., S]` logits over the draft vocabulary (`draft_vocab`
         maps index -> token id; S = vocab size unless a draft vocabulary is set)."""
@@ -392,12 +477,39 @@ class BlockDraftHeads(PreTrainedModel):
             info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
         return str(info)
 
+    def copy_target_logprobs(
+        self, hidden_states: torch.Tensor, tokens: torch.Tensor, targets: CopyTargets
+    ) -> torch.Tensor:
+        """log p(target) `[n, h]` of each head's pointer-generator mixture at teacher-forced positions:
+        `hidden_states [n, hidden]`, `tokens [n, h]` the token each head reads; -inf where neither the head
+        nor the context holds the target (training skips those)."""
+        memory = self.copy_memory(targets.context, targets.lengths)
+        out = []
+        for i in range(self.num_heads):
+            state = self.step(i, hidden_states, tokens[:, i])
+            head_logprobs = self.project(state).float().log_softmax(-1)
+            index = torch.full_like(tokens[:, i], i)
+            sink, keys = self.copy_weights(index, state, targets.before[:, i], memory)
+            out.append(
+                target_logprob(
+                    head_logprobs, targets.head_targets[:, i], sink, keys, memory.values, targets.targets[:, i]
+                )
+            )
+        return torch.stack(out, dim=1)
+
     def forward(
-        self, hidden_states: torch.Tensor, next_tokens: torch.Tensor | None = None, return_states: bool = False
+        self,
+        hidden_states: torch.Tensor,
+        next_tokens: torch.Tensor | None = None,
+        return_states: bool = False,
+        copy_targets: CopyTargets | None = None,
     ) -> torch.Tensor:
         """`[..., hidden]` base hidden states (and the tokens the heads read, see `head_states`) ->
         `[..., h, S]` draft logits; with `return_states`, the `head_states` before the softmax layer (the
         training loss projects head by head, but must call the module itself so that a data-parallel
-        wrapper synchronises gradients)."""
+        wrapper synchronises gradients); with `copy_targets`, `copy_target_logprobs` (training the
+        context-copy pointer, through the module for the same reason)."""
+        if copy_targets is not None:
+            return self.copy_target_logprobs(hidden_states, next_tokens, copy_targets)
         states = self.head_states(hidden_states, next_tokens)
         return states if return_states else self.project(states)

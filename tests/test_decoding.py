@@ -121,8 +121,8 @@ class OracleDrafter(BlockDrafter):
         self.rng = torch.Generator().manual_seed(0)
         self._context_len = 0
 
-    def lattice(self, hidden_last, root):
-        lattice = super().lattice(hidden_last, root)
+    def lattice(self, hidden_last, root, context=None):
+        lattice = super().lattice(hidden_last, root, context)
         tokens = lattice.tokens.clone()
         start = self._context_len
         for i in range(lattice.num_positions):

@@ -22,7 +22,8 @@ def args_for(tmp_path, **kw):
     train_heads.add_args(parser)
     base = ["--data", "unused", "--output", str(tmp_path), "--no-progress", "--log-every", "0"]
     for k, v in kw.items():
-        base += [f"--{k.replace('_', '-')}", str(v)]
+        flag = f"--{k.replace('_', '-')}"
+        base += [flag] if v is True else [flag, str(v)]  # store_true flags take no value
     return parser.parse_args(base)
 
 

@@ -67,6 +67,11 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     torch.manual_seed(args.seed)
     resolve_heads_shape(args)
     heads = initial_heads(model, args)
+    if heads.context_copy is not None:
+        raise ValueError(
+            "joint mode does not train a context-copy pointer: train the pointer in frozen mode "
+            "(--copy-dim, --freeze-heads) on the joint stage's heads"
+        )
     vocab_index = draft_index(heads)
     lora = LoraConfig(
         r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"

@@ -37,6 +37,7 @@ import torch
 from hf_bpd.heads import BlockDraftHeads
 from hf_bpd.vocab import model_vocab_size
 from training.checkpoint import resume, run_fingerprint, save_epoch
+from training.copy_training import SampleTokens, copy_hits, copy_loss, copy_targets, feature_positions
 
 IGNORE = -100
 TOKEN_INPUT_CHOICES = ("previous", "next", "none")  # --token-input; "none" is token_input ""
@@ -237,12 +238,29 @@ def resolve_heads_shape(args: argparse.Namespace) -> None:
 
 def initial_heads(model, args: argparse.Namespace, draft_vocab: torch.Tensor | None = None) -> BlockDraftHeads:
     """The heads training starts from, in float32 and bound to `model`: the `--init` heads (checked to fit
-    `model`), or new ones of the arguments' shape drafting `draft_vocab` (None: the whole vocabulary)."""
+    `model`), or new ones of the arguments' shape drafting `draft_vocab` (None: the whole vocabulary).
+    `--copy-dim` adds a context-copy pointer to heads that have none."""
+    copy_dim = getattr(args, "copy_dim", 0)
+    if getattr(args, "freeze_heads", False) and not copy_dim:
+        raise ValueError("--freeze-heads trains only a context-copy pointer: give --copy-dim")
     if args.init:
         device = next(model.parameters()).device
-        return BlockDraftHeads.from_pretrained(args.init).to(device).float().bind(model)
+        heads = BlockDraftHeads.from_pretrained(args.init).to(device).float().bind(model)
+        if copy_dim and heads.context_copy is None:
+            return heads.with_context_copy(copy_dim)
+        if copy_dim and copy_dim != heads.config.copy_dim:
+            raise ValueError(
+                f"--copy-dim {copy_dim} differs from the --init heads in {args.init}, which have "
+                f"{heads.config.copy_dim}"
+            )
+        return heads
     heads = BlockDraftHeads.for_base_model(
-        model, args.num_heads, args.num_layers, draft_vocab=draft_vocab, token_input=token_input(args)
+        model,
+        args.num_heads,
+        args.num_layers,
+        draft_vocab=draft_vocab,
+        token_input=token_input(args),
+        copy_dim=copy_dim,
     )
     return heads.float()
 
@@ -310,11 +328,22 @@ def teacher_loss(heads: BlockDraftHeads, logits: torch.Tensor, teacher_hidden: t
 
 
 @torch.no_grad()
-def evaluate(heads: BlockDraftHeads, feats: Features, top_k: int, batch: int = 512) -> dict:
+def evaluate(
+    heads: BlockDraftHeads,
+    feats: Features,
+    top_k: int,
+    batch: int = 512,
+    sample_tokens: SampleTokens | None = None,
+    positions: torch.Tensor | None = None,
+) -> dict:
     """Per-head top-1 / top-k accuracy (over positions with a target) and the top-k lattice oracle. For
     "previous" heads the accuracies are given the true tokens before each target, and the oracle is that
     of a tree that expands each head's top-k: the longest true prefix whose every token is in its head's
-    top-k given the true tokens before it."""
+    top-k given the true tokens before it. Context-copy heads are scored by their mixture, which needs
+    the samples' tokens and each row's position (`copy_training.feature_positions`)."""
+    with_copy = heads.context_copy is not None
+    if with_copy and (sample_tokens is None or positions is None):
+        raise ValueError("evaluating context-copy heads needs the samples' tokens and each row's position")
     device = next(heads.parameters()).device
     h = heads.num_heads
     hit1, hitk, count = torch.zeros(h), torch.zeros(h), torch.zeros(h)
@@ -323,12 +352,18 @@ def evaluate(heads: BlockDraftHeads, feats: Features, top_k: int, batch: int = 5
     for s in range(0, feats.hidden.shape[0], batch):
         x = feats.hidden[s : s + batch].to(device=device, dtype=heads.dtype)
         t = feats.targets[s : s + batch].to(device)
-        tokens = heads.teacher_forced_tokens(torch.cat([feats.next_token[s : s + batch, None].to(device), t], 1))
-        logits = heads(x, tokens)  # [n, h, S]
-        topk = ids[logits.topk(top_k, dim=-1).indices]  # token ids [n, h, k]
         valid = t != IGNORE
-        in_k = (topk == t[..., None]).any(-1) & valid
-        hit1 += ((topk[..., 0] == t) & valid).sum(0).cpu().float()
+        if with_copy:
+            rows = slice(s, s + batch)
+            read, targets = copy_targets(sample_tokens, feats.sample[rows], positions[rows], t.cpu(), None)
+            top1, in_k = copy_hits(heads, x, read.to(device), targets.to(device), top_k)
+        else:
+            tokens = heads.teacher_forced_tokens(torch.cat([feats.next_token[s : s + batch, None].to(device), t], 1))
+            logits = heads(x, tokens)  # [n, h, S]
+            topk = ids[logits.topk(top_k, dim=-1).indices]  # token ids [n, h, k]
+            in_k = (topk == t[..., None]).any(-1) & valid
+            top1 = (topk[..., 0] == t) & valid
+        hit1 += top1.sum(0).cpu().float()
         hitk += in_k.sum(0).cpu().float()
         count += valid.sum(0).cpu().float()
         oracle_sum += float(in_k.long().cumprod(dim=1).sum())
@@ -388,6 +423,13 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         vocab = model_vocab_size(model)
         draft_vocab = draft_vocabulary([data[i] for i in sorted(train_samples)], args.draft_vocab_size, vocab, always)
     heads = initial_heads(model, args, draft_vocab)
+    sample_tokens = positions = None
+    if heads.context_copy is not None:  # the pointer reads each position's context: the samples' tokens
+        sample_tokens = SampleTokens.build(data, response_positions)
+        positions = feature_positions(feats.sample, sample_tokens)
+    if args.freeze_heads:  # only the context-copy pointer learns
+        for name, param in heads.named_parameters():
+            param.requires_grad_(name.startswith("context_copy."))
     vocab_index = draft_index(heads)
     weights = loss_weights(args.num_heads, args.loss_decay)
     params = [p for p in heads.parameters() if p.requires_grad]
@@ -396,7 +438,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     # reorders anything, as indices into `feats` (val and train rows alike are consecutive per sample)
     teacher = teacher_rows(feats, args.num_heads)
     train_teacher = teacher[train_index]
-    dataset = torch.utils.data.TensorDataset(train.hidden, train.targets, train.next_token, train_teacher)
+    dataset = torch.utils.data.TensorDataset(train.hidden, train.targets, train.next_token, train_teacher, train_index)
     shuffle = torch.Generator().manual_seed(args.seed)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, generator=shuffle)
     total_steps = max(1, args.epochs * len(loader))
@@ -412,22 +454,30 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     for epoch in range(first_epoch, args.epochs):
         heads.train()
         t0, running, steps = time.time(), 0.0, 0
-        for hidden, targets, next_tokens, rows in loader:
+        for hidden, targets, next_tokens, rows, feature_rows in loader:
             teacher_hidden = None
-            if args.teacher_weight:  # NaN marks "no teacher" (head past the sample's end)
+            if args.teacher_weight and not args.freeze_heads:  # NaN marks "no teacher" (past the sample's end)
                 teacher_hidden = feats.hidden[rows.clamp(min=0).cpu()].float().to(hidden.device)
                 teacher_hidden[rows < 0] = float("nan")
-            with accelerator.autocast():
-                loss, _ = heads_loss(
-                    heads,
-                    hidden.float(),
-                    targets,
-                    weights,
-                    vocab_index,
-                    next_tokens,
-                    teacher_hidden,
-                    args.teacher_weight,
-                )
+            loss = hidden.new_zeros(()).float()
+            if sample_tokens is not None:
+                at = feature_rows.cpu()
+                read, copy = copy_targets(sample_tokens, feats.sample[at], positions[at], targets.cpu(), vocab_index)
+                with accelerator.autocast():
+                    loss, _ = copy_loss(heads, hidden.float(), read.to(hidden.device), copy.to(hidden.device), weights)
+            if not args.freeze_heads:  # the heads' own loss (frozen heads: the pointer's alone)
+                with accelerator.autocast():
+                    own, _ = heads_loss(
+                        heads,
+                        hidden.float(),
+                        targets,
+                        weights,
+                        vocab_index,
+                        next_tokens,
+                        teacher_hidden,
+                        args.teacher_weight,
+                    )
+                loss = loss + own
             accelerator.backward(loss)
             optimizer.step()
             scheduler.step()
@@ -438,7 +488,10 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
                 print(f"epoch {epoch} step {steps}/{len(loader)} loss {running / steps:.4f}", flush=True)
         heads.eval()
         check_replicas_agree(accelerator, bare)
-        metrics = evaluate(bare, val, args.top_k) if accelerator.is_main_process else {}
+        val_positions = None if positions is None else positions[val_index]
+        metrics = (
+            evaluate(bare, val, args.top_k, 512, sample_tokens, val_positions) if accelerator.is_main_process else {}
+        )
         record = {
             "epoch": epoch,
             "train_loss": running / max(steps, 1),
@@ -475,6 +528,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the token embedding each head also reads: 'previous' (the default) the token before its target "
         "(drafted node by node), 'next' token t+1 (the base model's own choice), 'none' plain Medusa heads",
+    )
+    parser.add_argument(
+        "--copy-dim",
+        type=int,
+        default=0,
+        help="frozen mode, 'previous' heads: add a context-copy pointer of this width to the heads (0: none; "
+        "heads that have one keep it)",
+    )
+    parser.add_argument(
+        "--freeze-heads",
+        action="store_true",
+        help="train only the context-copy pointer, keeping the heads' own weights (e.g. of --init heads)",
     )
     parser.add_argument("--features-cache", default=None, help="frozen mode: cache folder (default: OUTPUT/features)")
     parser.add_argument("--loss-decay", type=float, default=0.8, help="head i loss weight = decay**(i-1)")

@@ -1,0 +1,175 @@
+"""Context copy: draft heads that can copy from the context (prompt and answer so far).
+
+Medusa-style heads see one hidden state, so they cannot copy a name, a number or a phrase from a long
+prompt: on Spec-Bench the copy-heavy categories (translation, summarization, RAG) are where the shipped
+heads are weakest. A model-free bigram lookup over the context predicts each head's target about as often
+as the heads themselves do, at every depth (BENCHMARKS.md), and on other positions: the two are
+complementary.
+
+So each head gets a pointer over the context (a pointer-generator, See et al. 2017, in the form of an
+induction lookup), learned on the same self-distilled data as the heads:
+
+    memory      every accepted position j >= 1 whose next token x[j+1] is known (the root included):
+                key_j = W_k [e(x[j-1]); e(x[j])]            (the bigram ending at j)
+                value_j = x[j+1]                           (the token that followed it)
+    query       head i, drafting the token after x[t+i] (the token it reads, see `heads.py`):
+                q = W_q,i [s_i; e(x[t+i-1])]               (its state, and the token before that)
+    attention   a = softmax([q . key_j / sqrt(d) + bias_i(distance) ..., sink_i(s_i; e(x[t+i-1]))])
+    output      p(y) = a_sink * p_head(y) + sum_{j: value_j = y} a_j
+
+The sink's weight is the head's own distribution's share, so the head decides per position whether to
+copy or to generate, and the output is still a distribution (top-k and calibration work unchanged). A
+copied token may lie outside the heads' draft vocabulary: the pointer reaches the whole vocabulary.
+Keys depend on token ids only, so decoding needs nothing beyond the token ids it already has (no extra
+hidden states, nothing stored across steps); `memory` of a 700-token context costs one small matmul.
+
+`e` is the base model's input embedding, borrowed at `bind` as the heads' token input already is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+DISTANCE_BUCKETS = 12  # log2 buckets of how far back a key is: 1, 2-3, 4-7, ... 1024+
+INITIAL_SINK = 3.0  # sink logit at initialisation: the head's own distribution starts with most weight
+
+
+@dataclass
+class CopyMemory:
+    """The context as the pointer sees it: `keys [B, L, d]`, `values [B, L]` (the token after each key's
+    bigram), `distance [B, L]` (distance bucket of each key from the context's end), `valid [B, L]`."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    distance: torch.Tensor
+    valid: torch.Tensor
+
+    def row(self, b: int) -> CopyMemory:
+        return CopyMemory(self.keys[b : b + 1], self.values[b : b + 1], self.distance[b : b + 1], self.valid[b : b + 1])
+
+
+@dataclass
+class CopyTargets:
+    """Teacher-forced positions for training the pointer: `context [n, L]` the accepted tokens x[0..t+1]
+    (right-padded to `lengths [n]`), `before [n, h]` the token before the one head i reads (x[t+i]),
+    `targets [n, h]` head i's target token id (negative: none) and `head_targets [n, h]` its index in the
+    heads' draft vocabulary (negative: outside it)."""
+
+    context: torch.Tensor
+    lengths: torch.Tensor
+    before: torch.Tensor
+    targets: torch.Tensor
+    head_targets: torch.Tensor
+
+    def to(self, device: torch.device | str) -> CopyTargets:
+        return CopyTargets(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
+def distance_bucket(distance: torch.Tensor) -> torch.Tensor:
+    """floor(log2(distance)) for distance >= 1, capped at the last bucket."""
+    d = distance.clamp(min=1).float()
+    return torch.log2(d).floor().long().clamp(max=DISTANCE_BUCKETS - 1)
+
+
+class ContextCopy(nn.Module):
+    """The pointer of every head (module docstring). `dim`: width of keys and queries."""
+
+    def __init__(self, hidden_size: int, num_heads: int, dim: int) -> None:
+        super().__init__()
+        if dim < 1:
+            raise ValueError(f"copy_dim must be >= 1, got {dim}")
+        self.dim = dim
+        self.key = nn.Linear(2 * hidden_size, dim, bias=False)
+        self.query = nn.ModuleList(nn.Linear(2 * hidden_size, dim) for _ in range(num_heads))
+        self.sink = nn.ModuleList(nn.Linear(2 * hidden_size, 1) for _ in range(num_heads))
+        self.distance_bias = nn.Parameter(torch.zeros(num_heads, DISTANCE_BUCKETS))
+        for sink in self.sink:
+            sink._bpd_sink_init = True  # `BlockDraftHeads._init_weights`: zero weight, INITIAL_SINK bias
+
+    def memory(self, context: torch.Tensor, embedding: torch.Tensor, lengths: torch.Tensor | None = None) -> CopyMemory:
+        """`context [B, L]` token ids (right-padded; `lengths [B]` real lengths, default all L), each row
+        ending with its last known token -> the memory of keys j = 1 .. length-2 (values x[j+1])."""
+        b, n = context.shape
+        if lengths is None:
+            lengths = torch.full((b,), n, dtype=torch.long, device=context.device)
+        m = max(n - 2, 0)
+        # project only the distinct tokens: a batch's contexts repeat most of their tokens
+        unique, inverse = context.unique(return_inverse=True)
+        e = nn.functional.embedding(unique.to(embedding.device), embedding).to(self.key.weight.dtype)
+        half = self.key.weight.shape[1] // 2
+        prev_part = e @ self.key.weight[:, :half].T  # [U, d]: the key's first token
+        cur_part = e @ self.key.weight[:, half:].T  # [U, d]: its second token
+        inverse = inverse.to(prev_part.device)
+        keys = prev_part[inverse[:, :m]] + cur_part[inverse[:, 1 : m + 1]]
+        values = context[:, 2 : m + 2]
+        j = torch.arange(1, m + 1, device=context.device)
+        valid = j[None] <= (lengths[:, None] - 2)
+        distance = distance_bucket(lengths[:, None].to(j.device) - 1 - j[None])
+        return CopyMemory(keys, values, distance, valid)
+
+    def attention(
+        self, i: torch.Tensor, state: torch.Tensor, prev_embedding: torch.Tensor, memory: CopyMemory
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For rows drafting with head `i [n]` (0-based), head state `state [n, H]` and the embedding of the
+        token before the one the head read `prev_embedding [n, H]`, over `memory` (one row, shared, or n
+        rows): (log weight of the sink `[n]`, log weights of the keys `[n, L]`, -inf where invalid)."""
+        x = torch.cat([state, prev_embedding.to(state.dtype)], dim=-1)
+        heads = i.unique().tolist()
+        q = x.new_empty(x.shape[0], self.dim)
+        sink = x.new_empty(x.shape[0])
+        for h in heads:  # rows grouped by head: one matmul per head
+            rows = (i == h).nonzero().squeeze(1)
+            q[rows] = self.query[h](x[rows])
+            sink[rows] = self.sink[h](x[rows]).squeeze(-1)
+        keys = memory.keys.to(q.dtype)
+        # one memory shared by every row (drafting), or one per row (training)
+        scores = q @ keys[0].T if keys.shape[0] == 1 else torch.einsum("nd,nld->nl", q, keys)
+        scores = scores / self.dim**0.5 + self.distance_bias[i[:, None], memory.distance.expand(q.shape[0], -1)]
+        scores = scores.masked_fill(~memory.valid.expand(q.shape[0], -1), float("-inf"))
+        logits = torch.cat([sink[:, None], scores], dim=-1).float()
+        logw = logits.log_softmax(-1)
+        return logw[:, 0], logw[:, 1:]
+
+
+def mixed_logprobs(
+    head_logprobs: torch.Tensor,
+    draft_vocab: torch.Tensor | None,
+    vocab_size: int,
+    sink_logw: torch.Tensor,
+    key_logw: torch.Tensor,
+    values: torch.Tensor,
+) -> torch.Tensor:
+    """The pointer-generator mixture over the whole vocabulary, `[n, V]` log-probabilities: the head's own
+    `head_logprobs [n, S]` (over `draft_vocab`, None: the whole vocabulary) weighted by the sink, plus
+    each key's weight on its value token (`values [1 or n, L]`)."""
+    n = head_logprobs.shape[0]
+    probs = head_logprobs.new_zeros(n, vocab_size)
+    head = (head_logprobs + sink_logw[:, None]).exp()
+    if draft_vocab is None:
+        probs += head
+    else:
+        probs[:, draft_vocab.to(probs.device)] = head
+    probs.scatter_add_(1, values.expand(n, -1).to(probs.device), key_logw.exp().nan_to_num(0.0))
+    return probs.clamp(min=1e-30).log()
+
+
+def target_logprob(
+    head_logprobs: torch.Tensor,
+    head_target: torch.Tensor,
+    sink_logw: torch.Tensor,
+    key_logw: torch.Tensor,
+    values: torch.Tensor,
+    target: torch.Tensor,
+) -> torch.Tensor:
+    """log p(target) under the mixture, `[n]`, without building `[n, V]` (training). `head_target [n]`:
+    the target's index in the heads' vocabulary, negative when the head cannot draft it; -inf where
+    neither the head nor the context has the target."""
+    inside = head_target >= 0
+    from_head = head_logprobs.gather(1, head_target.clamp(min=0)[:, None]).squeeze(1) + sink_logw
+    from_head = torch.where(inside, from_head, torch.full_like(from_head, float("-inf")))
+    match = values.expand_as(key_logw) == target[:, None]
+    from_copy = key_logw.masked_fill(~match, float("-inf")).logsumexp(-1)
+    return torch.logaddexp(from_head, from_copy)
