@@ -56,8 +56,9 @@ def data_recipe(manifest: dict | None) -> str:
     for run in runs:
         count = run.get("num_samples", run.get("num_prompts", "?"))
         offset = f", from position {run['offset']}" if run.get("offset") else ""
+        stage = f"{run['stage']}: " if run.get("stage") else ""
         sentences.append(
-            f"Greedy answers of the base model itself to {count} prompts of "
+            f"{stage}Greedy answers of the base model itself to {count} prompts of "
             f"`{Path(str(run.get('prompts', '?'))).name}` (shuffle seed {run.get('seed', '?')}{offset}), chat "
             f"template, prompts truncated to {run.get('max_prompt_tokens', '?')} tokens, "
             f"max_new_tokens={run.get('max_new_tokens', '?')}; produced with `hf-bpd distill`."
@@ -86,6 +87,12 @@ def render_card(
         "target (head 1: the base model's own next token; head i: the drafted token at depth i-1, so each "
         "tree branch is drafted from its own tokens)",
     }[cfg.token_input]
+    if getattr(cfg, "copy_dim", 0):
+        inputs += (
+            f"; each head also points into the context (prompt and answer so far: a {cfg.copy_dim}-wide "
+            "attention from the bigram it continues to every earlier bigram) and mixes the token that followed "
+            "there into its own distribution, so it can copy names, numbers and phrases from the prompt"
+        )
     return template.format(
         base_model=cfg.base_model_name or "unknown",
         repo_id=repo_id,

@@ -53,3 +53,40 @@ def test_ship_replaces_heads_and_keeps_rescorers(tmp_path):
     assert shipped.num_heads == 2 and shipped.config.use_next_token
     x, tokens = torch.randn(3, model.config.hidden_size), torch.tensor([1, 2, 3])
     torch.testing.assert_close(shipped(x, tokens), heads(x, tokens)[:, :2])
+
+
+def test_ship_keeps_the_earlier_heads_runs_and_records_the_pointer_stage(tmp_path):
+    from hf_bpd.card import data_recipe, render_card
+
+    model = tiny_model()
+    trained = tmp_path / "run"
+    heads = random_heads(model, num_heads=2, token_input="previous").with_context_copy(8)
+    heads.save_pretrained(trained)
+    (trained / "training_log.json").write_text(json.dumps({"epochs": []}))
+    tiny_distilled(model, n=3).save_to_disk(str(tmp_path / "distill" / "dataset"))
+    (tmp_path / "distill" / "manifest.json").write_text(json.dumps({"num_prompts": 3, "prompts": "p.jsonl"}))
+    (tmp_path / "drafter.json").write_text(json.dumps({"top_k": 5}))
+    earlier = {"runs": [{"prompts": "a.jsonl", "num_samples": 7}, {"prompts": "b.jsonl", "num_samples": 5}]}
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    dest = tmp_path / "assets"
+    argv = [
+        "--heads",
+        str(trained),
+        "--distilled",
+        str(tmp_path / "distill"),
+        "--drafter",
+        str(tmp_path / "drafter.json"),
+    ]
+    argv += ["--earlier-manifest", str(tmp_path / "earlier.json"), "--stage", "context-copy pointer", "--to", str(dest)]
+    assert ship.main(argv) == 0
+    manifest = json.loads((dest / "manifest.json").read_text())
+    assert [(r["prompts"], r["num_samples"], r.get("stage")) for r in manifest["runs"]] == [
+        ("a.jsonl", 7, None),
+        ("b.jsonl", 5, None),
+        ("p.jsonl", 3, "context-copy pointer"),
+    ]
+    recipe = data_recipe(manifest)
+    assert recipe.count("- ") == 3 and "- context-copy pointer: Greedy answers of the base model itself to 3" in recipe
+    shipped = hf_bpd.BlockDraftHeads.from_pretrained(dest / "heads").bind(model)
+    assert shipped.config.copy_dim == 8
+    assert "8-wide attention" in render_card(shipped, manifest=manifest)
