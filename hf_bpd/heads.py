@@ -390,6 +390,16 @@ class BlockDraftHeads(PreTrainedModel):
         heads.__dict__["_token_embedding"] = self.__dict__["_token_embedding"]
         return heads
 
+    def without_context_copy(self) -> BlockDraftHeads:
+        """These heads without their context-copy pointer (their own distribution alone; an ablation),
+        bound to the same base model."""
+        config = BlockDraftHeadsConfig.from_dict({**self.config.to_dict(), "copy_dim": 0})
+        heads = type(self)(config).to(device=self.device, dtype=self.dtype)
+        heads.load_state_dict({k: v for k, v in self.state_dict().items() if not k.startswith("context_copy.")})
+        heads.__dict__["_tied_weight"] = self.__dict__["_tied_weight"]
+        heads.__dict__["_token_embedding"] = self.__dict__["_token_embedding"]
+        return heads
+
     def copy_memory(self, context: torch.Tensor, lengths: torch.Tensor | None = None) -> CopyMemory | None:
         """The context-copy memory of `context [B, L]` token ids (each row ending with the tree's root;
         `lengths [B]` for right-padded rows), or None for heads without context copy."""

@@ -118,6 +118,32 @@ def test_context_copy_heads_save_reload_bit_identical_and_first_heads_keep_their
     assert torch.equal(two.context_copy.key.weight, heads.context_copy.key.weight)
 
 
+def test_chain_lattice_of_context_copy_heads_follows_the_mixture(model):
+    from hf_bpd.expansion import chain_lattice
+
+    heads = copy_heads(model, std=0.2)
+    hidden = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    context = torch.randint(3, 97, (2, 20), generator=torch.Generator().manual_seed(2))
+    lattice = chain_lattice(heads, hidden, context[:, -1], 4, context)
+    with torch.no_grad():  # position 1: head 1 reading the root, the token before it is context[:, -2]
+        state = heads.step(0, hidden, context[:, -1])
+        ids, lps = heads.top_tokens(
+            state, 4, torch.zeros(2, dtype=torch.long), context[:, -2], heads.copy_memory(context)
+        )
+    assert torch.equal(lattice.tokens[:, 0], ids) and torch.allclose(lattice.logprobs[:, 0], lps)
+    plain = chain_lattice(heads.without_context_copy(), hidden, context[:, -1], 4)
+    assert not torch.equal(plain.logprobs, lattice.logprobs)  # the pointer changes the drafts
+
+
+def test_without_context_copy_keeps_the_heads_own_weights(model):
+    heads = copy_heads(model)
+    plain = heads.without_context_copy()
+    assert plain.context_copy is None and plain.config.copy_dim == 0
+    x, tokens = torch.randn(3, model.config.hidden_size), torch.randint(0, 97, (3, 3))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x, tokens), heads(x, tokens))
+
+
 def test_context_copy_refusals(model):
     with pytest.raises(ValueError, match="token_input='previous'"):
         random_heads(model, token_input="next").with_context_copy(8)

@@ -65,6 +65,26 @@ def test_smollm2_identical_on_spec_bench_subset(smollm2):
 
 
 @pytest.mark.real
+def test_shipped_context_copy_drafts_more_on_copy_heavy_prompts(smollm2):
+    """The shipped heads point into the prompt: on translation and summarization prompts (the categories
+    where they copy most), the same heads without their pointer get fewer tokens accepted."""
+    from conftest import SPEC_BENCH
+
+    from hf_bpd.jsonl import read_jsonl
+
+    if not SPEC_BENCH.is_file():
+        pytest.skip(f"{SPEC_BENCH} not present (CI and dev machines have ../shared)")
+    model, tokenizer = smollm2
+    rows = read_jsonl(SPEC_BENCH)
+    prompts = [next(r for r in rows if r["category"] == c)["turns"][0] for c in ("translation", "summarization")]
+    with_copy = hf_bpd.load_packaged_drafter(max_tree_tokens=16)
+    assert with_copy.heads.config.copy_dim > 0
+    without = hf_bpd.BlockDrafter(with_copy.heads.without_context_copy(), top_k=10, max_tree_tokens=16)
+    copy_taus, plain_taus = assert_identical_on_prompts(model, tokenizer, prompts, 48, with_copy, without)
+    assert sum(copy_taus) > sum(plain_taus) + 0.2, (copy_taus, plain_taus)
+
+
+@pytest.mark.real
 @pytest.mark.slow
 def test_smollm2_identical_on_20_spec_bench_prompts(smollm2):
     model, tokenizer = smollm2
