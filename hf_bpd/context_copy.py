@@ -156,6 +156,37 @@ def mixed_logprobs(
     return probs.clamp(min=1e-30).log()
 
 
+def mixture_top_k(
+    head_logprobs: torch.Tensor,
+    draft_vocab: torch.Tensor | None,
+    draft_index: torch.Tensor | None,
+    sink_logw: torch.Tensor,
+    key_logw: torch.Tensor,
+    values: torch.Tensor,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k token ids and log-probabilities `[n, k]` of the mixture (`mixed_logprobs`) for rows that
+    share one memory (`values [1, L]`, drafting), without building `[n, V]`. Exact: a token that neither
+    the head ranks in its top-k nor any key points to has mixture probability sink * p_head <= that of
+    each of the head's top-k, so the top-k lies among those candidates. `draft_index [V]`: token id ->
+    index in the draft vocabulary, -1 outside it (None: the draft vocabulary is the whole vocabulary)."""
+    n = head_logprobs.shape[0]
+    copied, inverse = values[0].unique(return_inverse=True)  # [U] the tokens some key points to
+    copy = head_logprobs.new_zeros(n, copied.numel()).scatter_add_(
+        1, inverse[None].expand(n, -1), key_logw.exp().nan_to_num(0.0)
+    )
+    index = copied if draft_index is None else draft_index[copied]
+    head_of_copied = head_logprobs.gather(1, index.clamp(min=0)[None].expand(n, -1))
+    head_of_copied = head_of_copied.masked_fill((index < 0)[None], float("-inf"))
+    mixed_copied = torch.logaddexp(head_of_copied + sink_logw[:, None], copy.clamp(min=1e-30).log())
+    head_values, head_index = head_logprobs.topk(top_k, dim=-1)
+    head_ids = head_index if draft_vocab is None else draft_vocab[head_index]
+    head_values = (head_values + sink_logw[:, None]).masked_fill(torch.isin(head_ids, copied), float("-inf"))
+    candidates = torch.cat([copied[None].expand(n, -1), head_ids], dim=1)
+    values_k, pick = torch.cat([mixed_copied, head_values], dim=1).topk(top_k, dim=-1)
+    return candidates.gather(1, pick), values_k
+
+
 def target_logprob(
     head_logprobs: torch.Tensor,
     head_target: torch.Tensor,

@@ -43,7 +43,15 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .context_copy import INITIAL_SINK, ContextCopy, CopyMemory, CopyTargets, mixed_logprobs, target_logprob
+from .context_copy import (
+    INITIAL_SINK,
+    ContextCopy,
+    CopyMemory,
+    CopyTargets,
+    mixed_logprobs,
+    mixture_top_k,
+    target_logprob,
+)
 from .packed_linear import active_packed_linear
 
 MAX_HEADS = 32
@@ -441,9 +449,23 @@ class BlockDraftHeads(PreTrainedModel):
             values = values - logits.logsumexp(dim=-1, keepdim=True)  # log-softmax of the top-k only
             return (index if ids is None else ids.to(index.device)[index]), values
         sink, keys = self.copy_weights(i, states, before, memory)
+        if memory.values.shape[0] == 1:  # one memory for every row (drafting): no [n, V] tensor
+            ids = None if ids is None else ids.to(logits.device)
+            return mixture_top_k(logits.log_softmax(-1), ids, self._draft_index(), sink, keys, memory.values, top_k)
         mixed = mixed_logprobs(logits.log_softmax(-1), ids, self.config.vocab_size, sink, keys, memory.values)
         values, index = mixed.topk(top_k, dim=-1)
         return index, values
+
+    def _draft_index(self) -> torch.Tensor | None:
+        """Token id -> index in the draft vocabulary (-1 outside it), made once; None for the whole vocabulary."""
+        if not self.config.draft_vocab_size:
+            return None
+        index = self.__dict__.get("_draft_index_cache")
+        if index is None or index.device != self.draft_vocab.device:
+            index = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=self.draft_vocab.device)
+            index[self.draft_vocab] = torch.arange(self.draft_vocab.numel(), device=index.device)
+            self.__dict__["_draft_index_cache"] = index
+        return index
 
     def project(self, states: torch.Tensor) -> torch.Tensor:
         """The softmax layer: `[..., hidden] -> [..., S]` logits over the draft vocabulary (`draft_vocab`

@@ -72,6 +72,7 @@ hf-bpd train-heads --data "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_
 echo '{"top_k": 10, "max_tree_tokens": "auto"}' > "$RUNS/drafter5.json"
 python -m training.ship --heads "$RUNS/heads5" --distilled "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_de" \
   --drafter "$RUNS/drafter5.json"
+cp hf_bpd/assets/smollm2/manifest.json "$RUNS/manifest_v5.json"  # v5's data, recorded again when v7 ships
 # 6f. the next 2,048 prompts of the bundled prompts' seeded order (mostly T0 summarization and context-QA
 #     templates), beside distill2 so that v2-v5 stay reproducible; a larger --limit later continues it
 hf-bpd distill --output "$RUNS/distill_rest" --offset 4160 --limit 2048 --max-new-tokens 128 --max-prompt-tokens 256 \
@@ -81,6 +82,15 @@ hf-bpd distill --output "$RUNS/distill_rest" --offset 4160 --limit 2048 --max-ne
 hf-bpd train-heads --data "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_de" "$RUNS/distill_rest" \
   --output "$RUNS/heads6" --init "$RUNS/heads5" --features-cache "$RUNS/heads2/features" --loss-decay 0.8 \
   --epochs 1 --lr 1e-3 --batch-size 256 --top-k 5 --teacher-weight 0.5
+# 6h. heads v7 (session 11; shipped; BENCHMARKS.md): v5's heads, unchanged, plus a context-copy pointer per
+#     head (hf_bpd/context_copy.py) trained on the first 2,304 samples of distill2 (the committed ones,
+#     training/data/distilled/distill2); the v5 heads shipped in session 8 are $RUNS/heads5 (step 6d)
+hf-bpd train-heads --data training/data/distilled/distill2 --output "$RUNS/heads7" --init "$RUNS/heads5" \
+  --copy-dim 64 --freeze-heads --features-cache "$RUNS/features7" --epochs 2 --lr 2e-3 --batch-size 256 --top-k 5 \
+  --loss-decay 0.8
+python -m training.ship --heads "$RUNS/heads7" --distilled training/data/distilled/distill2 --drafter "$RUNS/drafter5.json" \
+  --earlier-manifest "$RUNS/manifest_v5.json" \
+  --stage "context-copy pointer (heads v7; the heads' own weights are v5's, trained on the runs above)"
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
