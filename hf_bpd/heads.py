@@ -213,9 +213,12 @@ class BlockDraftHeads(PreTrainedModel):
         naming the folder."""
         cls.saved_config(path, **kwargs)
         try:
-            return super().from_pretrained(path, *args, **kwargs)
+            heads = super().from_pretrained(path, *args, **kwargs)
         except (OSError, RuntimeError, ValueError, SafetensorError) as err:
             raise ValueError(f"could not load the draft heads in {path} (corrupt or incomplete file?): {err}") from err
+        if not heads.config.draft_vocab_size:  # not saved (identity), and transformers leaves it uninitialised
+            heads.draft_vocab = torch.arange(heads.config.vocab_size, device=heads.draft_vocab.device)
+        return heads
 
     @classmethod
     def for_base_model(

@@ -208,3 +208,27 @@ def test_copy_targets_are_what_decoding_would_see():
     assert read.tolist() == [[4, 5], [5, 6]] and t.before.tolist() == [[3, 4], [4, 5]]
     assert t.context.tolist() == [[1, 2, 3, 4, 0], [1, 2, 3, 4, 5]] and t.lengths.tolist() == [4, 5]
     assert isinstance(t, CopyTargets)
+
+
+def test_evaluate_heads_scores_saved_heads_and_a_pointer_that_never_copies_changes_nothing(model, tmp_path):
+    import json
+
+    from training import evaluate_heads
+
+    model.save_pretrained(tmp_path / "model")
+    tiny_distilled(model, n=6, prompt_len=8, new=12).save_to_disk(str(tmp_path / "data"))
+    plain = random_heads(model, num_heads=3, token_input="previous", std=0.2)
+    plain.save_pretrained(tmp_path / "plain")
+    never = plain.with_context_copy(8)
+    with torch.no_grad():
+        for sink in never.context_copy.sink:
+            sink.bias.fill_(100.0)  # all weight on the head's own distribution
+    never.save_pretrained(tmp_path / "never")
+    out = tmp_path / "eval.json"
+    argv = ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"), "--heads", str(tmp_path / "plain")]
+    argv += [str(tmp_path / "never"), "--features-cache", str(tmp_path / "features"), "--top-k", "3"]
+    assert evaluate_heads.main([*argv, "--output", str(out)]) == 0
+    results = json.loads(out.read_text())["heads"]
+    a, b = results[str(tmp_path / "plain")], results[str(tmp_path / "never")]
+    assert a["positions"] == b["positions"] > 0 and len(a["top1"]) == 3
+    assert a["top1"] == pytest.approx(b["top1"]) and a["oracle_top3"] == pytest.approx(b["oracle_top3"])

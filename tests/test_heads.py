@@ -192,6 +192,9 @@ def test_save_load_tied_round_trip(model, tmp_path):
     loaded = BlockDraftHeads.from_pretrained(tmp_path)
     assert isinstance(loaded.config, BlockDraftHeadsConfig)
     assert loaded.lm_head is None
+    # the draft vocabulary of full-vocabulary heads is not saved: it must come back as the identity
+    # (transformers leaves unsaved buffers uninitialised; validation maps head outputs through it)
+    assert torch.equal(loaded.draft_vocab, torch.arange(VOCAB))
     assert_same_params(heads, loaded)
     with pytest.raises(RuntimeError, match="bind"):
         loaded(hidden(1))
