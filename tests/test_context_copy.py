@@ -232,3 +232,15 @@ def test_evaluate_heads_scores_saved_heads_and_a_pointer_that_never_copies_chang
     a, b = results[str(tmp_path / "plain")], results[str(tmp_path / "never")]
     assert a["positions"] == b["positions"] > 0 and len(a["top1"]) == 3
     assert a["top1"] == pytest.approx(b["top1"]) and a["oracle_top3"] == pytest.approx(b["oracle_top3"])
+
+
+def test_bigram_lookup_predicts_what_followed_the_most_recent_match_inside_the_context():
+    from training.copy_oracle import bigram_lookup
+
+    seq = [1, 7, 8, 9, 4, 7, 8, 5, 6, 7, 8, 3]
+    # target index 11 (3) follows (7, 8); matches end at 2 and 6; the context x[0..9] sees both: the most
+    # recent, at 6, was followed by 5
+    assert bigram_lookup(seq, 11, 9) == 5
+    assert bigram_lookup(seq, 11, 5) == 9  # a context ending at 5 holds only the first match
+    assert bigram_lookup([2, 8, 4, 0, 8, 6], 5, 3) == 4  # no bigram (0, 8) before: the last 8 alone
+    assert bigram_lookup([1, 2, 3, 4, 5], 4, 3) is None
