@@ -47,9 +47,6 @@ class CopyMemory:
     distance: torch.Tensor
     valid: torch.Tensor
 
-    def row(self, b: int) -> CopyMemory:
-        return CopyMemory(self.keys[b : b + 1], self.values[b : b + 1], self.distance[b : b + 1], self.valid[b : b + 1])
-
 
 @dataclass
 class CopyTargets:

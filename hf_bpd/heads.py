@@ -454,13 +454,14 @@ class BlockDraftHeads(PreTrainedModel):
         sink, keys = self.copy_weights(i, states, before, memory)
         if memory.values.shape[0] == 1:  # one memory for every row (drafting): no [n, V] tensor
             ids = None if ids is None else ids.to(logits.device)
-            return mixture_top_k(logits.log_softmax(-1), ids, self._draft_index(), sink, keys, memory.values, top_k)
+            return mixture_top_k(logits.log_softmax(-1), ids, self.draft_index(), sink, keys, memory.values, top_k)
         mixed = mixed_logprobs(logits.log_softmax(-1), ids, self.config.vocab_size, sink, keys, memory.values)
         values, index = mixed.topk(top_k, dim=-1)
         return index, values
 
-    def _draft_index(self) -> torch.Tensor | None:
-        """Token id -> index in the draft vocabulary (-1 outside it), made once; None for the whole vocabulary."""
+    def draft_index(self) -> torch.Tensor | None:
+        """Token id -> index in the draft vocabulary (-1 outside it: no head can draft it), made once; None
+        for heads that draft the whole vocabulary."""
         if not self.config.draft_vocab_size:
             return None
         index = self.__dict__.get("_draft_index_cache")

@@ -268,11 +268,8 @@ def initial_heads(model, args: argparse.Namespace, draft_vocab: torch.Tensor | N
 def draft_index(heads: BlockDraftHeads) -> torch.Tensor | None:
     """Token id -> index in the heads' draft vocabulary (IGNORE for tokens outside it, which no head can
     draft and so are not trained on); None for heads that draft the whole vocabulary."""
-    if not heads.config.draft_vocab_size:
-        return None
-    index = torch.full((heads.config.vocab_size,), IGNORE, dtype=torch.long, device=heads.draft_vocab.device)
-    index[heads.draft_vocab] = torch.arange(heads.draft_vocab.numel(), device=index.device)
-    return index
+    index = heads.draft_index()
+    return None if index is None else torch.where(index < 0, IGNORE, index)
 
 
 def loss_weights(num_heads: int, decay: float) -> list[float]:
