@@ -302,8 +302,6 @@ class BlockDraftHeads(PreTrainedModel):
         heads is how the shipped h is chosen). Bound to the same base model."""
         if not 1 <= n <= self.num_heads:
             raise ValueError(f"n must be in [1, {self.num_heads}], got {n}")
-        config = BlockDraftHeadsConfig.from_dict({**self.config.to_dict(), "num_heads": n})
-        fewer = type(self)(config).to(device=self.device, dtype=self.dtype)
         state = {}
         for key, value in self.state_dict().items():
             parts = key.split(".")  # heads.<i>.* and context_copy.{query,sink}.<i>.* belong to head i
@@ -311,10 +309,19 @@ class BlockDraftHeads(PreTrainedModel):
             if per_head and int(parts[1 if parts[0] == "heads" else 2]) >= n:
                 continue
             state[key] = value[:n] if key == "context_copy.distance_bias" else value
-        fewer.load_state_dict(state)
-        fewer.__dict__["_tied_weight"] = self.__dict__["_tied_weight"]
-        fewer.__dict__["_token_embedding"] = self.__dict__["_token_embedding"]
-        return fewer
+        return self._variant(state, num_heads=n)[0]
+
+    def _variant(
+        self, state: dict[str, torch.Tensor], strict: bool = True, **config_changes
+    ) -> tuple[BlockDraftHeads, object]:
+        """Heads of this config with `config_changes`, holding `state`, bound to the same base model (the
+        borrowed LM-head rows and embeddings are shared), and what `load_state_dict` reported."""
+        config = BlockDraftHeadsConfig.from_dict({**self.config.to_dict(), **config_changes})
+        heads = type(self)(config).to(device=self.device, dtype=self.dtype)
+        result = heads.load_state_dict(state, strict=strict)
+        heads.__dict__["_tied_weight"] = self.__dict__["_tied_weight"]
+        heads.__dict__["_token_embedding"] = self.__dict__["_token_embedding"]
+        return heads, result
 
     @property
     def num_heads(self) -> int:
@@ -392,24 +399,16 @@ class BlockDraftHeads(PreTrainedModel):
         new, untrained context-copy pointer of width `copy_dim` (`context_copy.py`)."""
         if self.context_copy is not None:
             raise ValueError(f"these heads already have a context-copy pointer (copy_dim {self.config.copy_dim})")
-        config = BlockDraftHeadsConfig.from_dict({**self.config.to_dict(), "copy_dim": copy_dim})
-        heads = type(self)(config).to(device=self.device, dtype=self.dtype)
-        missing, unexpected = heads.load_state_dict(self.state_dict(), strict=False)
+        heads, (missing, unexpected) = self._variant(self.state_dict(), strict=False, copy_dim=copy_dim)
         if unexpected or any(not k.startswith("context_copy.") for k in missing):
             raise RuntimeError(f"unexpected weights moving heads to context copy: {unexpected or missing}")
-        heads.__dict__["_tied_weight"] = self.__dict__["_tied_weight"]
-        heads.__dict__["_token_embedding"] = self.__dict__["_token_embedding"]
         return heads
 
     def without_context_copy(self) -> BlockDraftHeads:
         """These heads without their context-copy pointer (their own distribution alone; an ablation),
         bound to the same base model."""
-        config = BlockDraftHeadsConfig.from_dict({**self.config.to_dict(), "copy_dim": 0})
-        heads = type(self)(config).to(device=self.device, dtype=self.dtype)
-        heads.load_state_dict({k: v for k, v in self.state_dict().items() if not k.startswith("context_copy.")})
-        heads.__dict__["_tied_weight"] = self.__dict__["_tied_weight"]
-        heads.__dict__["_token_embedding"] = self.__dict__["_token_embedding"]
-        return heads
+        own = {k: v for k, v in self.state_dict().items() if not k.startswith("context_copy.")}
+        return self._variant(own, copy_dim=0)[0]
 
     def copy_memory(self, context: torch.Tensor, lengths: torch.Tensor | None = None) -> CopyMemory | None:
         """The context-copy memory of `context [B, L]` token ids (each row ending with the tree's root;

@@ -110,6 +110,33 @@ def answers_header(data: str, model_name: str, max_new_tokens: int) -> dict:
     }
 
 
+def read_answers(path: str | Path) -> tuple[dict | None, dict[tuple, list[int]]]:
+    """An answers cache's header and its answers, {(question_id, turn): answer ids}."""
+    lines = Path(path).read_text().splitlines()
+    header = json.loads(lines[0]).get("header") if lines else None
+    answers = {}
+    for line in lines[1:]:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a run killed mid-write
+            continue
+        answers[(r["question_id"], r["turn"])] = r["answer_ids"]
+    return header, answers
+
+
+def answered_turns(tokenizer, rows: list[dict], answers: dict[tuple, list[int]], device="cpu"):
+    """Every turn of `rows` as (row, prompt ids [1, P], greedy's answer): the chat template over the turns so
+    far, MT-bench second turns following greedy's first answer as the bench runs them."""
+    for row in rows:
+        messages: list[dict] = []
+        for t, turn in enumerate(row["turns"]):
+            messages.append({"role": "user", "content": turn})
+            prompt = chat_inputs(tokenizer, messages, device)["input_ids"]
+            answer = answers[(row.get("question_id"), t)]
+            yield row, prompt, answer
+            messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+
+
 def greedy_answers(
     model, tokenizer, rows: list[dict], path: str | Path, header: dict, progress: bool = True
 ) -> dict[tuple, list[int]]:
@@ -121,16 +148,9 @@ def greedy_answers(
     path = Path(path)
     cached: dict[tuple, list[int]] = {}
     if path.is_file():
-        lines = path.read_text().splitlines()
-        old = json.loads(lines[0]).get("header") if lines else None
+        old, cached = read_answers(path)
         if old != header:
             raise ValueError(f"{path} holds answers for other settings ({old} vs {header}): use another --answers")
-        for line in lines[1:]:
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:  # the last line of a run killed mid-write
-                continue
-            cached[(r["question_id"], r["turn"])] = r["answer_ids"]
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"header": header}) + "\n")
@@ -169,19 +189,16 @@ def replay(
 
     totals = {name: defaultdict(lambda: [0, 0]) for name in drafters}
     device = next(model.parameters()).device
-    for row in tqdm(rows, disable=not progress, desc="replay"):
-        messages: list[dict] = []
-        for t, turn in enumerate(row["turns"]):
-            messages.append({"role": "user", "content": turn})
-            prompt = chat_inputs(tokenizer, messages, device)["input_ids"]
-            answer = answers[(row.get("question_id"), t)]
-            hidden = answer_hidden_states(model, prompt, answer)
-            for name, drafter in drafters.items():
-                result = replay_turn(model, drafter, prompt, answer, hidden)
-                for key in ("overall", row["category"]):
-                    totals[name][key][0] += result.tokens
-                    totals[name][key][1] += result.forwards
-            messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+    turns = sum(len(r["turns"]) for r in rows)
+    for row, prompt, answer in tqdm(
+        answered_turns(tokenizer, rows, answers, device), total=turns, disable=not progress, desc="replay"
+    ):
+        hidden = answer_hidden_states(model, prompt, answer)
+        for name, drafter in drafters.items():
+            result = replay_turn(model, drafter, prompt, answer, hidden)
+            for key in ("overall", row["category"]):
+                totals[name][key][0] += result.tokens
+                totals[name][key][1] += result.forwards
 
     def summary(tokens: int, forwards: int) -> dict:
         return {"tau": tokens / forwards, "tokens": tokens, "forwards": forwards}

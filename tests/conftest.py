@@ -77,11 +77,16 @@ def smollm2():
         pytest.skip(f"packaged model unavailable: {err}")
 
 
-def spec_bench_prompts(n: int) -> list[str]:
-    """First-turn prompts of the first n rows, spread over categories (every 240/n-th row)."""
+def spec_bench_rows() -> list[dict]:
+    """The rows of Spec-Bench dev (skips the test where ../shared is absent)."""
     if not SPEC_BENCH.is_file():
         pytest.skip(f"{SPEC_BENCH} not present (CI and dev machines have ../shared)")
-    rows = read_jsonl(SPEC_BENCH)
+    return read_jsonl(SPEC_BENCH)
+
+
+def spec_bench_prompts(n: int) -> list[str]:
+    """First-turn prompts of the first n rows, spread over categories (every 240/n-th row)."""
+    rows = spec_bench_rows()
     step = max(len(rows) // n, 1)
     return [r["turns"][0] for r in rows[::step][:n]]
 

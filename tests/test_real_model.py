@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import spec_bench_prompts
+from conftest import spec_bench_prompts, spec_bench_rows
 
 import hf_bpd
 from hf_bpd import packaged
@@ -68,14 +68,8 @@ def test_smollm2_identical_on_spec_bench_subset(smollm2):
 def test_shipped_context_copy_drafts_more_on_copy_heavy_prompts(smollm2):
     """The shipped heads point into the prompt: on translation and summarization prompts (the categories
     where they copy most), the same heads without their pointer get fewer tokens accepted."""
-    from conftest import SPEC_BENCH
-
-    from hf_bpd.jsonl import read_jsonl
-
-    if not SPEC_BENCH.is_file():
-        pytest.skip(f"{SPEC_BENCH} not present (CI and dev machines have ../shared)")
     model, tokenizer = smollm2
-    rows = read_jsonl(SPEC_BENCH)
+    rows = spec_bench_rows()
     prompts = [next(r for r in rows if r["category"] == c)["turns"][0] for c in ("translation", "summarization")]
     with_copy = hf_bpd.load_packaged_drafter(max_tree_tokens=16)
     assert with_copy.heads.config.copy_dim > 0

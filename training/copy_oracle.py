@@ -12,9 +12,7 @@ match was found at all ("found"). A head's top-1 accuracy is the number to compa
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
-from pathlib import Path
 
 from hf_bpd.bench import DEFAULT_DATA
 from hf_bpd.jsonl import read_jsonl
@@ -44,32 +42,24 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from hf_bpd.packaged import packaged_model_dir
+    from hf_bpd.replay import answered_turns, read_answers
 
     tokenizer = AutoTokenizer.from_pretrained(packaged_model_dir())
-    answers = {}
-    for line in Path(args.answers).read_text().splitlines()[1:]:
-        r = json.loads(line)
-        answers[(r["question_id"], r["turn"])] = r["answer_ids"]
+    _, answers = read_answers(args.answers)
     h = args.heads
     stats: dict[str, list[int]] = defaultdict(lambda: [0] * (1 + 2 * h))
-    for row in read_jsonl(args.data):
-        messages: list[dict] = []
-        for t, turn in enumerate(row["turns"]):
-            messages.append({"role": "user", "content": turn})
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-            answer = answers[(row.get("question_id"), t)]
-            seq, start = list(prompt) + answer, len(prompt)
-            for cat in (row["category"], "all"):
-                s = stats[cat]
-                for p in range(start + 1, len(seq)):
-                    s[0] += 1
-                    for i in range(1, h + 1):
-                        if p - i < start:  # the root must be an answer token
-                            continue
-                        guess = bigram_lookup(seq, p, p - i)
-                        s[i] += guess == seq[p]
-                        s[h + i] += guess is not None
-            messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+    for row, prompt, answer in answered_turns(tokenizer, read_jsonl(args.data), answers):
+        seq, start = prompt[0].tolist() + answer, prompt.shape[1]
+        for cat in (row["category"], "all"):
+            s = stats[cat]
+            for p in range(start + 1, len(seq)):
+                s[0] += 1
+                for i in range(1, h + 1):
+                    if p - i < start:  # the root must be an answer token
+                        continue
+                    guess = bigram_lookup(seq, p, p - i)
+                    s[i] += guess == seq[p]
+                    s[h + i] += guess is not None
     for cat, s in sorted(stats.items()):
         n = max(s[0], 1)
         hit = " ".join(f"{s[i] / n:.2f}" for i in range(1, h + 1))

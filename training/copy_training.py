@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_bpd.context_copy import CopyTargets, mixed_logprobs
+from hf_bpd.context_copy import CopyTargets
 from hf_bpd.heads import BlockDraftHeads
 
 
@@ -92,15 +92,11 @@ def copy_hits(
     """Per-head hits `[n, h]` of the mixture's top-1 and top-k (whole vocabulary), given the true tokens
     before each target; rows without a target never hit."""
     memory = heads.copy_memory(targets.context, targets.lengths)
-    ids = heads.draft_vocab if heads.config.draft_vocab_size else None
     top1, topk = [], []
     for i in range(heads.num_heads):
         state = heads.step(i, hidden, read[:, i])
         index = torch.full_like(read[:, i], i)
-        sink, keys = heads.copy_weights(index, state, targets.before[:, i], memory)
-        logp = heads.project(state).float().log_softmax(-1)
-        mixed = mixed_logprobs(logp, ids, heads.config.vocab_size, sink, keys, memory.values)
-        best = mixed.topk(top_k, dim=-1).indices
+        best, _ = heads.top_tokens(state, top_k, index, targets.before[:, i], memory)
         want = targets.targets[:, i]
         top1.append((best[:, 0] == want) & (want >= 0))
         topk.append((best == want[:, None]).any(-1) & (want >= 0))
