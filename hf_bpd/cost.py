@@ -10,13 +10,18 @@ tokens per second: (1 + sum of the first N-1 nodes' probabilities) / cost(N).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from .packed_linear import linear_context
+from .packed_linear import linear_context, wants_packed_linear
 from .vocab import model_vocab_size
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -88,6 +93,76 @@ def measure_forward_cost(
             cache.crop(-n)
         times.append(sorted(runs[1:])[len(runs[1:]) // 2])
     return ForwardCost(tuple(sizes), tuple(times))
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:  # the CPU model: a cached curve is only valid on the same kind of processor
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def forward_cost_key(model, packed_linear: bool | None = None, sizes=DEFAULT_SIZES, context: int = 256) -> dict:
+    """Everything a measured curve depends on: the model's architecture (config without names), dtype,
+    device kind, threads, torch version and the verification setting (packed linears)."""
+    param = next(model.parameters())
+    config = {k: v for k, v in model.config.to_dict().items() if "name" not in k and k != "transformers_version"}
+    return {
+        "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+        "dtype": str(param.dtype),
+        "device": f"{param.device.type}: {_device_name(param.device)}",
+        "threads": torch.get_num_threads() if param.device.type == "cpu" else None,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "packed_linear": wants_packed_linear(model, packed_linear),
+        "sizes": list(sizes),
+        "context": context,
+    }
+
+
+def forward_cost_dir() -> Path:
+    """Where measured curves are kept: `forward_cost/` in hf_bpd's cache (`packaged.cache_root`)."""
+    from .packaged import cache_root
+
+    return cache_root() / "forward_cost"
+
+
+def forward_cost_cache_file(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return forward_cost_dir() / f"{digest}.json"
+
+
+def cached_forward_cost(
+    model, packed_linear: bool | None = None, sizes=DEFAULT_SIZES, refresh: bool = False
+) -> tuple[ForwardCost, Path, bool]:
+    """The forward-cost curve of `model` on this machine, measured once and then read from hf_bpd's cache
+    (`packaged.cache_root()/forward_cost/`), keyed by `forward_cost_key`. Returns (curve, cache file,
+    whether it was measured now). Only tree sizes depend on it, never a token; the drafter's
+    `LearnedForwardCost` corrects it online with the forwards it times. `refresh` measures again."""
+    key = forward_cost_key(model, packed_linear, sizes)
+    path = forward_cost_cache_file(key)
+    if not refresh and path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("key") == key:
+                return ForwardCost(tuple(stored["sizes"]), tuple(stored["seconds"])), path, False
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable or from another format: measure again
+    curve = measure_forward_cost(model, sizes, packed_linear=packed_linear)
+    record = {"key": key, "sizes": list(curve.sizes), "seconds": list(curve.seconds), "measured": time.time()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)  # atomic: concurrent processes never read half a file
+    except OSError:
+        pass  # a read-only cache only costs a measurement next time
+    return curve, path, True
 
 
 class LearnedForwardCost:

@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .calibration import AcceptanceCalibration, Arc
-from .cost import ForwardCost, LearnedForwardCost, best_tree_size, measure_forward_cost
+from .cost import ForwardCost, LearnedForwardCost, best_tree_size, cached_forward_cost
 from .expansion import chain_lattice, expand_tree
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
@@ -150,6 +150,7 @@ class BlockDrafter:
         self._learned_cost: LearnedForwardCost | None = None
         self.stats = DecodingStats()
         self._bound_to: int | None = None
+        self.setup: dict = {}  # one-time start-up work of the last `prepare` that did any (forward-cost curve)
         self._recent_sizes: deque[int] = deque(maxlen=RECENT_STEPS)  # sizes of the last sized trees
 
     @classmethod
@@ -176,7 +177,10 @@ class BlockDrafter:
             packs = isinstance(self.linear_context, PackedLinear)  # the heads follow the model's setting
             self._heads_context = PackedLinear(self.heads) if packs else contextlib.nullcontext()
             if self.max_tree_tokens == "auto" and self.forward_cost is None:
-                self.forward_cost = measure_forward_cost(model, packed_linear=self.packed_linear)
+                # measured once per machine and model, then read from the cache (`cost.cached_forward_cost`)
+                t0 = time.perf_counter()
+                self.forward_cost, path, measured = cached_forward_cost(model, packed_linear=self.packed_linear)
+                self.setup = {"forward_cost_file": str(path), "measured": measured, "seconds": time.perf_counter() - t0}
             self._bound_to = id(model)
             if self.rescorer is not None and hasattr(self.rescorer, "bind"):
                 self.rescorer.bind(model)

@@ -67,6 +67,15 @@ def random_heads(model, num_heads: int = 3, seed: int = 0, std: float = 0.3, **k
     return heads
 
 
+@pytest.fixture(autouse=True)
+def private_forward_cost_cache(tmp_path_factory, monkeypatch):
+    """Measured forward-cost curves go to a folder of this test session, not the user's cache: a test of
+    "auto" trees measures its model instead of reading a curve another run left."""
+    folder = tmp_path_factory.getbasetemp() / "forward_cost"
+    monkeypatch.setattr("hf_bpd.cost.forward_cost_dir", lambda: folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     from hf_bpd import load_packaged_model

@@ -11,8 +11,25 @@ def readme_commands() -> list[str]:
     return [b.split("\n```")[0].strip() for b in blocks]
 
 
+def ci_lines() -> list[str]:
+    return [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+
+
 def test_ci_runs_the_readme_test_command():
     demo, tests = readme_commands()
     assert "hf-bpd demo" in demo and "pytest" in tests
-    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    assert tests in ci_lines
+    assert tests in ci_lines()
+
+
+def test_ci_runs_the_readme_first_command_in_a_fresh_venv_with_empty_caches():
+    """A new user's first command, exactly as written, on a fresh environment: it must not lean on what the
+    test command installs (accelerate came only with the `train` extra once)."""
+    demo, tests = readme_commands()
+    lines = ci_lines()
+    assert demo in lines
+    first = lines.index(demo)
+    assert first < lines.index(tests)
+    before = "\n".join(lines[:first])
+    assert "python -m venv" in before and 'source "$fresh/venv/bin/activate"' in before
+    for cache in ("HF_HOME=", "XDG_CACHE_HOME=", "PIP_CACHE_DIR="):
+        assert cache in before

@@ -1,0 +1,64 @@
+"""The forward-cost curve that sizes `auto` trees is measured once per machine and model, then cached."""
+
+import json
+
+import pytest
+import torch
+from conftest import random_heads, tiny_model
+
+import hf_bpd
+import hf_bpd.cost as cost
+from hf_bpd import BlockDrafter
+
+
+def _no_measuring(*args, **kwargs):
+    raise AssertionError("measured again although a cached curve exists")
+
+
+def test_auto_drafter_measures_once_then_reads_the_cache(monkeypatch, private_forward_cost_cache):
+    model = tiny_model("llama", eos_token_id=None)
+    first = BlockDrafter(random_heads(model), top_k=2, max_tree_tokens="auto")
+    first.prepare(model)
+    assert first.setup["measured"] is True
+    stored = json.loads(open(first.setup["forward_cost_file"]).read())
+    assert stored["sizes"][0] == 1 and stored["key"]["dtype"] == "torch.float32"
+    assert str(private_forward_cost_cache) in first.setup["forward_cost_file"]
+
+    monkeypatch.setattr(cost, "measure_forward_cost", _no_measuring)
+    second = BlockDrafter(random_heads(model), top_k=2, max_tree_tokens="auto")
+    ids = torch.tensor([[5, 6, 7]])
+    out = model.generate(ids, max_new_tokens=6, custom_generate=hf_bpd.generate, assistant=second)
+    assert second.setup["measured"] is False
+    assert second.forward_cost == first.forward_cost
+    assert out.shape[1] == 9
+
+
+def test_cache_key_separates_models_and_settings(monkeypatch):
+    llama, wider = tiny_model("llama"), tiny_model("llama", hidden_size=64)
+    key = cost.forward_cost_key(llama, packed_linear=False)
+    assert key == cost.forward_cost_key(tiny_model("llama", seed=3), packed_linear=False)  # weights do not matter
+    assert key != cost.forward_cost_key(wider, packed_linear=False)
+    assert key != cost.forward_cost_key(llama.to(torch.bfloat16), packed_linear=False)
+    assert cost.forward_cost_cache_file(key) != cost.forward_cost_cache_file({**key, "threads": 99})
+
+
+def test_unreadable_cache_file_is_measured_again(private_forward_cost_cache):
+    model = tiny_model("qwen2")
+    key = cost.forward_cost_key(model, packed_linear=False, sizes=(1, 2))
+    path = cost.forward_cost_cache_file(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
+    curve, where, measured = cost.cached_forward_cost(model, packed_linear=False, sizes=(1, 2))
+    assert measured and where == path and curve.sizes == (1, 2)
+    assert cost.cached_forward_cost(model, packed_linear=False, sizes=(1, 2))[2] is False
+    assert cost.cached_forward_cost(model, packed_linear=False, sizes=(1, 2), refresh=True)[2] is True
+
+
+@pytest.mark.parametrize("stale", [{"sizes": [1], "seconds": [0.1]}, {"key": {"other": 1}, "sizes": [1], "seconds": [1]}])
+def test_cache_file_of_another_key_is_not_trusted(stale, private_forward_cost_cache):
+    model = tiny_model("llama")
+    key = cost.forward_cost_key(model, packed_linear=False, sizes=(1, 2))
+    path = cost.forward_cost_cache_file(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(stale))
+    assert cost.cached_forward_cost(model, packed_linear=False, sizes=(1, 2))[2] is True
