@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         order = [("plain", plain), ("hf_bpd", fast)]
         results = {}
         for name, run in order if i % 2 == 0 else order[::-1]:  # alternate which method runs first
-            results[name] = _timed(lambda run=run: run(inputs, args.max_new_tokens))
+            results[name] = _timed(lambda run=run, inputs=inputs: run(inputs, args.max_new_tokens))
         (ref, t_plain), (out, t_bpd) = results["plain"], results["hf_bpd"]
         same = ref[0].tolist() == out[0].tolist()
         all_same &= same

@@ -1,6 +1,7 @@
 """The forward-cost curve that sizes `auto` trees is measured once per machine and model, then cached."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ def test_auto_drafter_measures_once_then_reads_the_cache(monkeypatch, private_fo
     first = BlockDrafter(random_heads(model), top_k=2, max_tree_tokens="auto")
     first.prepare(model)
     assert first.setup["measured"] is True
-    stored = json.loads(open(first.setup["forward_cost_file"]).read())
+    stored = json.loads(Path(first.setup["forward_cost_file"]).read_text())
     assert stored["sizes"][0] == 1 and stored["key"]["dtype"] == "torch.float32"
     assert str(private_forward_cost_cache) in first.setup["forward_cost_file"]
 
@@ -54,7 +55,10 @@ def test_unreadable_cache_file_is_measured_again(private_forward_cost_cache):
     assert cost.cached_forward_cost(model, packed_linear=False, sizes=(1, 2), refresh=True)[2] is True
 
 
-@pytest.mark.parametrize("stale", [{"sizes": [1], "seconds": [0.1]}, {"key": {"other": 1}, "sizes": [1], "seconds": [1]}])
+STALE = [{"sizes": [1], "seconds": [0.1]}, {"key": {"other": 1}, "sizes": [1], "seconds": [1]}]
+
+
+@pytest.mark.parametrize("stale", STALE)
 def test_cache_file_of_another_key_is_not_trusted(stale, private_forward_cost_cache):
     model = tiny_model("llama")
     key = cost.forward_cost_key(model, packed_linear=False, sizes=(1, 2))
