@@ -24,6 +24,7 @@ from .cost import ForwardCost, LearnedForwardCost, best_tree_size, cached_forwar
 from .expansion import chain_lattice, expand_tree
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
+from .lookup import lookup_continuation, merge_lookup
 from .packed_linear import PackedLinear, linear_context
 from .tree import DraftTree
 
@@ -106,6 +107,10 @@ class BlockDrafter:
                      (`LearnedForwardCost`), kept across `generate` calls. Only matters where estimates
                      are used: "auto" trees or a rescorer with estimates.
     profile:         synchronise the device around each phase so `stats` times are exact (CPU: free).
+    context_lookup:  longest chain (tokens) drafted by looking the context's last n-gram up in the context
+                     (`lookup.py`: prompt-lookup's long copies inside the tree, competing with the heads'
+                     nodes on calibrated probability); 0 turns it off. Used where trees are ordered by
+                     estimates (the heads' arcs are known: "auto" trees, or calibrate=True).
     packed_linear:   run the verification forward and the heads with oneDNN pre-packed linear weights
                      (`packed_linear.PackedLinear`: on a CPU a tree of 2-8 tokens then costs about one
                      token, not two; a second copy of the model's linear weights). None ("auto"): on for
@@ -123,6 +128,7 @@ class BlockDrafter:
         forward_cost: ForwardCost | None = None,
         calibrate: bool = True,
         packed_linear: bool | None = None,
+        context_lookup: int = 10,
     ) -> None:
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
@@ -131,6 +137,8 @@ class BlockDrafter:
             raise ValueError(f"top_k={top_k} exceeds the heads' draft vocabulary of {draft_vocab} tokens")
         if max_tree_tokens != "auto" and (not isinstance(max_tree_tokens, int) or max_tree_tokens < 1):
             raise ValueError(f"max_tree_tokens must be an integer >= 1 or 'auto', got {max_tree_tokens!r}")
+        if not isinstance(context_lookup, int) or context_lookup < 0:
+            raise ValueError(f"context_lookup must be an integer >= 0 (0: off), got {context_lookup!r}")
         if packed_linear not in (None, True, False):
             raise ValueError(f"packed_linear must be True, False or None (auto), got {packed_linear!r}")
         if rescorer is not None and not isinstance(rescorer, Rescorer):
@@ -142,6 +150,7 @@ class BlockDrafter:
         self.profile = profile
         self.forward_cost = forward_cost
         self.packed_linear = packed_linear
+        self.context_lookup = context_lookup
         # the contexts verification and the heads run in (oneDNN packed weights or none): set by `prepare`
         self.linear_context: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._heads_context: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -223,6 +232,7 @@ class BlockDrafter:
             self.forward_cost,
             calibrate=self.calibration is not None,
             packed_linear=self.packed_linear,
+            context_lookup=self.context_lookup,
         )
 
     @property
@@ -283,6 +293,10 @@ class BlockDrafter:
                 )
             else:
                 arcs = self._fill_from_lattice(tree, lattice, b, budget, max_depth, estimates)
+            if self.context_lookup and arcs is not None:
+                limit = self.context_lookup if max_depth is None else min(self.context_lookup, max_depth)
+                chain, ngram = lookup_continuation(context[b].cpu().numpy(), limit)
+                tree, arcs = merge_lookup(tree, arcs, chain, ngram, self.calibration, budget)
             if self.forward_cost is not None and len(tree) > 1:
                 logprobs = tree.path_logprobs(arcs, self.calibration)
                 tree = tree.truncated(best_tree_size([math.exp(lp) for lp in logprobs], self.step_cost))

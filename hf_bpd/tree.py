@@ -78,6 +78,21 @@ class DraftTree:
         tree._children = {key: child for key, child in self._children.items() if child < n}
         return tree
 
+    def reordered(self, order: Sequence[int]) -> DraftTree:
+        """The nodes `order` (root first, each parent before its children) as a new tree in that order."""
+        new = {old: i for i, old in enumerate(order)}
+        misplaced = (self.parents[old] not in new or new[self.parents[old]] >= new[old] for old in order[1:])
+        if order[0] != 0 or any(misplaced):
+            raise ValueError("a reordered tree needs the root first and every parent before its children")
+        tree = DraftTree.root_only(self.tokens[0])
+        for old in order[1:]:
+            parent = new[self.parents[old]]
+            tree.tokens.append(self.tokens[old])
+            tree.parents.append(parent)
+            tree.depths.append(self.depths[old])
+            tree._children[(parent, self.tokens[old])] = len(tree.tokens) - 1
+        return tree
+
     def node_paths(self) -> list[tuple[int, ...]]:
         """Each node's draft: the tokens from the root's child down to it (the root's is empty)."""
         out: list[tuple[int, ...]] = [()]

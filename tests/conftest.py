@@ -68,10 +68,10 @@ def random_heads(model, num_heads: int = 3, seed: int = 0, std: float = 0.3, **k
 
 
 @pytest.fixture(autouse=True)
-def private_forward_cost_cache(tmp_path_factory, monkeypatch):
-    """Measured forward-cost curves go to a folder of this test session, not the user's cache: a test of
-    "auto" trees measures its model instead of reading a curve another run left."""
-    folder = tmp_path_factory.getbasetemp() / "forward_cost"
+def private_forward_cost_cache(tmp_path, monkeypatch):
+    """Measured forward-cost curves go to a folder of this test, not the user's cache: a test of "auto"
+    trees measures its model instead of reading a curve another test or run left."""
+    folder = tmp_path / "forward_cost"
     monkeypatch.setattr("hf_bpd.cost.forward_cost_dir", lambda: folder)
     return folder
 

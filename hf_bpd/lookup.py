@@ -1,0 +1,87 @@
+"""Long copies: a chain drafted by looking the context's last n-gram up in the context itself.
+
+Draft heads propose at most h tokens past the root, so where the answer repeats the prompt (extraction,
+names in a translation, summaries, RAG, code edits) or itself (a model that loops), prompt-lookup decoding
+wins by drafting ten tokens at once. The drafter does the same inside its tree: the continuation after the
+most recent earlier occurrence of the context's last n tokens (the longest n <= `max_ngram` that occurs)
+is merged into the heads' tree as one chain from the root.
+
+Its nodes compete with the heads' nodes on calibrated path probability: every chain arc starts at
+`LOOKUP_PROBABILITY`, and `AcceptanceCalibration` learns per (match length, depth) how often such arcs are
+really accepted (sources "lookup1", "lookup2", ...). The forward-cost curve then decides, per step, how
+much of the merged tree is worth verifying, so a chain that keeps being rejected stops costing anything.
+Like every draft it only decides what is verified, never a token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .calibration import AcceptanceCalibration, Arc
+from .tree import DraftTree
+
+LOOKUP_PROBABILITY = 0.5  # raw acceptance estimate of one chain arc before calibration has evidence
+MAX_NGRAM = 3
+
+
+def lookup_source(ngram: int) -> str:
+    """Calibration source of chain arcs found by an n-gram match of length `ngram`."""
+    return f"lookup{ngram}"
+
+
+def lookup_continuation(tokens: np.ndarray, max_tokens: int, max_ngram: int = MAX_NGRAM) -> tuple[list[int], int]:
+    """The tokens that followed an earlier occurrence of the context's last n tokens, for the longest
+    n <= `max_ngram` that occurs (most recent occurrence with `max_tokens` tokens after it, else the most
+    recent one). Returns (continuation, n); ([], 0) when not even the last token occurs before."""
+    length = len(tokens)
+    if max_tokens < 1 or length < 2:
+        return [], 0
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        # ends[i]: index of the last token of a match; a match must end before the context's last token
+        ends = np.flatnonzero(tokens[n - 1 : length - 1] == tokens[-1]) + (n - 1)
+        for k in range(1, n):
+            ends = ends[tokens[ends - k] == tokens[length - 1 - k]]
+        if ends.size:
+            full = ends[ends + max_tokens < length]
+            start = int(full[-1] if full.size else ends[-1]) + 1
+            return tokens[start : start + max_tokens].tolist(), n
+    return [], 0
+
+
+def merge_lookup(
+    tree: DraftTree,
+    arcs: list[Arc],
+    chain: list[int],
+    ngram: int,
+    calibration: AcceptanceCalibration | None,
+    max_nodes: int,
+) -> tuple[DraftTree, list[Arc]]:
+    """Merge `chain` (tokens after the root) into `tree`, whose nodes carry `arcs`, and return the tree
+    re-ordered by (calibrated) path probability with its arcs, cut to `max_nodes`. A chain token the heads
+    drafted too keeps the better of the two arcs. Parents always come before their children (a child's
+    path is never more probable; ties go to the shallower node), so every prefix is a tree."""
+    if not chain:
+        return tree, arcs
+    tree = DraftTree(list(tree.tokens), list(tree.parents), list(tree.depths), dict(tree._children))
+    arcs = list(arcs)
+
+    def calibrated(arc: Arc, depth: int) -> float:
+        return arc.logprob if calibration is None else calibration.calibrated(arc, depth)
+
+    node, path = 0, ()
+    for token in chain:
+        copy = Arc(math.log(LOOKUP_PROBABILITY), lookup_source(ngram))
+        path = (*path, token)
+        child = tree.child(node, token)
+        if child is None:
+            tree.add_path(path, len(tree) + 1)
+            child = len(tree) - 1
+            arcs.append(copy)
+        elif calibrated(copy, tree.depths[child]) > calibrated(arcs[child], tree.depths[child]):
+            arcs[child] = copy
+        node = child
+    logprobs = tree.path_logprobs(arcs, calibration)
+    order = sorted(range(1, len(tree)), key=lambda i: (-logprobs[i], tree.depths[i], i))[: max_nodes - 1]
+    return tree.reordered([0, *order]), [arcs[0], *(arcs[i] for i in order)]
