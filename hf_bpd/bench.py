@@ -306,10 +306,12 @@ def _setting_changes(old: dict, new: dict, keys) -> str:
 
 
 def _with_defaults(header: dict) -> dict:
-    """Settings added after a journal was written, at the value such runs had: packed_linear "off"."""
+    """Settings added after a journal was written, at the value such runs had: packed_linear "off",
+    context_lookup 0."""
     drafter = header.get("drafter")
-    if isinstance(drafter, dict) and "packed_linear" not in drafter:
-        header = {**header, "drafter": {**drafter, "packed_linear": "off"}}
+    if isinstance(drafter, dict):
+        added = {"packed_linear": "off", "context_lookup": 0}
+        header = {**header, "drafter": {**drafter, **{k: v for k, v in added.items() if k not in drafter}}}
     return header
 
 
@@ -517,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="continue the --output run's journal (same settings): finished rows are kept, not rerun",
     )
+    parser.add_argument(
+        "--context-lookup", type=int, default=None, help="longest context-lookup chain (0: off; default: the drafter's)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="start over when --output's journal exists")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
@@ -539,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {k: v for k, v in (("top_k", args.top_k), ("max_tree_tokens", args.max_tree_tokens)) if v is not None}
     drafter = load_drafter(args.heads, model, args.num_heads, **kwargs)
     drafter.packed_linear = {"auto": None, "on": True, "off": False}[args.packed_linear]
+    if args.context_lookup is not None:
+        drafter.context_lookup = args.context_lookup
     if args.resume and not args.output:
         raise SystemExit("--resume continues the journal of --output: give --output")
     journal = Path(args.output).with_suffix(".journal.jsonl") if args.output else None
@@ -561,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_tree_tokens": drafter.max_tree_tokens,
             "calibrate": drafter.calibration is not None,
             "packed_linear": args.packed_linear,
+            "context_lookup": drafter.context_lookup,
             "heads_sha1": _digest(drafter.heads.state_dict()),
         },
         "rescorer_specs": _rescorer_specs(args.methods),

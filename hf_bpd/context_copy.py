@@ -93,19 +93,54 @@ class ContextCopy(nn.Module):
         if lengths is None:
             lengths = torch.full((b,), n, dtype=torch.long, device=context.device)
         m = max(n - 2, 0)
-        # project only the distinct tokens: a batch's contexts repeat most of their tokens
-        unique, inverse = context.unique(return_inverse=True)
-        e = nn.functional.embedding(unique.to(embedding.device), embedding).to(self.key.weight.dtype)
-        half = self.key.weight.shape[1] // 2
-        prev_part = e @ self.key.weight[:, :half].T  # [U, d]: the key's first token
-        cur_part = e @ self.key.weight[:, half:].T  # [U, d]: its second token
-        inverse = inverse.to(prev_part.device)
+        if torch.is_grad_enabled():  # training: project the distinct tokens, differentiably
+            unique, inverse = context.unique(return_inverse=True)
+            prev_part, cur_part = self._key_halves(nn.functional.embedding(unique.to(embedding.device), embedding))
+            inverse = inverse.to(prev_part.device)
+        else:  # decoding: look both halves up in per-vocabulary tables made once
+            prev_part, cur_part = self._key_tables(embedding)
+            inverse = context.to(prev_part.device)
         keys = prev_part[inverse[:, :m]] + cur_part[inverse[:, 1 : m + 1]]
         values = context[:, 2 : m + 2]
         j = torch.arange(1, m + 1, device=context.device)
         valid = j[None] <= (lengths[:, None] - 2)
         distance = distance_bucket(lengths[:, None].to(j.device) - 1 - j[None])
         return CopyMemory(keys, values, distance, valid)
+
+    def _key_halves(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings `[U, H]` -> the parts of a key from its first token and from its second, `[U, d]` each
+        (a key is W_k [e(x[j-1]); e(x[j])], so it is the sum of one part per token)."""
+        e = e.to(self.key.weight.dtype)
+        half = self.key.weight.shape[1] // 2
+        return e @ self.key.weight[:, :half].T, e @ self.key.weight[:, half:].T
+
+    def _key_tables(self, embedding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_key_halves` of every vocabulary token, made once and remade when the key weight or the
+        embedding changes (so each decoding step only gathers rows instead of projecting its context)."""
+        stamp = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in (embedding, self.key.weight))
+        cached = self.__dict__.get("_key_table_cache")
+        if cached is None or cached[0] != stamp:
+            with torch.no_grad():
+                cached = (stamp, self._key_halves(embedding.to(self.key.weight.device)))
+            self.__dict__["_key_table_cache"] = cached
+        return cached[1]
+
+    def _query_sink(self, x: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's query `[n, d]` and sink logit `[n]` from its head `i [n]`: one matmul over every head's
+        weights stacked (rows of several heads never loop over heads)."""
+        params = [p for q, s in zip(self.query, self.sink) for p in (q.weight, s.weight, q.bias, s.bias)]
+        stamp = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
+        cached = self.__dict__.get("_query_sink_cache")
+        if torch.is_grad_enabled() or cached is None or cached[0] != stamp:
+            weight = torch.cat([torch.cat([q.weight, s.weight]) for q, s in zip(self.query, self.sink)])
+            bias = torch.cat([torch.cat([q.bias, s.bias]) for q, s in zip(self.query, self.sink)])
+            cached = (stamp, weight, bias)
+            if not torch.is_grad_enabled():  # decoding: stacked once, remade if a weight changes
+                self.__dict__["_query_sink_cache"] = cached
+        _, weight, bias = cached
+        out = nn.functional.linear(x, weight, bias).view(x.shape[0], len(self.query), self.dim + 1)
+        out = out[torch.arange(x.shape[0], device=x.device), i]
+        return out[:, : self.dim], out[:, self.dim]
 
     def attention(
         self, i: torch.Tensor, state: torch.Tensor, prev_embedding: torch.Tensor, memory: CopyMemory
@@ -114,13 +149,7 @@ class ContextCopy(nn.Module):
         token before the one the head read `prev_embedding [n, H]`, over `memory` (one row, shared, or n
         rows): (log weight of the sink `[n]`, log weights of the keys `[n, L]`, -inf where invalid)."""
         x = torch.cat([state, prev_embedding.to(state.dtype)], dim=-1)
-        heads = i.unique().tolist()
-        q = x.new_empty(x.shape[0], self.dim)
-        sink = x.new_empty(x.shape[0])
-        for h in heads:  # rows grouped by head: one matmul per head
-            rows = (i == h).nonzero().squeeze(1)
-            q[rows] = self.query[h](x[rows])
-            sink[rows] = self.sink[h](x[rows]).squeeze(-1)
+        q, sink = self._query_sink(x, i)
         keys = memory.keys.to(q.dtype)
         # one memory shared by every row (drafting), or one per row (training)
         scores = q @ keys[0].T if keys.shape[0] == 1 else torch.einsum("nd,nld->nl", q, keys)

@@ -174,13 +174,20 @@ class LearnedForwardCost:
     Each size bucket of the curve (the smallest measured size >= N) keeps a running mean of measured /
     curve time (`rate`: weight of the newest forward); a bucket never timed takes the running mean over
     all timed forwards (the machine's drift), so the ratio between sizes stays the curve's until measured.
+
+    A bucket that is no longer timed drifts back to that overall mean (`stale_rate` per timed forward of
+    another size): without it, trees timed during a burst of load elsewhere on the machine would look
+    expensive for good, the drafter would verify only single tokens, and those never time a tree again.
     """
 
-    def __init__(self, curve: ForwardCost, rate: float = 0.1) -> None:
+    def __init__(self, curve: ForwardCost, rate: float = 0.1, stale_rate: float = 0.02) -> None:
         if not 0 < rate <= 1:
             raise ValueError(f"rate must be in (0, 1], got {rate}")
+        if not 0 <= stale_rate < 1:
+            raise ValueError(f"stale_rate must be in [0, 1), got {stale_rate}")
         self.curve = curve
         self.rate = rate
+        self.stale_rate = stale_rate
         self.factors: dict[int, float] = {}
         self.overall: float | None = None
 
@@ -200,6 +207,9 @@ class LearnedForwardCost:
         bucket, ratio = self._bucket(n), seconds / self.curve(n)
         self.factors[bucket] = _running_mean(self.factors.get(bucket), ratio, self.rate)
         self.overall = _running_mean(self.overall, ratio, self.rate)
+        for other in self.factors:
+            if other != bucket:
+                self.factors[other] = _running_mean(self.factors[other], self.overall, self.stale_rate)
 
 
 def _running_mean(old: float | None, new: float, rate: float) -> float:

@@ -312,7 +312,7 @@ class BlockDrafter:
         without a curve or before any step). Self-correcting: a tree cut at that bound raises it."""
         if self.forward_cost is None or not self._recent_sizes:
             return budget
-        return min(budget, max(8, 2 * max(self._recent_sizes)))
+        return min(budget, max(8, (3 * max(self._recent_sizes) + 1) // 2))
 
     def _fill_from_lattice(
         self,

@@ -120,13 +120,14 @@ def expand_tree(
     heap: list[tuple[float, int, int, int, Arc]] = []  # (-path logprob, tie-break, parent, token, arc)
     counter = 0
 
-    def push(parent: int, token: int, arc: Arc) -> None:
+    def push(parent: int, token: int, arc: Arc, logprob: float) -> None:
         nonlocal counter
-        depth = tree.depths[parent] + 1
-        logprob = arc.logprob if calibration is None else calibration.calibrated(arc, depth)
         if logprob > -math.inf:
             heapq.heappush(heap, (-(path_logprob[parent] + logprob), counter, parent, token, arc))
             counter += 1
+
+    def calibrated(arc: Arc, depth: int) -> float:
+        return arc.logprob if calibration is None else calibration.calibrated(arc, depth)
 
     def expand(nodes: list[int]) -> None:
         by_depth: dict[int, list[int]] = {}
@@ -138,14 +139,19 @@ def expand_tree(
             for d, g in by_depth.items()
         }
         children = _top_children(heads, hidden, groups, top_k, memory) if groups else {}
+        # a node's children come best first, and each one added takes a free slot (merged nodes reached
+        # later take none): children past the free slots can never join the tree
+        room = budget - len(tree) + (len(tree) - len(path_logprob))
         for depth, group in by_depth.items():
             ids, lps = children[depth]
+            log_scale = 0.0 if calibration is None else math.log(calibration.scale(HEADS, depth + 1))
             for node, node_ids, node_lps in zip(group, ids, lps):
-                for token, logprob in zip(node_ids, node_lps):
-                    push(node, token, Arc(logprob, HEADS))
+                for token, logprob in zip(node_ids[:room], node_lps[:room]):
+                    push(node, token, Arc(logprob, HEADS), min(0.0, logprob + log_scale))
         for node in nodes:
             for token, logprob in proposals.get(paths[node], []):
-                push(node, token, Arc(logprob, RESCORER))
+                arc = Arc(logprob, RESCORER)
+                push(node, token, arc, calibrated(arc, tree.depths[node] + 1))
 
     batch = round_size(budget)
     expand([0])

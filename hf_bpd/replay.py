@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from .bench import DEFAULT_DATA, environment, load_drafter, select_rows
+from .cost import ForwardCost, measure_forward_cost
 from .drafter import BlockDrafter
 from .jsonl import read_jsonl
 from .models import chat_inputs
@@ -224,6 +225,27 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def limit_table(results: dict, drafters: dict[str, BlockDrafter], curve: ForwardCost) -> list[dict]:
+    """Per fixed-size drafter: tau(n), the forward cost t(n)/t(1) and the speedup a drafter with zero
+    overhead would reach, tau(n) t(1)/t(n) (the bound its tree size allows on this device)."""
+    rows = []
+    for name, drafter in drafters.items():
+        n = drafter.max_tree_tokens
+        tau = results[name]["overall"]["tau"]
+        ratio = curve(n) / curve(1)
+        rows.append({"drafter": name, "tree_tokens": n, "tau": tau, "cost_ratio": ratio, "limit": tau / ratio})
+    return rows
+
+
+def limit_markdown(limits: list[dict]) -> str:
+    lines = ["| drafter | tree tokens | τ | t(n)/t(1) | limit τ·t(1)/t(n) |", "| --- | --- | --- | --- | --- |"]
+    for r in limits:
+        lines.append(
+            f"| {r['drafter']} | {r['tree_tokens']} | {r['tau']:.2f} | {r['cost_ratio']:.2f} | {r['limit']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-bpd replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("data", nargs="?", default=DEFAULT_DATA, help="Spec-Bench-format jsonl")
@@ -241,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output", default=None, help="JSON results; a .md table is written beside it")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--limit-table",
+        action="store_true",
+        help="also time forwards of each tree size in this run and print the zero-overhead limit tau(n) t(1)/t(n)",
+    )
     args = parser.parse_args(argv)
 
     from .models import load_model
@@ -257,9 +284,16 @@ def main(argv: list[str] | None = None) -> int:
                 drafters[name] = load_drafter(heads, model, top_k=k, max_tree_tokens=size)
     results = replay(model, tokenizer, rows, answers, drafters, not args.no_progress)
     table = markdown_table(results)
+    limits = None
+    if args.limit_table:
+        curve = measure_forward_cost(model, sorted({1, *args.max_tree_tokens}))  # packed as decoding runs
+        limits = limit_table(results, drafters, curve)
+        table += "\n\n" + limit_markdown(limits)
     print(table)
     if args.output:
         report = {"environment": environment(args.device, args.dtype), "args": vars(args), "rows": len(rows)}
+        if limits is not None:
+            report["limits"] = limits
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps({**report, "drafters": results}, indent=2))
         Path(args.output).with_suffix(".md").write_text(table + "\n")

@@ -133,8 +133,12 @@ def test_journals_from_before_packed_linear_resume_as_packed_linear_off(tmp_path
     journal.write_text(json.dumps({"header": header}) + "\n")
     off = {**header, "drafter": {"heads_sha1": "aa", "packed_linear": "off"}}
     assert bench.read_journal(journal, off) == {}
-    with pytest.raises(ValueError, match="'packed_linear': 'off'} vs .*'packed_linear': 'on'"):
+    with pytest.raises(ValueError, match="'packed_linear': 'off'.*} vs .*'packed_linear': 'on'"):
         bench.read_journal(journal, {**header, "drafter": {"heads_sha1": "aa", "packed_linear": "on"}})
+    # journals from before the context-lookup chain ran without it
+    assert bench.read_journal(journal, {**header, "drafter": {**off["drafter"], "context_lookup": 0}}) == {}
+    with pytest.raises(ValueError, match="'context_lookup': 0} vs .*'context_lookup': 10}"):
+        bench.read_journal(journal, {**header, "drafter": {**off["drafter"], "context_lookup": 10}})
 
 
 def _journal(path, selection, records, top_k=4):

@@ -101,3 +101,22 @@ def test_drafter_learns_from_rejections_and_stays_lossless(monkeypatch):
     assert sum(s > 1 for s in sizes[True][-10:]) < sum(s > 1 for s in sizes[False][-10:])
     assert drafter.with_rescorer(None).calibration is not None  # a fresh one: rescorers change the sources
     assert BlockDrafter(heads, calibrate=False).calibration is None
+
+
+def test_tree_sizes_recover_after_a_burst_of_load():
+    """Trees timed while something else loaded the machine look expensive; once only single tokens are
+    verified, that stale bucket drifts back to the machine's overall rate, so trees come back."""
+    curve = ForwardCost((1, 8), (0.06, 0.07))
+    cost = LearnedForwardCost(curve, rate=0.5)
+    probs = [1.0, 0.6, 0.5, 0.4]
+    assert best_tree_size(probs, cost) == 4
+    for _ in range(5):  # a burst: trees cost four times the curve, single tokens as measured
+        cost.observe(4, 4 * curve(4))
+        cost.observe(1, curve(1))
+    assert best_tree_size(probs, cost) == 1
+    for _ in range(300):  # quiet again, and only single tokens are verified
+        cost.observe(1, curve(1))
+    assert cost(8) == pytest.approx(curve(8), rel=0.05)
+    assert best_tree_size(probs, cost) == 4
+    with pytest.raises(ValueError, match="stale_rate"):
+        LearnedForwardCost(curve, stale_rate=1.0)

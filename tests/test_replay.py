@@ -87,3 +87,19 @@ def test_greedy_answers_are_cached_resumed_and_refused_for_other_settings(tmp_pa
     assert len(path.read_text().splitlines()) == 1 + 3 and json.loads(path.read_text().splitlines()[0])
     with pytest.raises(ValueError, match="other settings"):
         greedy_answers(model, Tok(), rows, path, {"max_new_tokens": 6}, progress=False)
+
+
+def test_limit_table_is_tau_times_the_cost_ratio():
+    from hf_bpd.cost import ForwardCost
+    from hf_bpd.replay import limit_markdown, limit_table
+
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    drafters = {"k3 n1": BlockDrafter(heads, 3, 1), "k3 n8": BlockDrafter(heads, 3, 8)}
+    results = {"k3 n1": {"overall": {"tau": 1.0}}, "k3 n8": {"overall": {"tau": 2.4}}}
+    curve = ForwardCost((1, 8), (0.05, 0.08))
+    limits = limit_table(results, drafters, curve)
+    assert [r["tree_tokens"] for r in limits] == [1, 8]
+    assert limits[0]["limit"] == pytest.approx(1.0)
+    assert limits[1]["cost_ratio"] == pytest.approx(1.6) and limits[1]["limit"] == pytest.approx(1.5)
+    assert "1.50x" in limit_markdown(limits)
