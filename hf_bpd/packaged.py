@@ -124,17 +124,21 @@ def packaged_rescorer(name: str, base_tokenizer=None):
 
 
 def load_packaged_drafter(rescorer=None, **drafter_kwargs):
-    """The shipped trained heads for the packaged SmolLM2 as a `BlockDrafter`, with the tree settings
-    chosen by measurement (`drafter.json` beside the heads); keyword arguments override them.
+    """The shipped trained heads for the packaged SmolLM2 as a `BlockDrafter`, with the settings chosen by
+    measurement (`drafter.json` beside the heads); keyword arguments override them.
 
-    rescorer: None (heads alone), a `Rescorer` instance, or the name of a shipped rescorer with its tuned
-              weights: "ngram" (KenLM n-gram, 1 best path), "ngram_p4"/"ngram_p16" (p-best), "context"
-              (n-gram of the prompt and generated text), "neural" (small-LM local rescoring), "best" (the
-              best combination measured); `packaged_rescorers()` lists them.
+    rescorer:     None (heads alone), a `Rescorer` instance, or the name of a shipped rescorer with its tuned
+                  weights: "ngram" (KenLM n-gram, 1 best path), "ngram_p4"/"ngram_p16" (p-best), "context"
+                  (n-gram of the prompt and generated text), "neural" (small-LM local rescoring), "best" (the
+                  best combination measured); `packaged_rescorers()` lists them.
+    context_copy: use the heads' learned context-copy pointer (`context_copy.py`). `drafter.json` turns it
+                  off: with the drafter's context-lookup chain (`lookup.py`) the pointer no longer raises
+                  τ, and drafting without it is cheaper (RESULTS: "context copy vs context lookup").
     """
     import json
 
     from .drafter import BlockDrafter
+    from .heads import BlockDraftHeads
 
     path = packaged_heads_dir()
     if isinstance(rescorer, str):
@@ -142,4 +146,8 @@ def load_packaged_drafter(rescorer=None, **drafter_kwargs):
     settings_file = path.parent / "drafter.json"
     settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
     settings.update(drafter_kwargs)
-    return BlockDrafter.from_pretrained(path, rescorer=rescorer, **settings)
+    context_copy = settings.pop("context_copy", True)
+    heads = BlockDraftHeads.from_pretrained(path)
+    if not context_copy and heads.context_copy is not None:
+        heads = heads.without_context_copy()
+    return BlockDrafter(heads, rescorer=rescorer, **settings)

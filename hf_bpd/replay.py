@@ -253,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", nargs="+", default=["packaged"], help="heads folders, or 'packaged'")
     parser.add_argument("--top-k", type=int, nargs="+", default=[10])
     parser.add_argument("--max-tree-tokens", type=int, nargs="+", default=[64], help="fixed tree sizes")
+    parser.add_argument(
+        "--context-lookup", type=int, nargs="+", default=[10], help="longest context-lookup chains (0: off)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--answers", required=True, help="greedy answers cache (jsonl; generated where missing)")
     parser.add_argument("--limit", type=int, default=None, help="rows in all")
@@ -280,8 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     for heads in args.heads:
         for k in args.top_k:
             for size in args.max_tree_tokens:
-                name = f"{Path(heads).name} k{k} n{size}" if len(args.heads) > 1 else f"k{k} n{size}"
-                drafters[name] = load_drafter(heads, model, top_k=k, max_tree_tokens=size)
+                for lookup in args.context_lookup:
+                    name = f"k{k} n{size}" + (f" lookup{lookup}" if len(args.context_lookup) > 1 else "")
+                    name = f"{Path(heads).name} {name}" if len(args.heads) > 1 else name
+                    drafters[name] = load_drafter(heads, model, top_k=k, max_tree_tokens=size, context_lookup=lookup)
     results = replay(model, tokenizer, rows, answers, drafters, not args.no_progress)
     table = markdown_table(results)
     limits = None

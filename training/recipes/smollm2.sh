@@ -91,6 +91,11 @@ hf-bpd train-heads --data training/data/distilled/distill2 --output "$RUNS/heads
 python -m training.ship --heads "$RUNS/heads7" --distilled training/data/distilled/distill2 --drafter "$RUNS/drafter5.json" \
   --earlier-manifest "$RUNS/manifest_v5.json" \
   --stage "context-copy pointer (heads v7; the heads' own weights are v5's, trained on the runs above)"
+# 6i. shipped drafter settings (session 12): the context-lookup chain (hf_bpd/lookup.py) drafts the copies the
+#     pointer learned, at no drafting cost, so the default drafter runs v7's heads without their pointer
+#     (RESULTS.md, "context copy vs context lookup"); the heads and their records stay as shipped in 6h
+echo '{"top_k": 10, "max_tree_tokens": "auto", "context_lookup": 10, "context_copy": false}' \
+  > hf_bpd/assets/smollm2/drafter.json
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
