@@ -12,6 +12,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "hf_bpd.bench",
         "analyze": "hf_bpd.analyze",
         "replay": "hf_bpd.replay",
+        "cost-model": "hf_bpd.cost_model",
         "distill": "training.distill",
         "train-heads": "training.train_heads",
         "train-ngram": "training.train_ngram",

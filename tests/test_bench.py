@@ -177,3 +177,16 @@ def test_merge_journals_of_a_run_split_by_category(tmp_path):
     other = _journal(tmp_path / "c.jsonl", ["rag"], [_record(3, "rag", "greedy", 8, 8)], top_k=8)
     with pytest.raises(ValueError, match="other settings"):
         merge_journals([a, other])
+
+
+def test_summaries_count_the_turns_that_differ_from_greedy():
+    """In low precision a tree forward may round a near tie the other way: the rate is reported, not hidden."""
+    from hf_bpd.bench import markdown_table, summarize
+
+    records = [_record(1, "qa", "greedy", 8, 8), _record(1, "qa", "hf_bpd", 8, 4)]
+    records += [_record(2, "rag", "greedy", 8, 8), {**_record(2, "rag", "hf_bpd", 8, 3), "identical": False}]
+    results = summarize(records, ["greedy", "hf_bpd"])
+    overall = results["hf_bpd"]["overall"]
+    assert (overall["turns"], overall["identical_turns"], overall["identical"]) == (2, 1, False)
+    assert results["hf_bpd"]["categories"]["qa"]["identical_turns"] == 1
+    assert "NO (1 of 2 turns differ)" in markdown_table(results)
