@@ -459,13 +459,36 @@ def plot(results: dict, path: str | Path) -> None:
 
 
 def environment(device: str, dtype: str) -> dict:
+    """What a result file needs to say where it came from: date, device (the processor's model for a CPU),
+    library versions and the commit of the code that ran (None outside a git checkout)."""
+    import subprocess
+
     import transformers
 
+    from .cost import _device_name
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        commit += "+uncommitted changes" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    dev = torch.device(device)
     return {
         "date": datetime.date.today().isoformat(),
         "device": device
-        if device != "cpu"
-        else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        if dev.type != "cpu"
+        else f"cpu ({_device_name(dev)}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)",
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "commit": commit,
         "dtype": dtype,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

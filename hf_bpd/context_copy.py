@@ -3,7 +3,7 @@
 Medusa-style heads see one hidden state, so they cannot copy a name, a number or a phrase from a long
 prompt: on Spec-Bench the copy-heavy categories (translation, summarization, RAG) are where the shipped
 heads are weakest. A model-free bigram lookup over the context predicts each head's target about as often
-as the heads themselves do, at every depth (BENCHMARKS.md), and on other positions: the two are
+as the heads themselves do, at every depth (docs/history.md), and on other positions: the two are
 complementary.
 
 So each head gets a pointer over the context (a pointer-generator, See et al. 2017, in the form of an

@@ -16,14 +16,14 @@ borrowed from the base model at `bind`.
   "next"      every head reads token t+1: the base model's own choice, already known when drafting (the
               draft tree's root), so it is still one head call per step. A plain Medusa head must guess
               token t+1 again before it can predict t+2; on SmolLM2-135M this input raises head-1 top-1
-              accuracy from 0.33 to 0.43 on the same data (BENCHMARKS.md).
+              accuracy from 0.33 to 0.43 on the same data (docs/history.md).
   "previous"  head i reads token t+i, the token right before its own target (head 1: token t+1, as
               above; head i > 1: the token the draft puts at depth i-1). The heads then draft like a small
               autoregressive model: each tree node's children come from the next head applied to the
               node's own token (`step`), so a branch continues what it actually drafted instead of what
               the best draft did (Hydra-style sequentially dependent heads, with one token of context).
               Same-data ablation on SmolLM2-135M: head-2/3 top-1 0.33/0.31 against 0.24/0.16 for "next"
-              (BENCHMARKS.md). Drafting costs up to 4 rounds of batched head calls per step instead of
+              (docs/history.md). Drafting costs up to 4 rounds of batched head calls per step instead of
               one call.
   ""          plain Medusa heads (the hidden state only).
 

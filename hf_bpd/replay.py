@@ -13,7 +13,7 @@ Spec-Bench dev in minutes on a CPU, for any number of drafter settings in one pa
 Greedy answers are generated once per data file and `max_new_tokens` (plain `generate`, batch 1, as the
 bench's reference) into a resumable jsonl cache (`--answers`). What replay cannot show: speed (no tree is
 verified) and losslessness (assumed; `hf-bpd bench` checks it). Its τ equals the decoding loop's up to
-float noise in the heads' input (teacher-forced vs tree-attention hidden states); BENCHMARKS.md compares
+float noise in the heads' input (teacher-forced vs tree-attention hidden states); docs/history.md compares
 the two on the same rows.
 """
 

@@ -4,7 +4,7 @@ Why: the bundled training prompts (`../shared/data/train_prompts.jsonl`) are 95 
 (classification, extractive QA, short answers) and only 427 open-ended instructions, while chat use, and
 Spec-Bench, are mostly long free-form answers: writing, explanations, advice, code, step-by-step math,
 role play, translation. Heads learn the base model's habits on the prompts they see, so their τ drops on
-what they never saw (BENCHMARKS.md: translation and coding trail the other categories).
+what they never saw (docs/history.md: translation and coding trail the other categories).
 
 Every prompt is a template filled from word lists written for this file, with random numbers for the
 math problems and simple templated German, French and Spanish sentences for translation. The output is

@@ -1,6 +1,6 @@
 """German-to-English translation prompts for self-distillation, from real German text (no benchmark text).
 
-Why: translation is where the heads draft worst (BENCHMARKS.md: τ about 1.2 on Spec-Bench's German to
+Why: translation is where the heads draft worst (docs/history.md: τ about 1.2 on Spec-Bench's German to
 English rows, against 2 and more for chat). The heads never saw German input: the bundled training prompts
 are English, and `training.instructions` only has templated sentences. Heads learn what the base model
 does on the prompts they see, so they need German sentences of real variety to learn how it translates.

@@ -4,7 +4,7 @@ Tuning slice: every 18th row of spec_bench_dev starting at row 4 (14 rows, all l
 disjoint from the rows `hf-bpd bench --spread 13` or `--spread 26` reports on (every 18th / 9th from
 row 0), so the reported numbers are not fitted. Criterion: tau (block efficiency) with one shared
 forward-cost curve, so the choice does not depend on machine noise; the rescorers' own cost (~1-2 ms
-per step for the n-gram searches, see BENCHMARKS.md) is small next to a verification forward.
+per step for the n-gram searches, see docs/history.md) is small next to a verification forward.
 
 Stage 1 tunes each rescorer alone; stage 2 builds the p-best variants and the "best" combination from the
 stage-1 winners. Writes rescorers.json (the specs `load_packaged_drafter(rescorer=NAME)` builds).

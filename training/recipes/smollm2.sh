@@ -37,13 +37,13 @@ python -m training.tune_drafter --heads "$RUNS/heads2" --distilled "$RUNS/distil
 # 6. into the package (heads, drafter.json, training log, distillation manifest; the rescorers stay)
 python -m training.ship --heads "$RUNS/heads2" --distilled "$RUNS/distill2" --drafter "$RUNS/drafter2.json" \
   --to hf_bpd/assets/smollm2
-# 6b. heads v3 (measured, not shipped: higher tau, slower on this CPU; BENCHMARKS.md): each head reads the
+# 6b. heads v3 (measured, not shipped: higher tau, slower on this CPU; docs/history.md): each head reads the
 #     token before its target (--token-input previous, the train-heads default), on the first 3,712 prompts
 hf-bpd distill --output "$RUNS/distill2" --limit 3712 --max-new-tokens 128 --max-prompt-tokens 256 \
   --batch-size 64 --shard-size 64
 hf-bpd train-heads --data "$RUNS/distill2" --output "$RUNS/heads3" --num-heads 5 --num-layers 1 \
   --draft-vocab-size 8192 --loss-decay 0.8 --epochs 4 --lr 2e-3 --batch-size 256 --top-k 5 --token-input previous
-# 6c. heads v4 (session 6, measured, NOT shipped; BENCHMARKS.md): the seeded distillation continued to 4,160
+# 6c. heads v4 (session 6, measured, NOT shipped; docs/history.md): the seeded distillation continued to 4,160
 #     prompts, 704 templated open-ended instructions distilled beside them (their seeded order's first 704,
 #     closed like step 1), and the base model's own distribution as a half-weight soft target
 hf-bpd distill --output "$RUNS/distill2" --limit 4160 --max-new-tokens 128 --max-prompt-tokens 256 \
@@ -54,7 +54,7 @@ hf-bpd distill --prompts training/data/instructions.jsonl --output "$RUNS/distil
 hf-bpd train-heads --data "$RUNS/distill2" "$RUNS/distill_instr" --output "$RUNS/heads4" \
   --features-cache "$RUNS/heads2/features" --num-heads 5 --num-layers 1 --draft-vocab-size 8192 --loss-decay 0.8 \
   --epochs 4 --lr 2e-3 --batch-size 256 --top-k 5 --token-input previous --teacher-weight 0.5
-# 6d. heads v5 (session 7; BENCHMARKS.md): all 2,000 instructions, and 1,500 German-to-English prompts
+# 6d. heads v5 (session 7; docs/history.md): all 2,000 instructions, and 1,500 German-to-English prompts
 #     from Debian's fortunes-de 0.35-1 (sha256 03fe7a79...067a0; GPL text read here, not shipped); 3 epochs
 #     over the 7,660 samples (more steps than v4's 4 over 4,864)
 hf-bpd distill --prompts training/data/instructions.jsonl --output "$RUNS/distill_instr" \
@@ -68,7 +68,7 @@ hf-bpd distill --prompts "$RUNS/de_prompts.jsonl" --output "$RUNS/distill_de" \
 hf-bpd train-heads --data "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_de" --output "$RUNS/heads5" \
   --features-cache "$RUNS/heads2/features" --num-heads 5 --num-layers 1 --draft-vocab-size 8192 --loss-decay 0.8 \
   --epochs 3 --lr 2e-3 --batch-size 256 --top-k 5 --token-input previous --teacher-weight 0.5
-# 6e. ship v5 (session 8; BENCHMARKS.md): better τ than v2 and, with packed_linear, faster on the dev CPU
+# 6e. ship v5 (session 8; docs/history.md): better τ than v2 and, with packed_linear, faster on the dev CPU
 echo '{"top_k": 10, "max_tree_tokens": "auto"}' > "$RUNS/drafter5.json"
 python -m training.ship --heads "$RUNS/heads5" --distilled "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_de" \
   --drafter "$RUNS/drafter5.json"
@@ -82,7 +82,7 @@ hf-bpd distill --output "$RUNS/distill_rest" --offset 4160 --limit 2048 --max-ne
 hf-bpd train-heads --data "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_de" "$RUNS/distill_rest" \
   --output "$RUNS/heads6" --init "$RUNS/heads5" --features-cache "$RUNS/heads2/features" --loss-decay 0.8 \
   --epochs 1 --lr 1e-3 --batch-size 256 --top-k 5 --teacher-weight 0.5
-# 6h. heads v7 (session 11; shipped; BENCHMARKS.md): v5's heads, unchanged, plus a context-copy pointer per
+# 6h. heads v7 (session 11; shipped; docs/history.md): v5's heads, unchanged, plus a context-copy pointer per
 #     head (hf_bpd/context_copy.py) trained on the first 2,304 samples of distill2 (the committed ones,
 #     training/data/distilled/distill2); the v5 heads shipped in session 8 are $RUNS/heads5 (step 6d)
 hf-bpd train-heads --data training/data/distilled/distill2 --output "$RUNS/heads7" --init "$RUNS/heads5" \

@@ -1,0 +1,35 @@
+"""RESULTS.md and README.md's results block are what the committed result files say (benchmarks/results.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_results_pages_match_the_result_files():
+    command = [sys.executable, "benchmarks/results.py", "--check"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_every_claim_names_its_provenance_and_its_file_exists():
+    claims = json.loads((ROOT / "benchmarks" / "claims.json").read_text())
+    assert sum(bool(c.get("readme")) for c in claims) == 1  # one claim feeds the README table
+    for claim in claims:
+        for key in ("title", "what", "settings", "command", "commit", "machine", "file", "kind"):
+            assert claim.get(key), (claim.get("id"), key)
+        assert (ROOT / claim["file"]).is_file(), claim["file"]
+        assert claim["command"].startswith("hf-bpd ") and claim["file"] in claim["command"]
+
+
+def test_readme_numbers_come_only_from_the_generated_block():
+    """Outside the generated block the README quotes no τ or speedup: such a number would not be checked."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    begin, end = "<!-- results:", "<!-- /results -->"
+    outside = text.split(begin)[0] + text.split(end)[1]
+    assert not re.search(r"τ\s*(=|of)?\s*\d\.\d", outside)
+    assert not re.search(r"\d\.\d+\s*×", outside)
