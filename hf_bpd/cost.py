@@ -67,10 +67,12 @@ def measure_forward_cost(
     vocab = model_vocab_size(model)
     packed = linear_context(model, packed_linear)  # resolved once, outside the timed forwards
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.randint(0, vocab, (1, context), device=device), past_key_values=cache, use_cache=True)
+    g = torch.Generator().manual_seed(0)  # a private stream: measuring must not move a user's seeded sampling
+    prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
+    model(input_ids=prompt, past_key_values=cache, use_cache=True)
     times = []
     for n in sizes:
-        ids = torch.randint(0, vocab, (1, n), device=device)
+        ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
         mask = torch.zeros(1, 1, n, context + n, dtype=dtype, device=device)
         pos = torch.arange(context, context + n, device=device)[None]
         runs = []

@@ -6,8 +6,18 @@ Phases, each a plain function below (gpt-fast style):
   prefill        the prompt through the model exactly as `generate` does: its token is the first root
   draft          heads on the last accepted hidden state -> lattice -> draft tree (`BlockDrafter.draft`)
   verify_tree    ONE forward over the tree on the existing cache: 4D tree mask + depth-based position ids
-  accept_greedy  walk the tree along the base model's own (processed) greedy choices
+  accept_tree    walk the tree along the base model's own choices: its processed greedy token, or (sampling)
+                 one draw from its processed distribution at each reached node
   compact_cache  keep only the accepted tree positions in the KV cache
+
+Sampling is exact. The drafts are deterministic, so the rule is the plain one: at the root, draw y from the
+base model's processed distribution there (every processor and warper `generate` built, run on the ids of
+that node's path); if y is a drafted child, move to it and draw again from its distribution; otherwise emit
+y and stop (a leaf also ends with a draw). By induction over the depth, every emitted token has exactly the
+law plain sampling gives it, and because one `torch.multinomial` draw is made per emitted token, in order,
+as `generate`'s sampling loop makes them, the same seed gives the same tokens as plain
+`model.generate(do_sample=True)` (up to the rounding difference between a tree forward and a one-token
+forward).
 
 Only public extension points are used (4D attention masks, `position_ids`, the Cache API): no modeling
 file is copied or patched, so any causal LM whose attention honours a 4D mask works (sdpa, eager).
@@ -116,20 +126,31 @@ def verify_tree(model, tree: TreeBatch, cache: DynamicCache, past_mask: torch.Te
         ) from err
 
 
-def accept_greedy(
+def choose_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """Processed scores `[B, V]` -> the token `generate` picks for each row `[B]`: the argmax, or one draw
+    from their softmax made exactly as `generate`'s sampling loop makes it (so a seed gives the same draws)."""
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    probs = torch.nn.functional.softmax(scores, dim=-1)
+    return torch.multinomial(probs, num_samples=1).squeeze(1)
+
+
+def accept_tree(
     tree: DraftTree,
     logits: torch.Tensor,
     sequence: torch.Tensor,
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
+    do_sample: bool = False,
 ) -> AcceptResult:
-    """Follow the base model's greedy choices through the tree for one row.
+    """Follow the base model's own choices through the tree for one row: its greedy token at each node,
+    or with `do_sample` one draw from its processed distribution there (module docstring: exact).
 
     logits [N, V] are the raw logits of every node; `sequence` [1, L] ends with the root. At each visited
     node the processors see exactly the sequence plain `generate` would have had, so the chosen token is
-    the one `generate` would choose. A matching child is followed; otherwise the chosen token is the
-    bonus token and the step ends. Stopping criteria are checked after every token, so eos or
-    max_new_tokens inside an accepted draft stop right there.
+    the one `generate` would choose (or has the law of its draw). A matching child is followed; otherwise
+    the chosen token is the bonus token and the step ends. Stopping criteria are checked after every token,
+    so eos or max_new_tokens inside an accepted draft stop right there.
     """
     nodes, tokens, scores, raw = [], [], [], []
     node = 0
@@ -137,7 +158,7 @@ def accept_greedy(
         nodes.append(node)
         node_logits = logits[node : node + 1].float()
         node_scores = logits_processor(sequence, node_logits)
-        token = int(node_scores.argmax(dim=-1))
+        token = int(choose_tokens(node_scores, do_sample))
         sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=-1)
         tokens.append(token)
         scores.append(node_scores[0])
@@ -193,7 +214,8 @@ def generate(
     assistant: BlockDrafter | None = None,
     **model_kwargs,
 ):
-    """Lossless blockwise parallel decoding; see the module docstring. `assistant` is the `BlockDrafter`.
+    """Lossless blockwise parallel decoding, greedy or sampled (`generation_config.do_sample`); see the
+    module docstring. `assistant` is the `BlockDrafter`.
 
     `streamer`: transformers does not hand `streamer` to a callable custom_generate; bind it with
     `functools.partial(hf_bpd.generate, streamer=streamer)` (the Hub folder does this for you).
@@ -203,10 +225,13 @@ def generate(
             "hf_bpd.generate needs the drafter: model.generate(..., custom_generate=hf_bpd.generate, "
             f"assistant=BlockDrafter(...)); got assistant={type(assistant).__name__}"
         )
-    if generation_config.do_sample:
-        raise ValueError("hf_bpd.generate is lossless for greedy decoding only: pass do_sample=False")
     if generation_config.num_beams not in (None, 1):
         raise ValueError("hf_bpd.generate does not do beam search: pass num_beams=1")
+    if (generation_config.num_return_sequences or 1) > 1:
+        raise ValueError(
+            f"hf_bpd.generate returns one sequence per input, got num_return_sequences="
+            f"{generation_config.num_return_sequences}: repeat the input in the batch instead"
+        )
     if input_ids.shape[0] != 1:
         raise ValueError(f"hf_bpd.generate decodes one sequence at a time for now, got batch size {input_ids.shape[0]}")
     if synced_gpus:
@@ -229,8 +254,9 @@ def generate(
     if past_mask is None:
         past_mask = torch.ones_like(input_ids)
     logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
+    do_sample = bool(generation_config.do_sample)
     scores = logits_processor(input_ids, logits)
-    first = scores.argmax(dim=-1, keepdim=True)
+    first = choose_tokens(scores, do_sample)[:, None]
     input_ids = torch.cat([input_ids, first], dim=-1)
     stats.time_prefill = time.perf_counter() - t0
     stats.new_tokens = 1
@@ -251,7 +277,7 @@ def generate(
         with drafter.linear_context:  # oneDNN packed weights on a CPU (BlockDrafter's packed_linear)
             out = verify_tree(model, batch, cache, past_mask)
         t2 = drafter._sync(input_ids.device)
-        result = accept_greedy(trees[0], out.logits[0], input_ids, logits_processor, stopping_criteria)
+        result = accept_tree(trees[0], out.logits[0], input_ids, logits_processor, stopping_criteria, do_sample)
         # CPU times are exact; on an accelerator only when the drafter synchronises (profile)
         timed = input_ids.device.type == "cpu" or drafter.profile
         drafter.observe([result.nodes], [result.finished], batch.input_ids.shape[1], t2 - t1 if timed else None)

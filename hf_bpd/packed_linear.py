@@ -45,7 +45,8 @@ def packed_linear_available() -> bool:
     if not torch.backends.mkldnn.is_available() or mkldnn is None:
         return False
     try:
-        weight, bias, x = torch.randn(24, 16), torch.randn(24), torch.randn(3, 16)
+        g = torch.Generator().manual_seed(0)  # never the global stream: a user's seeded sampling must not move
+        weight, bias, x = (torch.randn(*shape, generator=g) for shape in ((24, 16), (24,), (3, 16)))
         packed = mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         out = mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return bool(torch.allclose(out, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4))

@@ -1,0 +1,212 @@
+"""`do_sample=True`: exact sampling over the draft tree (`decoding.accept_tree`).
+
+The exactness tests enumerate every possible draw of `accept_tree` itself (no Monte Carlo): the law of what
+one step emits, pushed to the first one and two tokens, must equal plain sampling's law within 1e-9, with
+path-aware processors and warpers. The stream tests check that a seed gives the same tokens as plain
+`model.generate(do_sample=True)`.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+from conftest import random_heads, tiny_model
+from transformers import (
+    LogitsProcessorList,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import hf_bpd
+import hf_bpd.decoding as decoding
+from hf_bpd import BlockDrafter
+from hf_bpd.tree import DraftTree
+
+VOCAB = 6
+
+
+def toy_logits(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A toy LM over 6 tokens: fixed pseudo-random logits for every prefix."""
+    g = torch.Generator().manual_seed(hash(prefix) % (2**31))
+    return torch.randn(VOCAB, generator=g, dtype=torch.float64).float() * 2.0
+
+
+def processed_probs(processors, sequence: tuple[int, ...], logits: torch.Tensor) -> torch.Tensor:
+    scores = processors(torch.tensor([sequence]), logits[None].clone())
+    return torch.softmax(scores.double(), dim=-1)[0]
+
+
+class _Branch(Exception):
+    def __init__(self, probs):
+        self.probs = probs
+
+
+def emission_law(tree, prompt, processors, monkeypatch) -> dict[tuple[int, ...], float]:
+    """Exact law of the tokens one `accept_tree` step emits, by enumerating every draw it can make."""
+    node_logits = torch.stack([toy_logits(tuple(prompt) + tuple(p)) for p in tree.node_paths()])
+    law: dict[tuple[int, ...], float] = {}
+
+    def run(script: list[int]) -> None:
+        probs_seen = []
+
+        def scripted(scores, do_sample):
+            assert do_sample
+            probs = torch.softmax(scores.double(), dim=-1)[0]  # the law of the draw, in float64
+            if len(probs_seen) == len(script):
+                raise _Branch(probs)
+            probs_seen.append(probs[script[len(probs_seen)]].item())
+            return torch.tensor([script[len(probs_seen) - 1]])
+
+        monkeypatch.setattr(decoding, "choose_tokens", scripted)
+        try:
+            result = decoding.accept_tree(
+                tree, node_logits, torch.tensor([prompt]), processors, StoppingCriteriaList(), do_sample=True
+            )
+        except _Branch as branch:
+            for y in range(VOCAB):
+                if branch.probs[y] > 0:
+                    run([*script, y])
+            return
+        assert result.tokens == script
+        law[tuple(script)] = law.get(tuple(script), 0.0) + math.prod(probs_seen)
+
+    run([])
+    return law
+
+
+PROCESSORS = {
+    "none": LogitsProcessorList(),
+    "temperature+top_k": LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(4)]),
+    "repetition+no_repeat+top_p": LogitsProcessorList(
+        [RepetitionPenaltyLogitsProcessor(1.8), NoRepeatNGramLogitsProcessor(2), TopPLogitsWarper(0.85)]
+    ),
+}
+TREES = {
+    "chain": [(1, 2, 3)],
+    "every token a child, deeper branches": [(0,), (1, 2), (1, 4, 0), (2,), (3,), (4,), (5, 5)],
+    "root only (leaf bonus)": [],
+}
+
+
+@pytest.mark.parametrize("tree_name", TREES)
+@pytest.mark.parametrize("proc_name", PROCESSORS)
+def test_first_two_tokens_have_plain_sampling_law(tree_name, proc_name, monkeypatch):
+    prompt = (0, 1, 2)
+    processors = PROCESSORS[proc_name]
+    tree = DraftTree.from_paths(2, TREES[tree_name], 64)
+    sequence = (*prompt[:-1], 2)  # the root is the last accepted token
+    law = emission_law(tree, sequence, processors, monkeypatch)
+    assert sum(law.values()) == pytest.approx(1.0, abs=1e-9)
+
+    def target(prefix: tuple[int, ...]) -> torch.Tensor:  # plain sampling's next-token law after `prefix`
+        return processed_probs(processors, (*sequence, *prefix), toy_logits((*sequence, *prefix)))
+
+    first, two = torch.zeros(VOCAB, dtype=torch.float64), torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for emitted, p in law.items():
+        first[emitted[0]] += p
+        if len(emitted) >= 2:
+            two[emitted[0], emitted[1]] += p
+        else:  # the step ended: the next step's root draws the second token from the model itself
+            two[emitted[0]] += p * target(emitted)
+    plain_first = target(())
+    assert torch.allclose(first, plain_first, atol=1e-9, rtol=0)
+    plain_two = torch.stack([plain_first[a] * target((a,)) for a in range(VOCAB)])
+    assert torch.allclose(two, plain_two, atol=1e-9, rtol=0)
+    if tree_name.startswith("every token"):
+        assert any(len(e) > 1 for e in law)  # drafts were accepted with positive probability
+
+
+def test_duplicate_drafts_merge_into_one_child():
+    """Two drafts proposing the same token under one parent are one node: the draw cannot count it twice."""
+    tree = DraftTree.from_paths(2, [(1, 2), (1, 3), (1, 2, 4)], 64)
+    assert len(tree) == 5 and sorted(t for t, p in zip(tree.tokens, tree.parents) if p == 1) == [2, 3]
+
+
+SAMPLING = [
+    dict(temperature=0.8),
+    dict(temperature=1.3, top_k=20, top_p=0.9),
+    dict(temperature=0.7, repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=5),
+    dict(top_p=0.8, typical_p=0.9, epsilon_cutoff=3e-4),
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("options", SAMPLING, ids=lambda o: "+".join(o))
+def test_same_seed_gives_plain_sampling_tokens(arch, options):
+    model = tiny_model(arch, eos_token_id=None)
+    drafter = BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=12)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    accepted = 0
+    for seed in range(4):
+        torch.manual_seed(seed)
+        ref = model.generate(ids, do_sample=True, max_new_tokens=30, **options)
+        torch.manual_seed(seed)
+        out = model.generate(
+            ids, do_sample=True, max_new_tokens=30, custom_generate=hf_bpd.generate, assistant=drafter, **options
+        )
+        assert out.tolist() == ref.tolist(), (seed, options)
+        accepted += sum(n - 1 for n in drafter.stats.accepted_lengths)
+    assert accepted > 0  # the tree did work: drafted tokens were accepted under sampling
+
+
+def test_generation_config_that_samples_is_followed():
+    model = tiny_model("llama", eos_token_id=None)
+    model.generation_config.do_sample = True
+    model.generation_config.temperature = 0.9
+    drafter = BlockDrafter(random_heads(model), top_k=3, max_tree_tokens=8)
+    ids = torch.tensor([[3, 4, 5]])
+    torch.manual_seed(7)
+    ref = model.generate(ids, max_new_tokens=20)
+    torch.manual_seed(7)
+    out = model.generate(ids, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist()
+    torch.manual_seed(7)
+    greedy = model.generate(ids, max_new_tokens=20, do_sample=False)
+    assert greedy.tolist() != ref.tolist()  # it really sampled
+
+
+def test_sampled_scores_and_logits_match_plain_sampling():
+    model = tiny_model("qwen2", eos_token_id=None)
+    drafter = BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8)
+    ids = torch.tensor([[9, 8, 7]])
+    kw = dict(do_sample=True, top_k=10, max_new_tokens=12, return_dict_in_generate=True)
+    kw.update(output_scores=True, output_logits=True)
+    torch.manual_seed(3)
+    ref = model.generate(ids, **kw)
+    torch.manual_seed(3)
+    out = model.generate(ids, custom_generate=hf_bpd.generate, assistant=drafter, **kw)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert len(out.scores) == len(ref.scores) == 12
+    for a, b in itertools.chain(zip(out.scores, ref.scores), zip(out.logits, ref.logits)):
+        finite = b.isfinite()
+        assert torch.equal(a.isfinite(), finite) and torch.allclose(a[finite], b[finite], atol=1e-4)
+
+
+def test_several_return_sequences_are_refused_by_name():
+    model = tiny_model("llama")
+    drafter = BlockDrafter(random_heads(model), top_k=2, max_tree_tokens=4)
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        model.generate(
+            torch.tensor([[1, 2]]),
+            do_sample=True,
+            num_return_sequences=3,
+            custom_generate=hf_bpd.generate,
+            assistant=drafter,
+        )
+
+
+def test_preparing_a_drafter_leaves_the_global_random_stream_alone():
+    """Binding heads, the packed-linear self-check and measuring the forward-cost curve use private
+    generators: a user's `torch.manual_seed` before `generate` must drive the draws alone."""
+    model = tiny_model("llama")
+    drafter = BlockDrafter(random_heads(model), top_k=2, max_tree_tokens="auto")
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    drafter.prepare(model)
+    assert torch.equal(torch.rand(3), expected)
