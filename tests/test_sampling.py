@@ -210,3 +210,98 @@ def test_preparing_a_drafter_leaves_the_global_random_stream_alone():
     torch.manual_seed(0)
     drafter.prepare(model)
     assert torch.equal(torch.rand(3), expected)
+
+
+# --- statistical check through `generate`: 20,000 seeded runs, chi-squared against the exact law ----------
+
+RUNS = 20_000
+CONTROL_RUNS = 2_000  # the wrong rule is rejected with far fewer runs: that is the power being shown
+STAT_OPTIONS = dict(do_sample=True, temperature=0.8, top_k=3, top_p=0.95, repetition_penalty=1.5)
+
+
+def exact_three_token_law(model, prompt: list[int]) -> dict[tuple[int, int, int], float]:
+    """Plain sampling's law of the first three tokens, from the model's own processed distributions."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(**STAT_OPTIONS)
+    processors = model._get_logits_processor(config, input_ids_seq_length=len(prompt))
+
+    def probs(seq: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[:, -1].float()
+        return torch.softmax(processors(torch.tensor([seq]), logits).double(), dim=-1)[0]
+
+    law = {}
+    p1 = probs(prompt)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = probs([*prompt, a])
+        for b in p2.nonzero().flatten().tolist():
+            p3 = probs([*prompt, a, b])
+            for c in p3.nonzero().flatten().tolist():
+                law[(a, b, c)] = (p1[a] * p2[b] * p3[c]).item()
+    return law
+
+
+def chi_squared_p(counts: dict, law: dict, runs: int) -> float:
+    """p-value of observed `counts` under `law` (cells expected below 5 pooled into one); 0 when an outcome
+    falls outside the law's support (impossible under it)."""
+    if not set(counts) <= set(law):
+        return 0.0
+    small = [k for k, p in law.items() if p * runs < 5]
+    observed = [counts.get(k, 0) for k in law if k not in small] + [sum(counts.get(k, 0) for k in small)]
+    expected = [law[k] * runs for k in law if k not in small] + [sum(law[k] for k in small) * runs]
+    if not small:
+        observed, expected = observed[:-1], expected[:-1]
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    dof = len(observed) - 1
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)).item()
+
+
+def root_only_accept(tree, logits, sequence, processors, stopping, do_sample=False):
+    """A WRONG rule (negative control): processors and warpers run at the root node only; deeper nodes
+    draw from the raw distribution."""
+    root = sequence.shape[1]
+
+    def at_root_only(seq, scores):
+        return processors(seq, scores) if seq.shape[1] == root else scores
+
+    return _real_accept_tree(tree, logits, sequence, at_root_only, stopping, do_sample)
+
+
+_real_accept_tree = decoding.accept_tree
+
+
+def sampled_three_tokens(model, drafter, prompt: list[int], runs: int = RUNS) -> dict[tuple[int, ...], int]:
+    counts: dict[tuple[int, ...], int] = {}
+    ids = torch.tensor([prompt])
+    accepted = 0
+    for seed in range(runs):
+        torch.manual_seed(seed)
+        out = model.generate(ids, max_new_tokens=3, custom_generate=hf_bpd.generate, assistant=drafter, **STAT_OPTIONS)
+        key = tuple(out[0, len(prompt) :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        accepted += sum(n - 1 for n in drafter.stats.accepted_lengths)
+    assert accepted > runs // 10  # drafted tokens were accepted in many runs: the tree rule is exercised
+    return counts
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    model = tiny_model("llama", vocab_size=8, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    drafter = BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2), top_k=3, max_tree_tokens=8)
+    return model, drafter, [1, 2, 3, 1]
+
+
+def test_chi_squared_sampling_law_through_generate(small_vocab_model):
+    model, drafter, prompt = small_vocab_model
+    law = exact_three_token_law(model, prompt)
+    p = chi_squared_p(sampled_three_tokens(model, drafter, prompt), law, RUNS)
+    assert p > 1e-3, p
+
+
+def test_chi_squared_has_power_against_processing_at_the_root_only(small_vocab_model, monkeypatch):
+    model, drafter, prompt = small_vocab_model
+    monkeypatch.setattr(decoding, "accept_tree", root_only_accept)
+    law = exact_three_token_law(model, prompt)
+    p = chi_squared_p(sampled_three_tokens(model, drafter, prompt, CONTROL_RUNS), law, CONTROL_RUNS)
+    assert p < 1e-6, p
