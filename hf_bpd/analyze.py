@@ -310,7 +310,7 @@ def rescorer_overhead(model, tokenizer, rows: list[dict], rescorers: dict, h: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench import DEFAULT_DATA, select_rows
+    from .bench import DEFAULT_DATA, check_data_file, select_rows
     from .jsonl import read_jsonl
     from .models import chat_inputs, load_model
 
@@ -326,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         "--overhead", action="store_true", help="only time the shipped rescorers on k=16, h=8 lattices (overhead.json)"
     )
     args = parser.parse_args(argv)
+    check_data_file(args.data)
 
     from .drafter import BlockDrafter
     from .packaged import load_packaged_drafter, packaged_rescorer, packaged_rescorers

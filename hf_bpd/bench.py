@@ -511,6 +511,16 @@ def environment(device: str, dtype: str) -> dict:
     }
 
 
+def check_data_file(path: str) -> None:
+    """Refuse a missing prompts file before the model loads (the default is the dev half of Spec-Bench in
+    the project's ../shared/data, which a user's machine does not have)."""
+    if not Path(path).is_file():
+        raise SystemExit(
+            f"{path}: no such file. Pass a Spec-Bench-format jsonl (question_id, category, turns) as the first "
+            f"argument; the default {DEFAULT_DATA} exists only beside the project's checkout"
+        )
+
+
 def load_drafter(heads: str, model, num_heads: int = 4, **kwargs) -> BlockDrafter:
     """The drafter a benchmark runs, profiled: `heads` is a folder, "packaged" (the shipped heads and
     their drafter.json settings, which `kwargs` override) or "untrained" (`num_heads` fresh heads)."""
@@ -595,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         results = summarize(records, methods)
         return _report(results, {"merged": args.merge, "turns": len(records) // len(methods)}, args.output)
 
+    check_data_file(args.data)
     decoding = dict(GREEDY)
     if args.do_sample:
         options = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.sample_top_k}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .bench import DEFAULT_DATA, environment, load_drafter, select_rows
+from .bench import DEFAULT_DATA, check_data_file, environment, load_drafter, select_rows
 from .cost import ForwardCost, measure_forward_cost
 from .drafter import BlockDrafter
 from .jsonl import read_jsonl
@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also time forwards of each tree size in this run and print the zero-overhead limit tau(n) t(1)/t(n)",
     )
     args = parser.parse_args(argv)
+    check_data_file(args.data)
 
     from .models import load_model
 

@@ -190,3 +190,17 @@ def test_summaries_count_the_turns_that_differ_from_greedy():
     assert (overall["turns"], overall["identical_turns"], overall["identical"]) == (2, 1, False)
     assert results["hf_bpd"]["categories"]["qa"]["identical_turns"] == 1
     assert "NO (1 of 2 turns differ)" in markdown_table(results)
+
+
+@pytest.mark.parametrize("command", ["bench", "replay", "analyze"])
+def test_missing_prompts_file_is_refused_before_loading_a_model(command, tmp_path, monkeypatch):
+    import hf_bpd.models
+    from hf_bpd import cli
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the missing file was noticed")
+
+    monkeypatch.setattr(hf_bpd.models, "load_model", no_loading)
+    extra = {"bench": [], "replay": ["--answers", str(tmp_path / "a.jsonl")], "analyze": ["--output", str(tmp_path)]}
+    with pytest.raises(SystemExit, match="no such file"):
+        cli.main([command, str(tmp_path / "missing.jsonl"), *extra[command]])

@@ -218,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.prompts == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
+        raise SystemExit(
+            f"the default prompts {DEFAULT_PROMPTS} exist only beside the project's checkout: pass --prompts "
+            "(a jsonl file, a save_to_disk folder or a Hub dataset; this repository ships "
+            "training/data/instructions.jsonl)"
+        )
 
     from hf_bpd.models import load_model
 
