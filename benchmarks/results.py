@@ -58,7 +58,7 @@ def _category_table(methods: dict, keys: list[tuple[str, str]]) -> list[str]:
     return lines
 
 
-def _identical_line(methods: dict) -> str:
+def _identical_line(methods: dict, sampled: bool = False) -> str:
     parts = []
     for name, result in methods.items():
         s = result["overall"]
@@ -66,7 +66,8 @@ def _identical_line(methods: dict) -> str:
             parts.append(f"{name} {s['identical_turns']} of {s['turns']} turns")
         else:
             parts.append(f"{name} {'all turns' if s['identical'] else 'NOT all turns'}")
-    return "Identical to greedy: " + "; ".join(parts) + "."
+    what = "seeded plain sampling (same seed per turn)" if sampled else "greedy"
+    return f"Identical to {what}: " + "; ".join(parts) + "."
 
 
 def render_bench(report: dict) -> list[str]:
@@ -83,7 +84,8 @@ def render_bench(report: dict) -> list[str]:
         lines += ["| method | " + " | ".join(phases) + " |", "|" + " --- |" * (1 + len(phases))]
         for name, steps in phased.items():
             lines.append(f"| {name} | " + " | ".join(f"{steps[p]:.1f}" for p in phases) + " |")
-    return [*lines, "", _identical_line(methods)]
+    sampled = bool(report.get("decoding", {}).get("do_sample"))
+    return [*lines, "", _identical_line(methods, sampled)]
 
 
 def render_replay(report: dict) -> list[str]:
@@ -102,17 +104,30 @@ RENDERERS = {"bench": render_bench, "replay": render_replay}
 def render_claim(claim: dict) -> str:
     report = load(claim["file"])
     env = report.get("environment", {})
+    dirty = " (with uncommitted changes)" if "uncommitted" in (env.get("commit") or "") else ""
     lines = [f"## {claim['title']}", "", claim["what"], ""]
     lines += [
         f"- **Settings**: {claim['settings']}",
         f"- **Command**: `{claim['command']}`",
-        f"- **Commit** {claim['commit']} · **date** {env.get('date', claim.get('date'))} · **machine** "
+        f"- **Commit** {claim['commit']}{dirty} · **date** {env.get('date', claim.get('date'))} · **machine** "
         f"{claim['machine']} · torch {env.get('torch')}, transformers {env.get('transformers')}, {env.get('dtype')}",
         f"- **Result file**: [{claim['file']}]({claim['file']})",
         "",
     ]
     lines += RENDERERS[claim["kind"]](report)
     return "\n".join(lines)
+
+
+def provenance_errors(claims: list[dict]) -> list[str]:
+    """Claims whose result file records another commit or date than the claim states (files written before
+    result files recorded their commit are taken at the claim's word)."""
+    errors = []
+    for claim in claims:
+        env = load(claim["file"]).get("environment", {})
+        recorded = env.get("commit")
+        if recorded and not recorded.startswith(claim["commit"]):
+            errors.append(f"{claim['id']}: claims commit {claim['commit']}, the result file records {recorded}")
+    return errors
 
 
 def render_results(claims: list[dict]) -> str:
@@ -151,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on a difference")
     args = parser.parse_args(argv)
     claims = json.loads(CLAIMS.read_text())
+    errors = provenance_errors(claims)
+    if errors:
+        print("\n".join(errors), file=sys.stderr)
+        return 1
     pages = {
         RESULTS: render_results(claims),
         README: readme_with_block(README.read_text(), render_readme_block(claims)),
