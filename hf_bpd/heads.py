@@ -213,7 +213,9 @@ class BlockDraftHeads(PreTrainedModel):
         naming the folder."""
         cls.saved_config(path, **kwargs)
         try:
-            heads = super().from_pretrained(path, *args, **kwargs)
+            # the weights are loaded, not drawn: module initialisation must not move a user's seeded stream
+            with torch.random.fork_rng(devices=[]):
+                heads = super().from_pretrained(path, *args, **kwargs)
         except (OSError, RuntimeError, ValueError, SafetensorError) as err:
             raise ValueError(f"could not load the draft heads in {path} (corrupt or incomplete file?): {err}") from err
         if not heads.config.draft_vocab_size:  # not saved (identity), and transformers leaves it uninitialised
@@ -317,7 +319,8 @@ class BlockDraftHeads(PreTrainedModel):
         """Heads of this config with `config_changes`, holding `state`, bound to the same base model (the
         borrowed LM-head rows and embeddings are shared), and what `load_state_dict` reported."""
         config = BlockDraftHeadsConfig.from_dict({**self.config.to_dict(), **config_changes})
-        heads = type(self)(config).to(device=self.device, dtype=self.dtype)
+        with torch.random.fork_rng(devices=[]):  # overwritten by `state`: leave the global stream alone
+            heads = type(self)(config).to(device=self.device, dtype=self.dtype)
         result = heads.load_state_dict(state, strict=strict)
         heads.__dict__["_tied_weight"] = self.__dict__["_tied_weight"]
         heads.__dict__["_token_embedding"] = self.__dict__["_token_embedding"]

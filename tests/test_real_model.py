@@ -11,6 +11,7 @@ from conftest import spec_bench_prompts, spec_bench_rows
 
 import hf_bpd
 from hf_bpd import packaged
+from hf_bpd.models import chat_inputs
 
 
 def assert_identical_on_prompts(model, tokenizer, prompts, max_new_tokens, *drafters) -> list[list[float]]:
@@ -150,3 +151,25 @@ def test_every_shipped_rescorer_builds_and_names_are_checked():
         assert hf_bpd.load_packaged_drafter(rescorer=name).rescorer is not None
     with pytest.raises(ValueError, match="shipped"):
         hf_bpd.load_packaged_drafter(rescorer="no-such-rescorer")
+
+
+@pytest.mark.real
+def test_smollm2_sampling_reproduces_seeded_plain_sampling(smollm2):
+    """The shipped drafter under sampling: with the same seed, the same tokens as plain sampling."""
+    model, tokenizer = smollm2
+    drafter = hf_bpd.load_packaged_drafter()
+    for seed, prompt in enumerate(spec_bench_prompts(2)):
+        inputs = chat_inputs(tokenizer, [{"role": "user", "content": prompt}])
+        torch.manual_seed(seed)
+        ref = model.generate(**inputs, do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=32)
+        torch.manual_seed(seed)
+        out = model.generate(
+            **inputs,
+            do_sample=True,
+            temperature=0.7,
+            top_p=0.9,
+            max_new_tokens=32,
+            custom_generate=hf_bpd.generate,
+            assistant=drafter,
+        )
+        assert out.tolist() == ref.tolist()

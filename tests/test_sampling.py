@@ -210,6 +210,9 @@ def test_preparing_a_drafter_leaves_the_global_random_stream_alone():
     torch.manual_seed(0)
     drafter.prepare(model)
     assert torch.equal(torch.rand(3), expected)
+    torch.manual_seed(0)  # loading heads (and dropping their pointer) draws nothing either
+    hf_bpd.load_packaged_drafter()
+    assert torch.equal(torch.rand(3), expected)
 
 
 # --- statistical check through `generate`: 20,000 seeded runs, chi-squared against the exact law ----------
