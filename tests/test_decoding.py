@@ -341,14 +341,14 @@ def test_model_rejecting_4d_masks_raises():
         hf_bpd.decoding.check_model_supported(NoMaskLM(), torch.tensor([[1, 2]]))
 
 
-def test_missing_or_wrong_assistant_and_sampling_raise():
+def test_missing_or_wrong_assistant_beam_search_and_batches_raise():
     model = tiny_model("llama")
     with pytest.raises(TypeError, match="BlockDrafter"):
         model.generate(torch.tensor([[5, 6]]), max_new_tokens=3, custom_generate=hf_bpd.generate)
     drafter = BlockDrafter(random_heads(model))
-    with pytest.raises(ValueError, match="greedy"):
+    with pytest.raises(ValueError, match="beam search"):
         model.generate(
-            torch.tensor([[5, 6]]), max_new_tokens=3, do_sample=True, custom_generate=hf_bpd.generate, assistant=drafter
+            torch.tensor([[5, 6]]), max_new_tokens=3, num_beams=2, custom_generate=hf_bpd.generate, assistant=drafter
         )
     with pytest.raises(ValueError, match="batch size"):
         model.generate(
