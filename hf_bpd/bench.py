@@ -480,7 +480,7 @@ def environment(device: str, dtype: str) -> dict:
 
     import transformers
 
-    from .cost import _device_name
+    from .cost import device_name
 
     try:
         commit = subprocess.run(
@@ -501,7 +501,7 @@ def environment(device: str, dtype: str) -> dict:
         "date": datetime.date.today().isoformat(),
         "device": device
         if dev.type != "cpu"
-        else f"cpu ({_device_name(dev)}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)",
+        else f"cpu ({device_name(dev)}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)",
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "commit": commit,
         "dtype": dtype,

@@ -70,3 +70,8 @@ class AcceptanceCalibration:
     def summary(self) -> dict[str, float]:
         """{"source@depth": multiplier} for every key with evidence (for reports)."""
         return {f"{s}@{d}": self.scale(s, d) for s, d in sorted(self.predicted)}
+
+
+def calibrated_logprob(arc: Arc, depth: int, calibration: AcceptanceCalibration | None) -> float:
+    """The arc's log-probability as trees are ordered and sized: calibrated when there is a calibration."""
+    return arc.logprob if calibration is None else calibration.calibrated(arc, depth)

@@ -97,7 +97,7 @@ def measure_forward_cost(
     return ForwardCost(tuple(sizes), tuple(times))
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:  # the CPU model: a cached curve is only valid on the same kind of processor
@@ -117,7 +117,7 @@ def forward_cost_key(model, packed_linear: bool | None = None, sizes=DEFAULT_SIZ
     return {
         "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
         "dtype": str(param.dtype),
-        "device": f"{param.device.type}: {_device_name(param.device)}",
+        "device": f"{param.device.type}: {device_name(param.device)}",
         "threads": torch.get_num_threads() if param.device.type == "cpu" else None,
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
@@ -216,6 +216,13 @@ class LearnedForwardCost:
 
 def _running_mean(old: float | None, new: float, rate: float) -> float:
     return new if old is None else old + rate * (new - old)
+
+
+def speedup_bound(tau: float, one_token_seconds: float, step_seconds: float) -> float:
+    """Speedup over plain decoding of a method that yields `tau` tokens per step of `step_seconds`, where
+    plain decoding pays `one_token_seconds` per token: with step = t(n) alone, the zero-overhead limit of a
+    tree of n tokens; with step = t(n) + drafting, what such a drafter can reach."""
+    return tau * one_token_seconds / step_seconds
 
 
 def best_tree_size(node_probs: list[float], cost: ForwardCost | LearnedForwardCost) -> int:

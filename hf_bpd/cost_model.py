@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .cost import measure_forward_cost
+from .cost import measure_forward_cost, speedup_bound
 
 # Llama-shaped configurations (hidden, layers, attention heads, kv heads, MLP width, vocabulary)
 SHAPES = {
@@ -120,8 +120,8 @@ def projection(forward: dict[int, float], draft: dict[int, float], taus: dict[in
         row["draft_ratio"] = row["draft_s"] / forward[1]
         if n in taus:
             row["tau"] = taus[n]
-            row["limit"] = taus[n] * forward[1] / forward[n]
-            row["speedup"] = taus[n] * forward[1] / (forward[n] + row["draft_s"])
+            row["limit"] = speedup_bound(taus[n], forward[1], forward[n])
+            row["speedup"] = speedup_bound(taus[n], forward[1], forward[n] + row["draft_s"])
         rows.append(row)
     return rows
 

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from .calibration import HEADS, RESCORER, AcceptanceCalibration, Arc
+from .calibration import HEADS, RESCORER, AcceptanceCalibration, Arc, calibrated_logprob
 from .context_copy import CopyMemory
 from .heads import BlockDraftHeads
 from .lattice import Lattice
@@ -126,9 +126,6 @@ def expand_tree(
             heapq.heappush(heap, (-(path_logprob[parent] + logprob), counter, parent, token, arc))
             counter += 1
 
-    def calibrated(arc: Arc, depth: int) -> float:
-        return arc.logprob if calibration is None else calibration.calibrated(arc, depth)
-
     def expand(nodes: list[int]) -> None:
         by_depth: dict[int, list[int]] = {}
         for node in nodes:
@@ -151,7 +148,7 @@ def expand_tree(
         for node in nodes:
             for token, logprob in proposals.get(paths[node], []):
                 arc = Arc(logprob, RESCORER)
-                push(node, token, arc, calibrated(arc, tree.depths[node] + 1))
+                push(node, token, arc, calibrated_logprob(arc, tree.depths[node] + 1, calibration))
 
     batch = round_size(budget)
     expand([0])

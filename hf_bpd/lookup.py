@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from .calibration import AcceptanceCalibration, Arc
+from .calibration import AcceptanceCalibration, Arc, calibrated_logprob
 from .tree import DraftTree
 
 LOOKUP_PROBABILITY = 0.5  # raw acceptance estimate of one chain arc before calibration has evidence
@@ -67,19 +67,17 @@ def merge_lookup(
     tree = DraftTree(list(tree.tokens), list(tree.parents), list(tree.depths), dict(tree._children))
     arcs = list(arcs)
 
-    def calibrated(arc: Arc, depth: int) -> float:
-        return arc.logprob if calibration is None else calibration.calibrated(arc, depth)
-
     node, path = 0, ()
     for token in chain:
         copy = Arc(math.log(LOOKUP_PROBABILITY), lookup_source(ngram))
         path = (*path, token)
         child = tree.child(node, token)
+        depth = tree.depths[node] + 1
         if child is None:
             tree.add_path(path, len(tree) + 1)
             child = len(tree) - 1
             arcs.append(copy)
-        elif calibrated(copy, tree.depths[child]) > calibrated(arcs[child], tree.depths[child]):
+        elif calibrated_logprob(copy, depth, calibration) > calibrated_logprob(arcs[child], depth, calibration):
             arcs[child] = copy
         node = child
     logprobs = tree.path_logprobs(arcs, calibration)

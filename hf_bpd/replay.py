@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .bench import DEFAULT_DATA, check_data_file, environment, load_drafter, select_rows
-from .cost import ForwardCost, measure_forward_cost
+from .cost import ForwardCost, measure_forward_cost, speedup_bound
 from .drafter import BlockDrafter
 from .jsonl import read_jsonl
 from .models import chat_inputs
@@ -232,8 +232,8 @@ def limit_table(results: dict, drafters: dict[str, BlockDrafter], curve: Forward
     for name, drafter in drafters.items():
         n = drafter.max_tree_tokens
         tau = results[name]["overall"]["tau"]
-        ratio = curve(n) / curve(1)
-        rows.append({"drafter": name, "tree_tokens": n, "tau": tau, "cost_ratio": ratio, "limit": tau / ratio})
+        limit = speedup_bound(tau, curve(1), curve(n))
+        rows.append({"drafter": name, "tree_tokens": n, "tau": tau, "cost_ratio": curve(n) / curve(1), "limit": limit})
     return rows
 
 

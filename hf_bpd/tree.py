@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .calibration import HEADS, RESCORER, AcceptanceCalibration, Arc
+from .calibration import HEADS, RESCORER, AcceptanceCalibration, Arc, calibrated_logprob
 
 
 @dataclass
@@ -138,8 +138,7 @@ class DraftTree:
         """Each node's path log-probability from its nodes' `arcs` (those of `node_arcs`)."""
         out = [0.0]
         for i in range(1, len(self.tokens)):
-            arc = arcs[i].logprob if calibration is None else calibration.calibrated(arcs[i], self.depths[i])
-            out.append(out[self.parents[i]] + arc)
+            out.append(out[self.parents[i]] + calibrated_logprob(arcs[i], self.depths[i], calibration))
         return out
 
     def ancestor_mask(self) -> torch.Tensor:
