@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .cache_api import cache_argument
 from .packed_linear import linear_context, wants_packed_linear
 from .vocab import model_vocab_size
 
@@ -69,7 +70,8 @@ def measure_forward_cost(
     cache = DynamicCache(config=model.config)
     g = torch.Generator().manual_seed(0)  # a private stream: measuring must not move a user's seeded sampling
     prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
-    model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    cache_kwarg = cache_argument(model)
+    model(input_ids=prompt, **{cache_kwarg: cache}, use_cache=True)
     times = []
     for n in sizes:
         ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
@@ -85,7 +87,7 @@ def measure_forward_cost(
                     input_ids=ids,
                     attention_mask=mask,
                     position_ids=pos,
-                    past_key_values=cache,
+                    **{cache_kwarg: cache},
                     use_cache=True,
                     output_hidden_states=True,
                 )

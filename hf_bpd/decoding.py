@@ -40,6 +40,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .cache_api import CACHE_NAMES, GENERATE_CACHE_FIELD, cache_argument, output_cache
 from .drafter import BlockDrafter
 from .tree import DraftTree, TreeBatch, batch_trees
 
@@ -62,12 +63,14 @@ def check_model_supported(model, input_ids: torch.Tensor) -> None:
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError("hf_bpd.generate supports decoder-only causal LMs, not encoder-decoder models")
     params = inspect.signature(model.forward).parameters
-    for name in ("attention_mask", "position_ids", "past_key_values"):
-        if name not in params:
-            raise ValueError(
-                f"{type(model).__name__}.forward has no `{name}` argument: tree verification needs a model that "
-                "accepts a 4D attention mask, position_ids and a KV cache"
-            )
+    missing = [f"`{name}`" for name in ("attention_mask", "position_ids") if name not in params]
+    if cache_argument(model) is None:
+        missing.append(" or ".join(f"`{name}`" for name in CACHE_NAMES))
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__}.forward has no {', '.join(missing)} argument: tree verification needs a model "
+            "that accepts a 4D attention mask, position_ids and a KV cache"
+        )
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if impl not in SUPPORTED_ATTENTION:
         raise ValueError(
@@ -87,7 +90,7 @@ def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.T
     model_inputs = model.prepare_inputs_for_generation(input_ids, **model_kwargs)
     model_inputs["output_hidden_states"] = True
     out = model(**model_inputs, return_dict=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     if not isinstance(cache, DynamicCache):
         raise ValueError(f"hf_bpd needs a DynamicCache (the default), got {type(cache).__name__}")
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
@@ -115,7 +118,7 @@ def verify_tree(model, tree: TreeBatch, cache: DynamicCache, past_mask: torch.Te
             input_ids=tree.input_ids,
             attention_mask=tree_attention_mask(tree, past_mask, dtype),
             position_ids=positions,
-            past_key_values=cache,
+            **{cache_argument(model): cache},
             use_cache=True,
             output_hidden_states=True,
             return_dict=True,
@@ -314,6 +317,6 @@ def generate(
             sequences=input_ids,
             scores=tuple(all_scores) if want_scores else None,
             logits=tuple(all_logits) if want_logits else None,
-            past_key_values=cache if generation_config.use_cache else None,
+            **{GENERATE_CACHE_FIELD: cache if generation_config.use_cache else None},
         )
     return input_ids

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .cache_api import cache_argument
 from .lattice import Lattice, ScoredPath
 from .vocab import check_same_tokenizer, model_vocab_size
 
@@ -91,10 +92,11 @@ class NeuralRescorer:
         if self._cache is None:
             self._cache = DynamicCache(config=self.lm.config)
         start = len(self._cached)
-        out = self.lm.get_decoder()(
+        decoder = self.lm.get_decoder()
+        out = decoder(
             input_ids=torch.tensor([ids], device=device),
             position_ids=torch.arange(start, start + len(ids), device=device)[None],
-            past_key_values=self._cache,
+            **{cache_argument(decoder): self._cache},
             use_cache=True,
         )
         self._cached.extend(ids)
