@@ -9,8 +9,8 @@ setup(
     long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["hf_bpd", "hf_bpd.*", "training", "training.*", "model_cards"]),
-    package_data={"hf_bpd": ["custom_generate/*", "data/*", "assets/*/*", "assets/*/*/*"], "model_cards": ["*.md"]},
+    packages=find_packages(include=["hf_bpd", "hf_bpd.*"]),
+    package_data={"hf_bpd": ["custom_generate/*", "data/*", "templates/*", "assets/*/*", "assets/*/*/*"]},
     include_package_data=True,
     # torch is not pinned here: a library must not dictate the user's torch build. On the CPU-only dev
     # machines install `torch==2.13.0` first (README), which satisfies this range without CUDA downloads.

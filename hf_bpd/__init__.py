@@ -5,10 +5,10 @@ from .drafter import BlockDrafter, DecodingStats, Rescorer
 from .heads import BlockDraftHeads, BlockDraftHeadsConfig
 from .joint import load_joint_model
 from .lattice import Lattice, ScoredPath
-from .neural import NeuralRescorer
-from .ngram import ContextNgram, NgramLM, NgramRescorer
 from .packaged import load_packaged_drafter, load_packaged_model, packaged_rescorers
-from .rescorers import ComposedRescorer
+from .rescoring.composed import ComposedRescorer
+from .rescoring.neural import NeuralRescorer
+from .rescoring.ngram import ContextNgram, NgramLM, NgramRescorer
 from .tree import DraftTree
 
 __version__ = "0.1.0"

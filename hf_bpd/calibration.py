@@ -4,7 +4,7 @@ Tree sizing (`cost.best_tree_size`) trades a bigger forward for more expected ac
 as good as the estimates. Raw estimates are overconfident: a head's softmax is a marginal over contexts it
 never saw conditioned on the drafted prefix, and a path's probability multiplies them as if they were
 independent. With SmolLM2's shipped heads the learned multipliers come out near 0.3-0.5 (the heads' arcs
-are accepted a third to half as often as they claim; `python -m training.ablate_calibration` prints them),
+are accepted a third to half as often as they claim; `python -m research.ablate_calibration` prints them),
 so trees sized on raw estimates were often a loss on a CPU where any multi-token forward costs about two
 single-token ones.
 

@@ -1,4 +1,4 @@
-"""Model cards for draft heads: rendered from `model_cards/draft_heads.md` with real numbers, and the
+"""Model cards for draft heads: rendered from `hf_bpd/templates/draft_heads.md` with real numbers, and the
 Hub folder (weights + config + README.md) that `BlockDraftHeads.push_to_hub` uploads."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def tau_table(bench: dict | None, method: str = "hf_bpd") -> str:
 
 
 def data_recipe(manifest: dict | None) -> str:
-    """One sentence per distilled run (`training.ship` writes {"runs": [...]} for several)."""
+    """One sentence per distilled run (`hf_bpd.training.ship` writes {"runs": [...]} for several)."""
     if not manifest:
         return "_not recorded_"
     runs = manifest.get("runs", [manifest])
@@ -76,7 +76,7 @@ def render_card(
     max_tree_tokens: int = 32,
 ) -> str:
     cfg = heads.config
-    template = resources.files("model_cards").joinpath(TEMPLATE).read_text(encoding="utf-8")
+    template = resources.files("hf_bpd").joinpath("templates", TEMPLATE).read_text(encoding="utf-8")
     softmax = "tied to the base LM head" if cfg.tie_lm_head else "of its own"
     if cfg.draft_vocab_size:
         softmax += f", over a {cfg.draft_vocab_size}-token draft vocabulary"

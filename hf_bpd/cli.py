@@ -8,15 +8,15 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
-        "demo": "hf_bpd.demo",
-        "bench": "hf_bpd.bench",
-        "analyze": "hf_bpd.analyze",
-        "replay": "hf_bpd.replay",
-        "cost-model": "hf_bpd.cost_model",
-        "distill": "training.distill",
-        "train-heads": "training.train_heads",
-        "train-ngram": "training.train_ngram",
-        "train-rescorer": "training.train_rescorer",
+        "demo": "hf_bpd.tools.demo",
+        "bench": "hf_bpd.tools.bench",
+        "analyze": "hf_bpd.tools.analyze",
+        "replay": "hf_bpd.tools.replay",
+        "cost-model": "hf_bpd.tools.cost_model",
+        "distill": "hf_bpd.training.distill",
+        "train-heads": "hf_bpd.training.train_heads",
+        "train-ngram": "hf_bpd.training.train_ngram",
+        "train-rescorer": "hf_bpd.training.train_rescorer",
     }
     if not argv or argv[0] not in commands:
         print("usage: hf-bpd {" + ",".join(commands) + "} [options]   (hf-bpd COMMAND --help for each)")

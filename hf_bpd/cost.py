@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .cache_api import cache_argument
+from .compat import cache_argument
 from .packed_linear import linear_context, wants_packed_linear
 from .vocab import model_vocab_size
 

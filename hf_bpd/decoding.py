@@ -22,16 +22,13 @@ forward).
 Only public extension points are used (4D attention masks, `position_ids`, the Cache API): no modeling
 file is copied or patched, so any causal LM whose attention honours a 4D mask works (sdpa, eager).
 
-Batching: every tensor keeps its batch dimension and the tree, mask and acceptance code already works
-row by row; `generate` itself still requires batch size 1 because rows accept different numbers of
-tokens per step. Batched decoding will keep all rows' caches the same length by leaving each row's
-rejected tree slots in the cache as padding (attention mask 0, exactly like left padding) instead of
-compacting it, with position ids computed from the 2D mask's cumulative sum as `generate` already does.
+Batches (B > 1) run the same phases in `batch.py`: one tree per row, all verified in one forward, rows
+accepting different lengths (their rejected slots become masked holes in the shared cache). What the
+loop serves and refuses, and why, is in `support.py`.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 
@@ -40,11 +37,10 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache_api import CACHE_NAMES, GENERATE_CACHE_FIELD, cache_argument, output_cache
+from .compat import GENERATE_CACHE_FIELD, cache_argument, caller_streamer, output_cache
 from .drafter import BlockDrafter
+from .support import check_call_supported, check_model_supported
 from .tree import DraftTree, TreeBatch, batch_trees
-
-SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass
@@ -58,32 +54,6 @@ class AcceptResult:
     finished: bool
 
 
-def check_model_supported(model, input_ids: torch.Tensor) -> None:
-    """Clear errors for models or inputs the tree-attention loop cannot serve."""
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError("hf_bpd.generate supports decoder-only causal LMs, not encoder-decoder models")
-    params = inspect.signature(model.forward).parameters
-    missing = [f"`{name}`" for name in ("attention_mask", "position_ids") if name not in params]
-    if cache_argument(model) is None:
-        missing.append(" or ".join(f"`{name}`" for name in CACHE_NAMES))
-    if missing:
-        raise ValueError(
-            f"{type(model).__name__}.forward has no {', '.join(missing)} argument: tree verification needs a model "
-            "that accepts a 4D attention mask, position_ids and a KV cache"
-        )
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl not in SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"attention implementation `{impl}` cannot take the custom 4D tree-attention mask; load the model "
-            f"with attn_implementation in {SUPPORTED_ATTENTION}"
-        )
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context is not None and input_ids.shape[1] >= context:
-        raise ValueError(
-            f"input of {input_ids.shape[1]} tokens does not fit the model's context of {context} positions"
-        )
-
-
 def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, DynamicCache]:
     """Run the prompt exactly as `generate` does. Returns (raw next-token logits [B, V] float32, last
     hidden state [B, H], cache)."""
@@ -93,8 +63,14 @@ def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.T
     cache = output_cache(out)
     if not isinstance(cache, DynamicCache):
         raise ValueError(f"hf_bpd needs a DynamicCache (the default), got {type(cache).__name__}")
+    hidden = out.hidden_states[-1]
+    if hidden.dim() != 3:
+        raise ValueError(
+            f"{type(model).__name__} returns last hidden states of shape {tuple(hidden.shape)}, not [batch, tokens, "
+            "hidden]: draft heads cannot read them"
+        )
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
-    return logits, out.hidden_states[-1][:, -1], cache
+    return logits, hidden[:, -1], cache
 
 
 def tree_attention_mask(tree: TreeBatch, past_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -193,19 +169,6 @@ def compact_cache(cache: DynamicCache, num_tree: int, keep: torch.Tensor) -> Non
             layer.cumulative_length -= dropped
 
 
-def check_window(cache: DynamicCache, num_cached: int, num_tree: int) -> None:
-    """Sliding-window layers drop entries older than the window during the tree forward; rejected tree
-    tokens would then have pushed out entries still needed, and the 4D mask would not match the layer's
-    key length. Refuse rather than decode wrongly."""
-    for layer in cache.layers:
-        window = getattr(layer, "sliding_window", None)
-        if window is not None and num_cached + num_tree >= window:
-            raise ValueError(
-                f"context of {num_cached} tokens + tree of {num_tree} reaches the sliding attention window "
-                f"({window}): hf_bpd does not yet verify trees beyond a sliding window"
-            )
-
-
 def generate(
     model,
     input_ids: torch.LongTensor,
@@ -220,8 +183,9 @@ def generate(
     """Lossless blockwise parallel decoding, greedy or sampled (`generation_config.do_sample`); see the
     module docstring. `assistant` is the `BlockDrafter`.
 
-    `streamer`: transformers does not hand `streamer` to a callable custom_generate; bind it with
-    `functools.partial(hf_bpd.generate, streamer=streamer)` (the Hub folder does this for you).
+    `streamer`: given to `generate` the usual way it is found in the calling `generate` (which does not
+    hand it to a callable custom_generate; `compat.caller_streamer`); one bound with
+    `functools.partial(hf_bpd.generate, streamer=streamer)` works too.
     """
     if not isinstance(assistant, BlockDrafter):
         raise TypeError(
@@ -235,12 +199,61 @@ def generate(
             f"hf_bpd.generate returns one sequence per input, got num_return_sequences="
             f"{generation_config.num_return_sequences}: repeat the input in the batch instead"
         )
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"hf_bpd.generate decodes one sequence at a time for now, got batch size {input_ids.shape[0]}")
     if synced_gpus:
         raise ValueError("hf_bpd.generate does not support synced_gpus")
-    check_model_supported(model, input_ids)
-    drafter = assistant
+    check_model_supported(model)
+    window = check_call_supported(model, input_ids, generation_config, model_kwargs)
+    if input_ids.shape[0] > 1:
+        from .batch import check_batch_supported, decode_batch
+
+        check_batch_supported(input_ids, generation_config, model_kwargs)
+        if streamer is not None or caller_streamer(model) is not None:
+            raise ValueError("streamers take one sequence: hf_bpd.generate streams batches of size 1 only")
+        with assistant.exclusive():
+            sequences = decode_batch(
+                model,
+                assistant,
+                input_ids,
+                logits_processor,
+                stopping_criteria,
+                generation_config,
+                model_kwargs,
+                window,
+            )
+        return (
+            GenerateDecoderOnlyOutput(sequences=sequences) if generation_config.return_dict_in_generate else sequences
+        )
+    if streamer is not None:  # bound with functools.partial: the prompt is ours to put
+        streamer.put(input_ids.cpu())
+    else:  # given to generate the usual way: generate put the prompt already
+        streamer = caller_streamer(model)
+    with assistant.exclusive():
+        return decode(
+            model,
+            assistant,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            streamer,
+            window,
+            model_kwargs,
+        )
+
+
+def decode(
+    model,
+    drafter: BlockDrafter,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    streamer,
+    window: int | None,
+    model_kwargs: dict,
+):
+    """The decoding loop of `generate`, on a call already checked: prefill, then draft, verify, accept and
+    compact until a stopping criterion holds. `window`: the model's attention window, which caps trees."""
     drafter.prepare(model)
     stats = drafter.stats
     prompt_len = input_ids.shape[1]
@@ -249,9 +262,6 @@ def generate(
     all_scores: list[torch.Tensor] = []
     all_logits: list[torch.Tensor] = []
     context = getattr(model.config, "max_position_embeddings", None)
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-
     t0 = time.perf_counter()
     past_mask = model_kwargs.get("attention_mask")
     if past_mask is None:
@@ -273,10 +283,12 @@ def generate(
         past_len = past_mask.shape[1]
         # Positions past the model's context would be garbage drafts: cap the tree depth.
         max_depth = None if context is None else max(context - past_len - 1, 0)
-        trees = drafter.draft(hidden_last, input_ids, max_depth)
+        # Below an attention window every layer attends like full attention: keep context + tree there
+        # (check_call_supported made sure at least the root fits).
+        max_tokens = None if window is None else window - 1 - past_len
+        trees = drafter.draft(hidden_last, input_ids, max_depth, max_tokens)
         t1 = drafter._sync(input_ids.device)
         batch = batch_trees(trees, pad_token_id=int(input_ids[0, -1]), device=input_ids.device)
-        check_window(cache, past_len, batch.input_ids.shape[1])
         with drafter.linear_context:  # oneDNN packed weights on a CPU (BlockDrafter's packed_linear)
             out = verify_tree(model, batch, cache, past_mask)
         t2 = drafter._sync(input_ids.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -63,6 +64,7 @@ class DecodingStats:
     time_verify: float = 0.0
     time_accept: float = 0.0
     time_cache: float = 0.0
+    rows: list[DecodingStats] = field(default_factory=list)  # batches: each row's own steps and tokens
 
     @property
     def forwards(self) -> int:
@@ -161,15 +163,85 @@ class BlockDrafter:
         self._bound_to: int | None = None
         self.setup: dict = {}  # one-time start-up work of the last `prepare` that did any (forward-cost curve)
         self._recent_sizes: deque[int] = deque(maxlen=RECENT_STEPS)  # sizes of the last sized trees
+        self._in_use = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs) -> BlockDrafter:
-        """Load heads saved with `save_pretrained` (a folder or Hub repo id) and wrap them."""
-        heads_kwargs = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
-        return cls(BlockDraftHeads.from_pretrained(path, **heads_kwargs), **kwargs)
+    def from_pretrained(cls, path: str | Path, base_tokenizer=None, **kwargs) -> BlockDrafter:
+        """The drafter saved with `save_pretrained` (a folder or Hub repo id): its heads, with the settings
+        of its `drafter.json` (and rescorer) where it has one; keyword arguments override them. Plain heads
+        folders (no `drafter.json`) load with the default settings."""
+        from .rescoring.composed import build_rescorer
 
-    def save_pretrained(self, path: str | Path) -> None:
-        self.heads.save_pretrained(path)
+        hub = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
+        heads = BlockDraftHeads.from_pretrained(path, **hub)
+        folder, settings = _drafter_settings(path, hub)
+        spec = settings.pop("rescorer", None)
+        if spec is not None and "rescorer" not in kwargs:
+            kwargs["rescorer"] = build_rescorer(spec, folder, base_tokenizer)
+        return cls(heads, **{**settings, **kwargs})
+
+    def settings(self) -> dict:
+        """What `drafter.json` records: every constructor setting that travels with the heads (the
+        rescorer as its spec; a forward-cost curve is measured on each machine instead)."""
+        return {
+            "top_k": self.top_k,
+            "max_tree_tokens": self.max_tree_tokens,
+            "context_lookup": self.context_lookup,
+            "calibrate": self.calibration is not None,
+            "packed_linear": self.packed_linear,
+        }
+
+    def save_pretrained(self, path: str | Path, repo_id: str = "<repo_id>", **card_kwargs) -> Path:
+        """A folder that loads itself: the heads (weights, config), `drafter.json` (these settings and the
+        rescorer's spec and files), a model card (`card_kwargs`: see `hf_bpd.card.render_card`) and a
+        `custom_generate/` folder, so `model.generate(..., custom_generate=<folder or repo>,
+        trust_remote_code=True)` drafts with exactly this drafter, no `assistant` needed."""
+        import json
+        import shutil
+        from importlib import resources
+
+        from .card import save_hub_folder
+        from .rescoring.composed import save_spec
+
+        folder = Path(path)
+        settings = self.settings()
+        if self.rescorer is not None:
+            spec = getattr(self.rescorer, "spec", None)
+            if spec is None:
+                raise ValueError(
+                    f"{type(self.rescorer).__name__} was not built from a spec (`hf_bpd.rescoring.composed."
+                    "build_rescorer`), so it cannot be saved: save drafter.with_rescorer(None), or build it from one"
+                )
+            settings["rescorer"] = save_spec(spec, Path(self.rescorer.spec_folder), folder)
+        card = {"top_k": self.top_k, "max_tree_tokens": self.max_tree_tokens, **card_kwargs}
+        save_hub_folder(self.heads, folder, repo_id, **card)
+        (folder / DRAFTER_SETTINGS).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+        strategy = resources.files("hf_bpd").joinpath("custom_generate")
+        (folder / "custom_generate").mkdir(exist_ok=True)
+        for name in ("generate.py", "requirements.txt"):
+            with resources.as_file(strategy.joinpath(name)) as source:
+                shutil.copy(source, folder / "custom_generate" / name)
+        return folder
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        private: bool | None = None,
+        token: str | None = None,
+        commit_message: str = "Upload hf_bpd drafter",
+        **card_kwargs,
+    ) -> str:
+        """Upload exactly the folder `save_pretrained` writes."""
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, repo_id, **card_kwargs)
+            info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
+        return str(info)
 
     @property
     def num_heads(self) -> int:
@@ -179,8 +251,10 @@ class BlockDrafter:
         """Bind the heads to `model` (checks they fit it) and start fresh stats. Called by `generate`."""
         if self._bound_to != id(model):
             self.heads.bind(model)
-            param = next(model.parameters())
-            self.heads.to(device=param.device, dtype=param.dtype)
+            # the heads read the last hidden state: with a model split over devices (device_map) they go
+            # where it comes out, beside the LM head
+            device = model.get_output_embeddings().weight.device
+            self.heads.to(device=device, dtype=next(model.parameters()).dtype)
             self.heads.eval()
             self.linear_context = linear_context(model, self.packed_linear)
             packs = isinstance(self.linear_context, PackedLinear)  # the heads follow the model's setting
@@ -197,6 +271,20 @@ class BlockDrafter:
         if self.rescorer is not None and hasattr(self.rescorer, "reset"):
             self.rescorer.reset()
 
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Held by `generate` while it decodes: a drafter's stats, calibration and rescorer caches belong to
+        one generation at a time, so a second concurrent one (another thread) is refused, never mixed in."""
+        if not self._in_use.acquire(blocking=False):
+            raise RuntimeError(
+                "this BlockDrafter is already decoding another generation (another thread?): give each thread "
+                "its own drafter; BlockDrafter(drafter.heads, ...) shares the heads' weights"
+            )
+        try:
+            yield self
+        finally:
+            self._in_use.release()
+
     def _sync(self, device: torch.device) -> float:
         if self.profile and device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -209,8 +297,10 @@ class BlockDrafter:
         context-copy heads point into `context [batch, L]` (the accepted tokens, ending with the root)."""
         with torch.no_grad():
             if self.heads.conditions_on_draft:
-                return chain_lattice(self.heads, hidden_last.to(self.heads.dtype), root, self.top_k, context)
-            logits = self.heads(hidden_last.to(self.heads.dtype), root)
+                return chain_lattice(
+                    self.heads, hidden_last.to(self.heads.device, self.heads.dtype), root, self.top_k, context
+                )
+            logits = self.heads(hidden_last.to(self.heads.device, self.heads.dtype), root)
             ids = self.heads.draft_vocab if self.heads.config.draft_vocab_size else None
             return Lattice.from_logits(logits, self.top_k, ids)
 
@@ -258,17 +348,18 @@ class BlockDrafter:
         max_depth: int | None = None,
         rescored: list[list[ScoredPath]] | None = None,
         hidden_last: torch.Tensor | None = None,
+        max_tokens: int | None = None,
     ) -> list[DraftTree]:
         """One draft tree per batch row: the most probable nodes among the heads' best prefixes and the
         `rescored` drafts (drafts without estimates first); with a forward-cost curve, cut to the prefix
         with the best expected tokens per second. Probabilities are calibrated (`calibration`). "Previous"
         heads grow each tree from `hidden_last [batch, hidden]` (`expansion.expand_tree`) instead and need
-        no `lattice`."""
+        no `lattice`. `max_tokens` caps the tree below the drafter's own budget (an attention window)."""
         if self.heads.conditions_on_draft and hidden_last is None:
             raise ValueError("heads that read the drafted token grow trees from the hidden state: pass hidden_last")
         if lattice is None and not self.heads.conditions_on_draft:
             raise ValueError("these heads draft from their lattice: pass it")
-        budget = self.tree_budget
+        budget = self.tree_budget if max_tokens is None else max(1, min(self.tree_budget, max_tokens))
         trees = []
         self._verified = []
         for b in range(context.shape[0]):
@@ -286,7 +377,7 @@ class BlockDrafter:
                 for d, lp in enumerate(path.token_logprobs[: len(toks)]):
                     estimates[toks[: d + 1]] = max(lp, estimates.get(toks[: d + 1], -math.inf))
             if self.heads.conditions_on_draft:
-                hidden = hidden_last[b : b + 1].to(self.heads.dtype)
+                hidden = hidden_last[b : b + 1].to(self.heads.device, self.heads.dtype)
                 grow = self._growth_budget(budget)
                 arcs = expand_tree(
                     tree, self.heads, hidden, self.top_k, grow, max_depth, estimates, self.calibration, context[b]
@@ -364,9 +455,14 @@ class BlockDrafter:
                     self.calibration.observe(arcs[i], tree.depths[i], i in accepted)
 
     def draft(
-        self, hidden_last: torch.Tensor, context: torch.Tensor, max_depth: int | None = None
+        self,
+        hidden_last: torch.Tensor,
+        context: torch.Tensor,
+        max_depth: int | None = None,
+        max_tokens: int | None = None,
     ) -> Sequence[DraftTree]:
-        """Heads -> lattice -> trees, timing each phase into `stats`."""
+        """Heads -> lattice -> trees (at most `max_tokens` nodes each, when given), timing each phase
+        into `stats`."""
         t0 = self._sync(hidden_last.device)
         # "previous" heads draft the tree node by node; their chain lattice only serves a rescorer
         needs_lattice = self.rescorer is not None or not self.heads.conditions_on_draft
@@ -376,7 +472,7 @@ class BlockDrafter:
         rescored = self.rescore(lattice, context)
         t2 = time.perf_counter()
         with self._heads_context:
-            trees = self.tree(lattice, context, max_depth, rescored, hidden_last)
+            trees = self.tree(lattice, context, max_depth, rescored, hidden_last, max_tokens)
         t3 = time.perf_counter()
         self.stats.time_heads += t1 - t0
         self.stats.time_rescore += t2 - t1
@@ -401,3 +497,19 @@ def _by_estimated_probability(
     paths = candidates.node_paths()
     order = sorted(range(1, len(candidates)), key=lambda i: (-logprobs[i], candidates.depths[i]))
     return [paths[i] for i in order]
+
+
+DRAFTER_SETTINGS = "drafter.json"
+
+
+def _drafter_settings(path: str | Path, hub: dict) -> tuple[Path, dict]:
+    """(the folder holding the drafter's files, the settings of its `drafter.json`, or {} without one)."""
+    import json
+
+    folder = Path(path)
+    if not folder.is_dir():  # a Hub repo id: the whole repo, so a rescorer's files come along
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(str(path), **hub))
+    settings_file = folder / DRAFTER_SETTINGS
+    return folder, json.loads(settings_file.read_text(encoding="utf-8")) if settings_file.is_file() else {}

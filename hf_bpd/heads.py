@@ -296,7 +296,8 @@ class BlockDraftHeads(PreTrainedModel):
                     "draft heads that read a token need base input embeddings of at least "
                     f"{self.config.vocab_size} x {self.config.hidden_size}, got {shape}"
                 )
-            self.__dict__["_token_embedding"] = embedding.weight.detach()
+            # beside the LM head, where the heads run (a model split over devices may keep them apart)
+            self.__dict__["_token_embedding"] = embedding.weight.detach().to(weight.device)
         return self
 
     def first_heads(self, n: int) -> BlockDraftHeads:

@@ -106,7 +106,7 @@ def packaged_heads_dir() -> Path:
 
 
 def packaged_rescorers() -> dict[str, dict]:
-    """The shipped rescorers' specs by name (`assets/smollm2/rescorers.json`; see `hf_bpd.rescorers`)."""
+    """The shipped rescorers' specs by name (`assets/smollm2/rescorers.json`; see `hf_bpd.rescoring.composed`)."""
     import json
 
     spec_file = packaged_heads_dir().parent / "rescorers.json"
@@ -115,7 +115,7 @@ def packaged_rescorers() -> dict[str, dict]:
 
 def packaged_rescorer(name: str, base_tokenizer=None):
     """A shipped rescorer built from its spec (raises naming the shipped ones for an unknown name)."""
-    from .rescorers import build_rescorer
+    from .rescoring.composed import build_rescorer
 
     specs = packaged_rescorers()
     if name not in specs:

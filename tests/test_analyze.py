@@ -9,8 +9,8 @@ import torch
 from conftest import random_heads, tiny_model
 
 from hf_bpd import BlockDrafter
-from hf_bpd.analyze import analyze_row, h_max, pearson, prefix_match, repeats, simulated_tau, summarise
-from hf_bpd.ngram import NgramRescorer
+from hf_bpd.rescoring.ngram import NgramRescorer
+from hf_bpd.tools.analyze import analyze_row, h_max, pearson, prefix_match, repeats, simulated_tau, summarise
 
 
 def test_simulated_tau_counts_steps_like_decoding():

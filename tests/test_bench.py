@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_model
 
 import hf_bpd
-from hf_bpd import bench
+from hf_bpd.tools import bench
 
 
 class TinyChatTokenizer:
@@ -71,8 +71,8 @@ def test_auto_tree_measurement_is_not_counted_as_decoding():
 
 
 def test_assisted_and_rescored_methods_are_lossless_and_named():
-    from hf_bpd.neural import truncated_lm
-    from hf_bpd.ngram import NgramRescorer
+    from hf_bpd.rescoring.neural import truncated_lm
+    from hf_bpd.rescoring.ngram import NgramRescorer
 
     model = tiny_model("llama", eos_token_id=None)
     heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3)
@@ -163,7 +163,7 @@ def _record(qid, category, method, tokens, forwards):
 
 
 def test_merge_journals_of_a_run_split_by_category(tmp_path):
-    from hf_bpd.bench import merge_journals, summarize
+    from hf_bpd.tools.bench import merge_journals, summarize
 
     a = _journal(tmp_path / "a.jsonl", ["qa"], [_record(1, "qa", "greedy", 8, 8), _record(1, "qa", "hf_bpd", 8, 4)])
     b = _journal(tmp_path / "b.jsonl", ["rag"], [_record(2, "rag", "greedy", 8, 8), _record(2, "rag", "hf_bpd", 8, 2)])
@@ -179,9 +179,23 @@ def test_merge_journals_of_a_run_split_by_category(tmp_path):
         merge_journals([a, other])
 
 
+def test_a_merged_run_keeps_its_parts_environments(tmp_path):
+    import json
+
+    from hf_bpd.tools.bench import merged_environment
+
+    a = _journal(tmp_path / "a.journal.jsonl", ["qa"], [_record(1, "qa", "greedy", 8, 8)])
+    b = _journal(tmp_path / "b.journal.jsonl", ["rag"], [_record(2, "rag", "greedy", 8, 8)])
+    assert merged_environment([a, b]) == {}  # no reports beside the journals
+    (tmp_path / "a.json").write_text(json.dumps({"environment": {"commit": "abc", "date": "2026-11-24"}}))
+    merged = merged_environment([a, b])
+    assert merged["environment"] == {"commit": "abc", "date": "2026-11-24"}
+    assert [p["environment"] for p in merged["parts"]] == [{"commit": "abc", "date": "2026-11-24"}, None]
+
+
 def test_summaries_count_the_turns_that_differ_from_greedy():
     """In low precision a tree forward may round a near tie the other way: the rate is reported, not hidden."""
-    from hf_bpd.bench import markdown_table, summarize
+    from hf_bpd.tools.bench import markdown_table, summarize
 
     records = [_record(1, "qa", "greedy", 8, 8), _record(1, "qa", "hf_bpd", 8, 4)]
     records += [_record(2, "rag", "greedy", 8, 8), {**_record(2, "rag", "hf_bpd", 8, 3), "identical": False}]
@@ -204,3 +218,23 @@ def test_missing_prompts_file_is_refused_before_loading_a_model(command, tmp_pat
     extra = {"bench": [], "replay": ["--answers", str(tmp_path / "a.jsonl")], "analyze": ["--output", str(tmp_path)]}
     with pytest.raises(SystemExit, match="no such file"):
         cli.main([command, str(tmp_path / "missing.jsonl"), *extra[command]])
+
+
+@pytest.mark.real
+def test_batch_bench_rows_equal_plain_batched_greedy(smollm2):
+    from conftest import spec_bench_prompts
+
+    from hf_bpd.tools.bench import bpd_method, greedy_method
+    from hf_bpd.tools.bench_batch import run_batch_bench
+
+    model, tokenizer = smollm2
+    rows = [{"question_id": i, "category": "qa", "turns": [p]} for i, p in enumerate(spec_bench_prompts(4)[:3])]
+    drafter = hf_bpd.load_packaged_drafter(max_tree_tokens=8)
+    methods = [greedy_method(model), bpd_method(model, drafter)]
+    records = run_batch_bench(model, tokenizer, rows, methods, 24, batch_size=2)
+    assert [r["method"] for r in records] == ["greedy", "hf_bpd"] * 2  # a batch of 2, then one of 1
+    assert all(r["identical"] for r in records), records
+    by_method = {m: sum(r["tokens"] for r in records if r["method"] == m) for m in ("greedy", "hf_bpd")}
+    assert by_method["greedy"] == by_method["hf_bpd"] > 0
+    bpd = [r for r in records if r["method"] == "hf_bpd"]
+    assert bpd[0]["forwards"] < 24 and len(bpd[0]["row_tau"]) == 2

@@ -13,8 +13,8 @@ from test_training import args_for
 import hf_bpd
 from hf_bpd.context_copy import CopyTargets, distance_bucket, mixed_logprobs, target_logprob
 from hf_bpd.heads import BlockDraftHeads
-from hf_bpd.replay import replay_turn
-from training import train_heads
+from hf_bpd.tools.replay import replay_turn
+from hf_bpd.training import train_heads
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +195,7 @@ def test_training_only_the_pointer_keeps_the_heads_and_learns_to_copy(model, tmp
 
 
 def test_copy_targets_are_what_decoding_would_see():
-    from training.copy_training import SampleTokens, copy_targets, feature_positions
+    from hf_bpd.training.copy_training import SampleTokens, copy_targets, feature_positions
 
     rows = [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}, {"prompt_ids": [8, 9], "response_ids": [10, 11]}]
     tokens = SampleTokens.build(rows, lambda n: n - 1)
@@ -213,7 +213,7 @@ def test_copy_targets_are_what_decoding_would_see():
 def test_evaluate_heads_scores_saved_heads_and_a_pointer_that_never_copies_changes_nothing(model, tmp_path):
     import json
 
-    from training import evaluate_heads
+    from hf_bpd.training import evaluate_heads
 
     model.save_pretrained(tmp_path / "model")
     tiny_distilled(model, n=6, prompt_len=8, new=12).save_to_disk(str(tmp_path / "data"))
@@ -235,7 +235,7 @@ def test_evaluate_heads_scores_saved_heads_and_a_pointer_that_never_copies_chang
 
 
 def test_bigram_lookup_predicts_what_followed_the_most_recent_match_inside_the_context():
-    from training.copy_oracle import bigram_lookup
+    from research.copy_oracle import bigram_lookup
 
     seq = [1, 7, 8, 9, 4, 7, 8, 5, 6, 7, 8, 3]
     # target index 11 (3) follows (7, 8); matches end at 2 and 6; the context x[0..9] sees both: the most

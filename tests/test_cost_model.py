@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hf_bpd import cli
-from hf_bpd.cost_model import SHAPES, projection, random_llama, read_replay_taus
+from hf_bpd.tools.cost_model import SHAPES, projection, random_llama, read_replay_taus
 
 
 def test_projection_is_tau_times_greedy_cost_over_step_cost():

@@ -10,7 +10,7 @@ import pytest
 from conftest import SPEC_BENCH
 
 from hf_bpd.jsonl import read_jsonl
-from training.instructions import TEMPLATES, generate_instructions, main
+from hf_bpd.training.instructions import TEMPLATES, generate_instructions, main
 
 
 def test_same_seed_same_prompts_and_all_distinct():

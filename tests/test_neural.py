@@ -8,8 +8,14 @@ from conftest import random_heads, tiny_model
 
 import hf_bpd
 from hf_bpd import BlockDrafter, Lattice
-from hf_bpd.neural import NeuralRescorer, check_same_tokenizer, load_truncated_lm, save_truncated_lm, truncated_lm
-from hf_bpd.rescorers import ComposedRescorer
+from hf_bpd.rescoring.composed import ComposedRescorer
+from hf_bpd.rescoring.neural import (
+    NeuralRescorer,
+    check_same_tokenizer,
+    load_truncated_lm,
+    save_truncated_lm,
+    truncated_lm,
+)
 
 
 def lattice_for(model, h: int = 3, k: int = 4, seed: int = 0) -> Lattice:
@@ -109,7 +115,7 @@ def test_rescorer_lm_with_another_tokenizer_raises():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_generation_with_neural_and_composed_rescorers_is_lossless(arch):
-    from hf_bpd.ngram import NgramRescorer
+    from hf_bpd.rescoring.ngram import NgramRescorer
 
     model = tiny_model(arch, eos_token_id=None)
     prompt = torch.tensor([[1, 10, 11, 12, 13, 10, 11]])
@@ -128,7 +134,7 @@ def test_generation_with_neural_and_composed_rescorers_is_lossless(arch):
 
 
 def test_train_rescorer_lowers_the_loss_and_checkpoints_each_epoch(tmp_path):
-    from training.train_rescorer import train_rescorer
+    from hf_bpd.training.train_rescorer import train_rescorer
 
     model = tiny_model("llama", num_hidden_layers=3)
     rows = [{"prompt_ids": [1, 3 + i % 5], "response_ids": [10 + (i + j) % 7 for j in range(12)]} for i in range(40)]

@@ -173,3 +173,33 @@ def test_smollm2_sampling_reproduces_seeded_plain_sampling(smollm2):
             assistant=drafter,
         )
         assert out.tolist() == ref.tolist()
+
+
+@pytest.mark.real
+def test_smollm2_stop_strings_through_the_hub_folder_and_criteria(smollm2):
+    """transformers does not hand the tokenizer to a callable custom_generate, so `stop_strings` goes through
+    the Hub-style call (which builds the StopStringCriteria) or through stopping_criteria: both stop exactly
+    where plain generate stops."""
+    from pathlib import Path
+
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    model, tokenizer = smollm2
+    inputs = chat_inputs(tokenizer, [{"role": "user", "content": spec_bench_prompts(2)[0]}])
+    stop = dict(stop_strings=["."], tokenizer=tokenizer, max_new_tokens=64, do_sample=False)
+    ref = model.generate(**inputs, **stop)
+    assert ref.shape[1] - inputs["input_ids"].shape[1] < 64  # the stop string ended it
+    folder = str(Path(hf_bpd.__file__).parent)
+    drafter = hf_bpd.load_packaged_drafter()
+    hub = model.generate(**inputs, **stop, custom_generate=folder, trust_remote_code=True, assistant=drafter)
+    assert hub.tolist() == ref.tolist()
+    criteria = StoppingCriteriaList([StopStringCriteria(tokenizer, ["."])])
+    out = model.generate(
+        **inputs,
+        stopping_criteria=criteria,
+        max_new_tokens=64,
+        do_sample=False,
+        custom_generate=hf_bpd.generate,
+        assistant=drafter,
+    )
+    assert out.tolist() == ref.tolist()

@@ -1,4 +1,4 @@
-"""`training.ship`: replaces the packaged heads and their records, keeps the rescorers shipped beside them."""
+"""`hf_bpd.training.ship`: replaces the packaged heads and their records, keeps the rescorers shipped beside them."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from conftest import random_heads, tiny_distilled, tiny_model
 
 import hf_bpd
-from training import ship
-from training.distill import data_digest, load_distilled
+from hf_bpd.training import ship
+from hf_bpd.training.distill import data_digest, load_distilled
 
 
 def test_ship_replaces_heads_and_keeps_rescorers(tmp_path):

@@ -11,8 +11,8 @@ import torch
 from conftest import tiny_distilled, tiny_model
 
 import hf_bpd
-from training import distill, train_heads
-from training.train_heads import IGNORE, head_targets
+from hf_bpd.training import distill, train_heads
+from hf_bpd.training.train_heads import IGNORE, head_targets
 
 datasets = pytest.importorskip("datasets")
 
@@ -181,7 +181,7 @@ def test_init_continues_from_saved_heads_keeping_their_shape_and_draft_vocabular
 def test_joint_training_continues_frozen_heads_with_a_draft_vocabulary(tmp_path):
     """Medusa-2's recipe: heads trained frozen first, then jointly with LoRA from there."""
     pytest.importorskip("peft")
-    from training.joint import train_joint
+    from hf_bpd.training.joint import train_joint
 
     model = tiny_model("llama", eos_token_id=None)
     data = tiny_distilled(model, n=8)
@@ -222,7 +222,7 @@ def without_seconds(history: list[dict]) -> list[dict]:
 
 
 def test_frozen_training_interrupted_resumes_to_the_same_weights(tmp_path, monkeypatch):
-    from training.checkpoint import checkpoint_path
+    from hf_bpd.training.checkpoint import checkpoint_path
 
     model = tiny_model("llama", eos_token_id=None)
     data = tiny_distilled(model)
@@ -255,7 +255,7 @@ def test_joint_training_interrupted_resumes_to_the_same_heads_and_adapter(tmp_pa
     pytest.importorskip("peft")
     from safetensors.torch import load_file
 
-    from training import joint
+    from hf_bpd.training import joint
 
     data = tiny_distilled(tiny_model("llama", eos_token_id=None), n=8)
 
@@ -278,7 +278,7 @@ def test_joint_training_interrupted_resumes_to_the_same_heads_and_adapter(tmp_pa
 
 def test_joint_lora_checkpoint_reloads_and_drafts(tmp_path):
     pytest.importorskip("peft")
-    from training.joint import train_joint
+    from hf_bpd.training.joint import train_joint
 
     model = tiny_model("llama", eos_token_id=None)
     data = tiny_distilled(model, n=8)
@@ -421,7 +421,7 @@ def test_data_parallel_training_under_torchrun(tmp_path, mode):
         "--nproc_per_node",
         "2",
         "-m",
-        "training.train_heads",
+        "hf_bpd.training.train_heads",
     ]
     cmd += ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"), "--output", str(out)]
     cmd += ["--mode", mode, "--num-heads", "2", "--epochs", "2", "--no-progress", "--log-every", "0"]

@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from training import translation_prompts as tp
+from hf_bpd.training import translation_prompts as tp
 
 FORTUNES = {
     "zitate": "\n%\n".join(

@@ -23,7 +23,7 @@ cp "$RUNS/ngram4/ngram.arpa.gz" "$RUNS/ngram4/ngram.json" hf_bpd/assets/smollm2/
 hf-bpd train-rescorer --data "$RUNS/distill2" --output "$RUNS/rescorer" --num-layers 2 --epochs 1 --lr 5e-4
 hf-bpd train-rescorer --data "$RUNS/distill2" --init "$RUNS/rescorer" --output "$RUNS/rescorer2" --epochs 3 --lr 2e-3
 cp -r "$RUNS/rescorer2/." hf_bpd/assets/smollm2/rescorer/
-python -m training.tune_rescorers --output hf_bpd/assets/smollm2/rescorers.json
+python -m research.tune_rescorers --output hf_bpd/assets/smollm2/rescorers.json
 # 3. more self-distillation for the heads: the same seeded order continued, closed at 3,520 prompts
 hf-bpd distill --output "$RUNS/distill2" --limit 3520 --max-new-tokens 128 --max-prompt-tokens 256 \
   --batch-size 64 --shard-size 64
@@ -32,10 +32,10 @@ hf-bpd distill --output "$RUNS/distill2" --limit 3520 --max-new-tokens 128 --max
 hf-bpd train-heads --data "$RUNS/distill2" --output "$RUNS/heads2" --num-heads 5 --num-layers 1 \
   --draft-vocab-size 8192 --loss-decay 0.8 --epochs 4 --lr 2e-3 --batch-size 256 --top-k 5 --token-input next
 # 5. number of heads, top-k and tree size by measurement on held-out (not distilled) training prompts
-python -m training.tune_drafter --heads "$RUNS/heads2" --distilled "$RUNS/distill2" --num-prompts 8 \
+python -m research.tune_drafter --heads "$RUNS/heads2" --distilled "$RUNS/distill2" --num-prompts 8 \
   --max-new-tokens 96 --num-heads 3 4 5 --top-k 8 10 --tree auto 64 --output "$RUNS/drafter2.json"
 # 6. into the package (heads, drafter.json, training log, distillation manifest; the rescorers stay)
-python -m training.ship --heads "$RUNS/heads2" --distilled "$RUNS/distill2" --drafter "$RUNS/drafter2.json" \
+python -m hf_bpd.training.ship --heads "$RUNS/heads2" --distilled "$RUNS/distill2" --drafter "$RUNS/drafter2.json" \
   --to hf_bpd/assets/smollm2
 # 6b. heads v3 (measured, not shipped: higher tau, slower on this CPU; docs/history.md): each head reads the
 #     token before its target (--token-input previous, the train-heads default), on the first 3,712 prompts
@@ -48,7 +48,7 @@ hf-bpd train-heads --data "$RUNS/distill2" --output "$RUNS/heads3" --num-heads 5
 #     closed like step 1), and the base model's own distribution as a half-weight soft target
 hf-bpd distill --output "$RUNS/distill2" --limit 4160 --max-new-tokens 128 --max-prompt-tokens 256 \
   --batch-size 64 --shard-size 64
-python -m training.instructions --output training/data/instructions.jsonl --num 2000 --seed 0
+python -m hf_bpd.training.instructions --output training/data/instructions.jsonl --num 2000 --seed 0
 hf-bpd distill --prompts training/data/instructions.jsonl --output "$RUNS/distill_instr" --limit 704 \
   --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 32 --shard-size 64
 hf-bpd train-heads --data "$RUNS/distill2" "$RUNS/distill_instr" --output "$RUNS/heads4" \
@@ -61,7 +61,7 @@ hf-bpd distill --prompts training/data/instructions.jsonl --output "$RUNS/distil
   --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 32
 [ -f fortunes-de_0.35-1_all.deb ] || apt-get download fortunes-de=0.35-1
 echo "03fe7a7912935bd3d4e02e38d79ef32a289097f8718d4488c409595abce067a0  fortunes-de_0.35-1_all.deb" | sha256sum -c
-python -m training.translation_prompts --deb fortunes-de_0.35-1_all.deb --output "$RUNS/de_prompts.jsonl" \
+python -m hf_bpd.training.translation_prompts --deb fortunes-de_0.35-1_all.deb --output "$RUNS/de_prompts.jsonl" \
   --num 1500 --seed 0
 hf-bpd distill --prompts "$RUNS/de_prompts.jsonl" --output "$RUNS/distill_de" \
   --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 32
@@ -70,7 +70,7 @@ hf-bpd train-heads --data "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_
   --epochs 3 --lr 2e-3 --batch-size 256 --top-k 5 --token-input previous --teacher-weight 0.5
 # 6e. ship v5 (session 8; docs/history.md): better τ than v2 and, with packed_linear, faster on the dev CPU
 echo '{"top_k": 10, "max_tree_tokens": "auto"}' > "$RUNS/drafter5.json"
-python -m training.ship --heads "$RUNS/heads5" --distilled "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_de" \
+python -m hf_bpd.training.ship --heads "$RUNS/heads5" --distilled "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_de" \
   --drafter "$RUNS/drafter5.json"
 cp hf_bpd/assets/smollm2/manifest.json "$RUNS/manifest_v5.json"  # v5's data, recorded again when v7 ships
 # 6f. the next 2,048 prompts of the bundled prompts' seeded order (mostly T0 summarization and context-QA
@@ -88,7 +88,7 @@ hf-bpd train-heads --data "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_
 hf-bpd train-heads --data training/data/distilled/distill2 --output "$RUNS/heads7" --init "$RUNS/heads5" \
   --copy-dim 64 --freeze-heads --features-cache "$RUNS/features7" --epochs 2 --lr 2e-3 --batch-size 256 --top-k 5 \
   --loss-decay 0.8
-python -m training.ship --heads "$RUNS/heads7" --distilled training/data/distilled/distill2 --drafter "$RUNS/drafter5.json" \
+python -m hf_bpd.training.ship --heads "$RUNS/heads7" --distilled training/data/distilled/distill2 --drafter "$RUNS/drafter5.json" \
   --earlier-manifest "$RUNS/manifest_v5.json" \
   --stage "context-copy pointer (heads v7; the heads' own weights are v5's, trained on the runs above)"
 # 6i. shipped drafter settings (session 12): the context-lookup chain (hf_bpd/lookup.py) drafts the copies the
@@ -99,7 +99,7 @@ echo '{"top_k": 10, "max_tree_tokens": "auto", "context_lookup": 10, "context_co
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
-python -m training.ablate_calibration --max-new-tokens 64 --output benchmarks/calibration_ablation.json
+python -m research.ablate_calibration --max-new-tokens 64 --output benchmarks/calibration_ablation.json
 # 8. tau of heads on all of Spec-Bench dev without tree forwards (session 10): greedy's answers are cached once
 hf-bpd replay --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl --heads packaged --top-k 10 \
   --max-tree-tokens 32 64 128 256 --output benchmarks/replay/v5_tree_sizes.json

@@ -1,0 +1,183 @@
+"""Batches: one draft tree per row, all rows verified in ONE forward, rows accepting different lengths.
+
+transformers' caches hold one length for every row, while each row accepts its own number of tokens per
+step. The design keeps that single length and lets rows differ in which cache slots are real:
+
+- `past_mask [B, S]` marks every cache slot that holds a real token of its row (1) or not (0): left
+  padding to begin with, then *holes*. After a step in which the rows accepted k_b tokens, every row keeps
+  K = max_b k_b slots of its tree: its own accepted nodes first, then K - k_b holes (mask 0, never
+  attended). A finished row keeps holes only.
+- Each row's tree nodes attend to its real slots and to their own ancestors (the 4D mask); position ids
+  are the row's real-token count plus the node's depth, which is what plain `generate` computes from the
+  2D mask for left-padded rows. So a row decodes exactly as it would without the holes.
+- Holes cost attention compute but no correctness. When they pile up (a quarter of the cache, or the
+  cache nears an attention window), `squeeze_holes` gathers each row's real slots to the right end again
+  (left-padded form), one gather per layer.
+
+Tree sizes: with a fixed `max_tree_tokens` every row gets that many; with "auto" the forward-cost curve's
+largest tree is shared among the unfinished rows (the verification forward holds B x n tokens, and a
+bigger batch is already compute-bound on a CPU); below an attention window, trees are capped so the
+cache plus the tree stays within it, as for one row. Sampling works row by row (each row's own draws, so
+the random stream differs from plain batched sampling while each row's law is plain sampling's).
+Streamers and per-token scores are refused for batches.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+from .decoding import accept_tree, choose_tokens, prefill, verify_tree
+from .drafter import BlockDrafter, DecodingStats
+from .tree import DraftTree, batch_trees
+
+
+def check_batch_supported(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict):
+    """Refuse, naming the reason, a batch the loop would not decode exactly (raised before any forward)."""
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None:
+        # left padding: in every row, once a real token came, every later one is real
+        seen = mask.long().cummax(dim=-1).values
+        if bool((seen != mask.long()).any()):
+            right = bool((mask[:, -1] == 0).any())
+            raise ValueError(
+                "hf_bpd.generate needs left-padded batches (tokenizer padding_side='left'): "
+                + ("a row ends with padding" if right else "a row's attention mask has a hole between real tokens")
+            )
+    if generation_config._pad_token_tensor is None:
+        raise ValueError("batched hf_bpd.generate needs a pad token (pad_token_id) for finished rows")
+    if generation_config.return_dict_in_generate and (
+        generation_config.output_scores or generation_config.output_logits
+    ):
+        raise ValueError("batched hf_bpd.generate does not return per-token scores or logits: use batch size 1")
+
+
+def compact_rows(cache, num_tree: int, keep: torch.Tensor) -> None:
+    """Of the last `num_tree` entries of every layer keep, per row, the tree indices `keep [B, K]` (row b's
+    accepted nodes first; the rest of its K slots are holes its mask hides)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None:
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name)  # [B, heads, S, dim]
+            start = t.shape[-2] - num_tree
+            index = (keep + start)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
+            setattr(layer, name, torch.cat([t[..., :start, :], t.gather(2, index)], dim=-2))
+        if hasattr(layer, "cumulative_length"):  # sliding-window layers count what they hold
+            layer.cumulative_length -= num_tree - keep.shape[1]
+
+
+def squeeze_holes(cache, past_mask: torch.Tensor) -> torch.Tensor:
+    """Gather every row's real cache slots (in order) to the right end, dropping holes down to the longest
+    row; returns the new mask (left-padded form)."""
+    width = int(past_mask.long().sum(-1).max())
+    # a stable sort of 0/1 puts each row's holes first and its real slots after them, both in slot order
+    index = torch.sort(past_mask.long(), dim=-1, stable=True).indices[:, -width:]
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None:
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            setattr(layer, name, t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])))
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length = width
+    return past_mask.gather(1, index)
+
+
+def decode_batch(
+    model,
+    drafter: BlockDrafter,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    model_kwargs: dict,
+    window: int | None = None,
+):
+    """The decoding loop for B > 1 rows (module docstring). Returns the sequences [B, L] padded on the
+    right with the pad token, as plain batched `generate` returns them. `window`: the model's attention
+    window (`support.check_call_supported` made sure every row's text fits in it)."""
+    drafter.prepare(model)
+    stats = drafter.stats
+    batch_size, device = input_ids.shape[0], input_ids.device
+    pad = int(generation_config._pad_token_tensor)
+    context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    do_sample = bool(generation_config.do_sample)
+    rows = [DecodingStats() for _ in range(batch_size)]
+    stats.rows = rows
+
+    t0 = time.perf_counter()
+    past_mask = model_kwargs.get("attention_mask")
+    if past_mask is None:
+        past_mask = torch.ones_like(input_ids)
+    logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
+    scores = logits_processor(input_ids, logits)
+    first = choose_tokens(scores, do_sample)
+    sequences = [torch.cat([input_ids[b : b + 1], first[b].view(1, 1)], dim=-1) for b in range(batch_size)]
+    finished = [bool(stopping_criteria(sequences[b], scores[b : b + 1]).any()) for b in range(batch_size)]
+    stats.time_prefill = time.perf_counter() - t0
+    stats.new_tokens = batch_size
+    for row in rows:
+        row.new_tokens = 1
+
+    while not all(finished):
+        active = [b for b in range(batch_size) if not finished[b]]
+        length = max(s.shape[1] for s in sequences)
+        contexts = torch.stack([torch.nn.functional.pad(s[0], (length - s.shape[1], 0), value=pad) for s in sequences])
+        real = past_mask.long().sum(-1)  # real tokens per row in the cache
+        max_depth = None if context is None else max(int(context - real[active].max()) - 1, 0)
+        share = None if drafter.max_tree_tokens != "auto" else max(1, drafter.tree_budget // len(active))
+        holes = past_mask.shape[1] - int(real.max())
+        crowded = window is not None and past_mask.shape[1] + (share or drafter.tree_budget) >= window
+        if holes and (crowded or holes > max(64, past_mask.shape[1] // 4)):
+            past_mask = squeeze_holes(cache, past_mask)
+        if window is not None:  # every row's text fits the window, so at least the root does
+            share = min(share or drafter.tree_budget, window - 1 - past_mask.shape[1])
+        drafted = drafter.draft(hidden_last[active], contexts[active], max_depth, share)
+        trees: list[DraftTree] = [DraftTree.root_only(pad)] * batch_size
+        for b, tree in zip(active, drafted):
+            trees[b] = tree
+        t1 = time.perf_counter()
+        batch = batch_trees(trees, pad_token_id=pad, device=device)
+        with drafter.linear_context:
+            out = verify_tree(model, batch, cache, past_mask)
+        t2 = time.perf_counter()
+        results = {
+            b: accept_tree(trees[b], out.logits[b], sequences[b], logits_processor, stopping_criteria, do_sample)
+            for b in active
+        }
+        drafter.observe([results[b].nodes for b in active], [results[b].finished for b in active], 0, None)
+        t3 = time.perf_counter()
+        width = max(len(r.nodes) for r in results.values())
+        keep = torch.zeros(batch_size, width, dtype=torch.long)
+        real_slots = torch.zeros(batch_size, width, dtype=past_mask.dtype)
+        for b, result in results.items():
+            k = len(result.nodes)
+            keep[b, :k] = torch.tensor(result.nodes)
+            keep[b, k:] = result.nodes[-1]
+            real_slots[b, :k] = 1
+        compact_rows(cache, batch.input_ids.shape[1], keep.to(device))
+        past_mask = torch.cat([past_mask, real_slots.to(device)], dim=-1)
+        last = torch.tensor([len(results[b].nodes) - 1 if b in results else 0 for b in range(batch_size)])
+        hidden_last = out.hidden_states[-1][torch.arange(batch_size), keep[torch.arange(batch_size), last].to(device)]
+        for b, result in results.items():
+            sequences[b] = torch.cat([sequences[b], sequences[b].new_tensor([result.tokens])], dim=-1)
+            finished[b] = result.finished
+            rows[b].steps += 1
+            rows[b].new_tokens += len(result.tokens)
+            rows[b].accepted_lengths.append(len(result.tokens))
+            rows[b].tree_sizes.append(len(trees[b]))
+        t4 = time.perf_counter()
+        stats.time_verify += t2 - t1
+        stats.time_accept += t3 - t2
+        stats.time_cache += t4 - t3
+        stats.steps += 1
+        added = sum(len(r.tokens) for r in results.values())
+        stats.new_tokens += added
+        stats.accepted_lengths.append(added)
+        stats.tree_sizes.append(sum(len(trees[b]) for b in active))
+
+    length = max(s.shape[1] for s in sequences)
+    return torch.cat([torch.nn.functional.pad(s, (0, length - s.shape[1]), value=pad) for s in sequences])

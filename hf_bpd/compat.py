@@ -1,0 +1,70 @@
+"""Where hf_bpd meets parts of transformers' API that differ between versions, or that transformers does
+not hand to a `custom_generate` callable. Everything version- or call-path-specific lives here.
+
+- The KV cache's name: transformers 5.24 renamed the forward argument and the output field
+  `past_key_values` to `cache` (the old name is deprecated and goes in 5.40); models written against the
+  old name still take `past_key_values`. Every place that hands a model its cache or reads one back asks
+  `cache_argument` / `output_cache` which name this model and this transformers use.
+- The streamer: `generate` passes a callable `custom_generate` only the arguments its own sampling loop
+  lacks, so a `streamer=` given the usual way never reaches it, although `generate` has already put the
+  prompt into it. `caller_streamer` finds it in the calling `generate`, so the usual call streams and ends.
+- The Hub folder: `generate` does not tell a Hub `custom_generate` which repo or folder it came from;
+  `calling_generate_argument(model, "custom_generate")` does, so a saved drafter's folder loads itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import sys
+
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+CACHE_NAMES = ("cache", "past_key_values")
+
+
+def cache_argument(model) -> str | None:
+    """The name under which `model.forward` takes its KV cache, or None when it takes none (asked once per
+    forward function: verification asks every step)."""
+    return _cache_argument_of(getattr(model.forward, "__func__", model.forward))
+
+
+@functools.lru_cache(maxsize=256)
+def _cache_argument_of(forward) -> str | None:
+    params = inspect.signature(forward).parameters
+    return next((name for name in CACHE_NAMES if name in params), None)
+
+
+def output_cache(output):
+    """The cache a model output (a `ModelOutput`) carries, under either field name."""
+    for name in CACHE_NAMES:
+        if output.get(name) is not None:
+            return output[name]
+    return None
+
+
+_GENERATE_FIELDS = {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
+GENERATE_CACHE_FIELD = next(name for name in CACHE_NAMES if name in _GENERATE_FIELDS)
+
+
+def calling_generate_argument(model, name: str, max_depth: int = 8):
+    """The argument `name` of the `model.generate(...)` call that is running this code, or None.
+
+    Looks a few frames up for the body of transformers' `GenerationMixin.generate` of this very model (its
+    decorators add frames of their own) and reads its local `name`."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name == "generate" and "generation" in code.co_filename and frame.f_locals.get("self") is model:
+            return frame.f_locals.get(name)
+    return None
+
+
+def caller_streamer(model):
+    """The `streamer` given the usual way to the `generate` call running this custom_generate, or None.
+    That `generate` already put the prompt into it, so the caller must not put it again."""
+    return calling_generate_argument(model, "streamer")

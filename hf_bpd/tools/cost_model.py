@@ -1,0 +1,191 @@
+"""`hf-bpd cost-model`: what blockwise decoding can gain on a device, before any heads are trained for it.
+
+Forward and drafting times do not depend on the weights, so they are measured on Llama-shaped models with
+random weights (nothing to download): for each tree size n, the verification forward t(n) on a cache of
+`--context` tokens (`cost.measure_forward_cost`, run the way decoding runs it) and the drafter's own work
+d(n) per step (shipped-style heads: h = 5 heads reading the drafted token, an 8,192-token draft
+vocabulary, top-k 10, context lookup). With τ(n) from a replay of real heads (`hf-bpd replay
+--limit-table --output F`, passed as `--replay F`) it projects the speedup over plain greedy decoding:
+
+    speedup(n) = τ(n) · t(1) / (t(n) + d(n))
+
+(greedy pays t(1) per token; a step of hf_bpd pays one tree forward and one draft, and yields τ(n)
+tokens). τ measured on one model is an assumption for another: the projection says what the device's
+cost curve allows, not what a given model's heads will reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ..cost import measure_forward_cost, speedup_bound
+
+# Llama-shaped configurations (hidden, layers, attention heads, kv heads, MLP width, vocabulary)
+SHAPES = {
+    "tiny": (64, 2, 4, 2, 128, 512),  # CI on a CPU
+    "135m": (576, 30, 9, 3, 1536, 49152),  # SmolLM2-135M
+    "1b": (2048, 16, 32, 8, 8192, 128256),  # Llama-3.2-1B
+    "7b": (4096, 32, 32, 32, 11008, 32000),  # Llama-2-7B
+}
+DEFAULT_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def random_llama(shape: str, device: str = "cpu", dtype: str = "float32"):
+    """A Llama-shaped causal LM of `shape` (a `SHAPES` key) with random weights, initialised directly on
+    `device` in `dtype` (no full-size copy on the host)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
+    hidden, layers, heads, kv_heads, mlp, vocab = SHAPES[shape]
+    config = LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        tie_word_embeddings=shape in ("tiny", "135m", "1b"),
+    )
+    config._attn_implementation = "sdpa"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # initialise in the target dtype, on the device itself
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_draft_cost(model, tree_sizes, context: int = 256, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one drafting step (heads, lookup chain, tree) growing a tree of n nodes, for
+    shipped-style random heads on `model`."""
+    from ..drafter import BlockDrafter
+    from ..heads import BlockDraftHeads
+
+    param = next(model.parameters())
+    vocab = model.get_output_embeddings().weight.shape[0]
+    draft_vocab = torch.arange(min(8192, vocab))
+    heads = BlockDraftHeads.for_base_model(model, num_heads=5, token_input="previous", draft_vocab=draft_vocab)
+    hidden = torch.randn(1, model.config.hidden_size, device=param.device, dtype=param.dtype)
+    ids = torch.randint(0, vocab, (1, context), device=param.device)
+    out = {}
+    for n in tree_sizes:
+        drafter = BlockDrafter(heads, top_k=10, max_tree_tokens=n, calibrate=True)
+        drafter.prepare(model)
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            _sync(param.device)
+            t0 = time.perf_counter()
+            drafter.draft(hidden, ids)
+            _sync(param.device)
+            times.append(time.perf_counter() - t0)
+        out[n] = sorted(times[1:])[len(times[1:]) // 2]
+    return out
+
+
+def read_replay_taus(path: str | Path) -> dict[int, float]:
+    """τ per fixed tree size from a `hf-bpd replay --output` file (its limit table, else its drafters)."""
+    report = json.loads(Path(path).read_text())
+    if report.get("limits"):
+        return {int(r["tree_tokens"]): float(r["tau"]) for r in report["limits"]}
+    taus = {}
+    for name, result in report.get("drafters", {}).items():
+        size = next((int(part[1:]) for part in name.split() if part[:1] == "n" and part[1:].isdigit()), None)
+        if size is not None:
+            taus.setdefault(size, float(result["overall"]["tau"]))
+    return taus
+
+
+def projection(forward: dict[int, float], draft: dict[int, float], taus: dict[int, float]) -> list[dict]:
+    """Per tree size: t(n)/t(1), d(n)/t(1) and, where τ(n) is known, the projected speedup (module
+    docstring) and the zero-overhead limit τ(n) t(1)/t(n)."""
+    rows = []
+    for n in sorted(forward):
+        row = {"tree_tokens": n, "forward_s": forward[n], "draft_s": draft.get(n, 0.0)}
+        row["forward_ratio"] = forward[n] / forward[1]
+        row["draft_ratio"] = row["draft_s"] / forward[1]
+        if n in taus:
+            row["tau"] = taus[n]
+            row["limit"] = speedup_bound(taus[n], forward[1], forward[n])
+            row["speedup"] = speedup_bound(taus[n], forward[1], forward[n] + row["draft_s"])
+        rows.append(row)
+    return rows
+
+
+def markdown(shape: str, rows: list[dict]) -> str:
+    lines = [
+        f"**{shape}**",
+        "",
+        "| n | t(n) ms | t(n)/t(1) | draft ms | τ(n) | limit τ·t(1)/t(n) | projected speedup |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        tau = f"{r['tau']:.2f}" if "tau" in r else "–"
+        limit = f"{r['limit']:.2f}x" if "limit" in r else "–"
+        speed = f"{r['speedup']:.2f}x" if "speedup" in r else "–"
+        lines.append(
+            f"| {r['tree_tokens']} | {1000 * r['forward_s']:.1f} | {r['forward_ratio']:.2f} | "
+            f"{1000 * r['draft_s']:.1f} | {tau} | {limit} | {speed} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-bpd cost-model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["135m"], choices=sorted(SHAPES))
+    parser.add_argument("--tree-sizes", type=int, nargs="+", default=list(DEFAULT_TREE_SIZES))
+    parser.add_argument("--context", type=int, default=256, help="cached tokens before the tree")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
+    parser.add_argument("--replay", default=None, help="a `hf-bpd replay --output` file giving τ per tree size")
+    parser.add_argument("--output", default=None, help="JSON results; a .md table is written beside it")
+    args = parser.parse_args(argv)
+    sizes = sorted(set(args.tree_sizes))
+    if sizes[0] < 1:
+        parser.error("--tree-sizes must be >= 1")
+    if sizes[0] != 1:
+        sizes = [1, *sizes]  # t(1) is the greedy baseline every ratio needs
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    taus = read_replay_taus(args.replay) if args.replay else {}
+
+    from .bench import environment
+
+    report = {"environment": environment(args.device, dtype), "args": vars(args), "shapes": {}}
+    tables = []
+    for shape in args.shapes:
+        model = random_llama(shape, args.device, dtype)
+        curve = measure_forward_cost(model, sizes, context=args.context, repeats=args.repeats)
+        forward = dict(zip(curve.sizes, curve.seconds))
+        draft = measure_draft_cost(model, sizes, context=args.context, repeats=args.repeats)
+        rows = projection(forward, draft, taus)
+        report["shapes"][shape] = rows
+        tables.append(markdown(shape, rows))
+        del model
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    text = "\n\n".join(tables)
+    print(text)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report, indent=2))
+        Path(args.output).with_suffix(".md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,601 @@
+"""Train block draft heads on self-distilled data.
+
+From the base model's last hidden state at position t, head i (1..h) learns the token at t+1+i (the base
+model itself predicts t+1). Loss = sum_i w_i * L_i with per-head weights w_i (the paper's lambda_h), where
+L_i = (1 - b) * CE(token t+1+i) + b * CE(the base model's own distribution over token t+1+i)
+(`--teacher-weight b`). The distilled token is that distribution's argmax; the whole distribution also
+says which other tokens the base model nearly chose, which is what a head's top-k in a draft tree needs.
+It costs no extra base-model pass: the base model's logits for token t+1+i are its LM head on the cached
+hidden state at position t+i (Hydra++'s teacher distillation, without running the teacher again).
+
+Modes
+  frozen  (Medusa-1) the base model is frozen: its last hidden states are computed once and cached to
+          disk (`OUTPUT/features/`, in resumable chunks that a grown data set reuses), so an epoch only
+          runs the small heads. Practical on a CPU.
+  joint   (Medusa-2) the base model is adapted with LoRA (PEFT) together with the heads; the base model's
+          own next-token loss is kept so its outputs stay what they were. Saves the heads at the output
+          root and the adapter under `lora/`; `hf_bpd.load_joint_model` applies it.
+
+Runs as is on one CPU/GPU or under `accelerate launch` on several GPUs or nodes (data parallel through
+`accelerate.Accelerator`; mixed precision with `--mixed-precision bf16|fp16` where the device has it).
+
+Validation each epoch on held-out distilled samples: per-head top-1 / top-k accuracy, and the lattice
+oracle (mean longest prefix of the true continuation inside the top-k lattice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from hf_bpd.heads import BlockDraftHeads
+from hf_bpd.training.checkpoint import resume, run_fingerprint, save_epoch
+from hf_bpd.training.copy_training import SampleTokens, copy_hits, copy_loss, copy_targets, feature_positions
+from hf_bpd.vocab import model_vocab_size
+
+IGNORE = -100
+TOKEN_INPUT_CHOICES = ("previous", "next", "none")  # --token-input; "none" is token_input ""
+
+
+@dataclass
+class Features:
+    """Cached training positions: hidden [n, H] (base last hidden state at t), targets [n, h] (token at
+    t+1+i for head i, IGNORE past the end), next_token [n] (token t+1: the base model's own choice, read
+    by heads with a token input), sample [n] (index of the distilled sample)."""
+
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    next_token: torch.Tensor
+    sample: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> Features:
+        """The positions picked by a boolean mask or index tensor."""
+        return Features(*(getattr(self, f.name)[index] for f in fields(self)))
+
+    @staticmethod
+    def concat(parts: list[Features]) -> Features:
+        return Features(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Features)))
+
+
+def head_targets(sequence: list[int], start: int, num_heads: int) -> torch.Tensor:
+    """Targets [L - start - 1, h] for positions t = start .. L-2 of `sequence`: row t holds the tokens at
+    t+2 .. t+1+h (IGNORE past the end)."""
+    seq = torch.tensor(sequence)
+    n = len(sequence) - start - 1
+    out = torch.full((max(n, 0), num_heads), IGNORE, dtype=torch.long)
+    for i in range(1, num_heads + 1):
+        src = seq[start + 1 + i :]
+        m = min(n, src.numel())
+        out[:m, i - 1] = src[:m]
+    return out
+
+
+def teacher_rows(feats: Features, num_heads: int) -> torch.Tensor:
+    """[n, h]: for each position t and head i, the row of `feats` at position t+i of the same sample (its
+    hidden state gives the base model's own distribution over token t+1+i, head i's target), -1 where
+    head i has no target. Rows of one sample are consecutive positions (`compute_features`)."""
+    n = feats.sample.shape[0]
+    rows = torch.arange(n)[:, None] + torch.arange(1, num_heads + 1)[None]
+    valid = (feats.targets[:, :num_heads] != IGNORE) & (rows < n)
+    rows = rows.clamp(max=max(n - 1, 0))
+    valid &= feats.sample[rows] == feats.sample[:, None]
+    return torch.where(valid, rows, -1)
+
+
+def response_positions(prompt_len: int) -> int:
+    """First position trained on: the last prompt token (its hidden state drafts the response start)."""
+    return max(prompt_len - 1, 0)
+
+
+def right_padded(rows) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """prompt+response sequences of `rows`, right-padded: (sequences, input_ids [B, L], attention_mask).
+    Right padding keeps every real token at positions 0..len-1; padded keys are masked."""
+    seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
+    ids = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.tensor(s)
+        mask[b, : len(s)] = 1
+    return seqs, ids, mask
+
+
+def length_sorted_batches(data, batch_tokens: int) -> list[list[int]]:
+    """Indices of `data` rows (prompt + response) in batches of at most `batch_tokens` padded tokens,
+    shortest first: similar lengths share a batch, so little of it is padding."""
+    length = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in data]
+    batches: list[list[int]] = []
+    for j in sorted(range(len(data)), key=length.__getitem__):
+        # sorted by length: the new row is the batch's longest
+        if batches and length[j] * (len(batches[-1]) + 1) <= batch_tokens:
+            batches[-1].append(j)
+        else:
+            batches.append([j])
+    return batches
+
+
+@torch.no_grad()
+def compute_features(
+    model, data, num_heads: int, batch_tokens: int = 4096, progress: bool = True, first_sample: int = 0
+) -> Features:
+    """Base last hidden states for every response position of every sample (length-sorted batches of at
+    most `batch_tokens` padded tokens). Sample indices start at `first_sample`."""
+    import inspect
+
+    from tqdm import tqdm
+
+    device = next(model.parameters()).device
+    # only hidden states are needed: skip the LM head on every position but one where the model allows it
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    hidden, targets, next_token, sample = [], [], [], []
+    bar = tqdm(total=len(data), disable=not progress, desc="features")
+    for batch in length_sorted_batches(data, batch_tokens):
+        seqs, ids, mask = right_padded([data[j] for j in batch])
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, **extra)
+        last = out.hidden_states[-1].float().cpu()
+        for r, j in enumerate(batch):
+            start = response_positions(len(data[j]["prompt_ids"]))
+            t = head_targets(seqs[r], start, num_heads)
+            n = t.shape[0]
+            hidden.append(last[r, start : start + n].half())
+            targets.append(t)
+            next_token.append(torch.tensor(seqs[r][start + 1 : start + 1 + n], dtype=torch.long))
+            sample.append(torch.full((n,), first_sample + j, dtype=torch.long))
+        bar.update(len(batch))
+    bar.close()
+    return Features(torch.cat(hidden), torch.cat(targets), torch.cat(next_token), torch.cat(sample))
+
+
+def rows_digest(rows) -> str:
+    """Identifies distilled rows by their tokens: a cached chunk is reused only for the same samples."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for r in rows:
+        h.update(json.dumps([r["prompt_ids"], r["response_ids"]]).encode())
+    return h.hexdigest()
+
+
+def cached_features(
+    model, data, num_heads: int, cache_dir: str | Path, chunk: int = 512, progress: bool = True
+) -> Features:
+    """`compute_features` for all of `data`, cached on disk in chunks of samples
+    (`features-<first>-<end>.pt`). An interrupted run resumes at the first missing chunk, and a grown data
+    set only computes its new samples: existing chunk files are reused when they tile the data from
+    sample 0 and hold the same samples (token digest) with enough heads; any other chunk is recomputed."""
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+
+    def rows(start: int, end: int):  # a datasets.Dataset or a list
+        return data.select(range(start, end)) if hasattr(data, "select") else data[start:end]
+
+    parts, covered = [], 0
+    while covered < len(data):
+        part = None
+        for path in sorted(cache_dir.glob(f"features-{covered:07d}-*.pt")):
+            end = int(path.stem.split("-")[2])
+            if end > len(data):
+                continue
+            saved = torch.load(path)
+            if saved["digest"] == rows_digest(rows(covered, end)) and saved["targets"].shape[1] >= num_heads:
+                part = Features(**{f.name: saved[f.name] for f in fields(Features)})
+                break
+            path.unlink()  # other samples or fewer heads: stale
+        if part is None:
+            end = min(covered + chunk, len(data))
+            new_rows = rows(covered, end)
+            part = compute_features(model, new_rows, num_heads, progress=progress, first_sample=covered)
+            tmp = cache_dir / f".features-{covered:07d}-{end:07d}.tmp"
+            torch.save({**part.__dict__, "digest": rows_digest(new_rows)}, tmp)
+            tmp.replace(cache_dir / f"features-{covered:07d}-{end:07d}.pt")  # atomic: no half-written chunk
+        part.targets = part.targets[:, :num_heads]
+        parts.append(part)
+        covered = end
+    return Features.concat(parts)
+
+
+def draft_vocabulary(data, size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent tokens of the distilled responses and prompts (prompts matter for copying
+    tasks: summaries, RAG), plus `always` (e.g. eos), as sorted token ids. Ties, including the many unseen
+    tokens of a small data set, go to the lower BPE id: earlier merges are the more frequent ones."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for row in data:
+        ids = torch.tensor(row["response_ids"] + row["prompt_ids"], dtype=torch.long)
+        counts += torch.bincount(ids, minlength=vocab_size).double()
+    counts[torch.tensor(always, dtype=torch.long)] = counts.max() + 1
+    score = counts * vocab_size + (vocab_size - torch.arange(vocab_size, dtype=torch.float64))
+    return score.topk(size).indices.sort().values
+
+
+HEADS_SHAPE_DEFAULTS = {"num_heads": 4, "num_layers": 1, "token_input": "previous", "draft_vocab_size": 0}
+
+
+def resolve_heads_shape(args: argparse.Namespace) -> None:
+    """Fill in the heads' shape arguments (`HEADS_SHAPE_DEFAULTS`) left unset, in place: from the `--init`
+    heads when there are some, else the defaults. A value given that differs from the `--init` heads
+    raises ValueError naming it: continuing from heads cannot change their shape."""
+    saved = {}
+    if args.init:
+        cfg = BlockDraftHeads.saved_config(args.init)  # a folder that is not heads raises here
+        saved = {
+            "num_heads": cfg.num_heads,
+            "num_layers": cfg.num_layers,
+            "token_input": cfg.token_input or "none",
+            "draft_vocab_size": cfg.draft_vocab_size,
+        }
+    for name, default in HEADS_SHAPE_DEFAULTS.items():
+        given = getattr(args, name)
+        if given is not None and name in saved and given != saved[name]:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {given} differs from the --init heads in {args.init}, which have {saved[name]}")
+        setattr(args, name, saved.get(name, default) if given is None else given)
+
+
+def initial_heads(model, args: argparse.Namespace, draft_vocab: torch.Tensor | None = None) -> BlockDraftHeads:
+    """The heads training starts from, in float32 and bound to `model`: the `--init` heads (checked to fit
+    `model`), or new ones of the arguments' shape drafting `draft_vocab` (None: the whole vocabulary).
+    `--copy-dim` adds a context-copy pointer to heads that have none."""
+    copy_dim = getattr(args, "copy_dim", 0)
+    if getattr(args, "freeze_heads", False) and not copy_dim:
+        raise ValueError("--freeze-heads trains only a context-copy pointer: give --copy-dim")
+    if args.init:
+        device = next(model.parameters()).device
+        heads = BlockDraftHeads.from_pretrained(args.init).to(device).float().bind(model)
+        if copy_dim and heads.context_copy is None:
+            return heads.with_context_copy(copy_dim)
+        if copy_dim and copy_dim != heads.config.copy_dim:
+            raise ValueError(
+                f"--copy-dim {copy_dim} differs from the --init heads in {args.init}, which have "
+                f"{heads.config.copy_dim}"
+            )
+        return heads
+    heads = BlockDraftHeads.for_base_model(
+        model,
+        args.num_heads,
+        args.num_layers,
+        draft_vocab=draft_vocab,
+        token_input=token_input(args),
+        copy_dim=copy_dim,
+    )
+    return heads.float()
+
+
+def draft_index(heads: BlockDraftHeads) -> torch.Tensor | None:
+    """Token id -> index in the heads' draft vocabulary (IGNORE for tokens outside it, which no head can
+    draft and so are not trained on); None for heads that draft the whole vocabulary."""
+    index = heads.draft_index()
+    return None if index is None else torch.where(index < 0, IGNORE, index)
+
+
+def loss_weights(num_heads: int, decay: float) -> list[float]:
+    """w_i = decay**(i-1): later heads are less accurate and matter less for acceptance."""
+    return [decay**i for i in range(num_heads)]
+
+
+def heads_loss(
+    heads: BlockDraftHeads,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weights: list[float],
+    vocab_index: torch.Tensor | None,
+    next_tokens: torch.Tensor | None = None,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: float = 0.0,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Weighted CE over heads, computed head by head (a [n, h, V] logit tensor would not fit).
+    `next_tokens`: token t+1 per position, for heads with a token input. `teacher_hidden [n, h, H]`: the
+    base hidden state at position t+i for head i (NaN where there is none), whose base-model logits are
+    the soft target mixed in with `teacher_weight` (module docstring). `heads` may be wrapped for data
+    parallelism (`accelerator.prepare`): the forward goes through the wrapper, or gradients would not be
+    synchronised across processes."""
+    from accelerate.utils import extract_model_from_parallel
+
+    bare = extract_model_from_parallel(heads)
+    tokens = None if next_tokens is None else bare.teacher_forced_tokens(torch.cat([next_tokens[:, None], targets], 1))
+    states = heads(hidden, tokens, return_states=True)
+    project = bare.project
+    total, per_head = hidden.new_zeros(()).float(), []
+    for i, w in enumerate(weights):
+        tgt = targets[:, i] if vocab_index is None else vocab_index[targets[:, i].clamp(min=0)]
+        tgt = torch.where(targets[:, i] == IGNORE, IGNORE, tgt)
+        logits = project(states[:, i]).float()
+        loss = torch.nn.functional.cross_entropy(logits, tgt, ignore_index=IGNORE)
+        loss = torch.nan_to_num(loss)  # a batch with no target for this head
+        if teacher_weight:
+            loss = (1 - teacher_weight) * loss + teacher_weight * teacher_loss(bare, logits, teacher_hidden[:, i])
+        per_head.append(loss.detach())
+        total = total + w * loss
+    return total, per_head
+
+
+def teacher_loss(heads: BlockDraftHeads, logits: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
+    """Mean CE of the head's `logits [n, S]` against the base model's own distribution over the draft
+    vocabulary (`heads.base_logits` of `teacher_hidden [n, H]`), over the rows that have a teacher (not NaN)."""
+    has = ~teacher_hidden[:, 0].isnan()
+    if not bool(has.any()):
+        return logits.new_zeros(())
+    with torch.no_grad():
+        target = heads.base_logits(teacher_hidden[has].to(logits.dtype)).float().softmax(-1)
+    return -(target * logits[has].log_softmax(-1)).sum(-1).mean()
+
+
+@torch.no_grad()
+def evaluate(
+    heads: BlockDraftHeads,
+    feats: Features,
+    top_k: int,
+    batch: int = 512,
+    sample_tokens: SampleTokens | None = None,
+    positions: torch.Tensor | None = None,
+) -> dict:
+    """Per-head top-1 / top-k accuracy (over positions with a target) and the top-k lattice oracle. For
+    "previous" heads the accuracies are given the true tokens before each target, and the oracle is that
+    of a tree that expands each head's top-k: the longest true prefix whose every token is in its head's
+    top-k given the true tokens before it. Context-copy heads are scored by their mixture, which needs
+    the samples' tokens and each row's position (`copy_training.feature_positions`)."""
+    with_copy = heads.context_copy is not None
+    if with_copy and (sample_tokens is None or positions is None):
+        raise ValueError("evaluating context-copy heads needs the samples' tokens and each row's position")
+    device = next(heads.parameters()).device
+    h = heads.num_heads
+    hit1, hitk, count = torch.zeros(h), torch.zeros(h), torch.zeros(h)
+    oracle_sum, n_pos = 0.0, 0
+    ids = heads.draft_vocab
+    for s in range(0, feats.hidden.shape[0], batch):
+        x = feats.hidden[s : s + batch].to(device=device, dtype=heads.dtype)
+        t = feats.targets[s : s + batch].to(device)
+        valid = t != IGNORE
+        if with_copy:
+            rows = slice(s, s + batch)
+            read, targets = copy_targets(sample_tokens, feats.sample[rows], positions[rows], t.cpu(), None)
+            top1, in_k = copy_hits(heads, x, read.to(device), targets.to(device), top_k)
+        else:
+            tokens = heads.teacher_forced_tokens(torch.cat([feats.next_token[s : s + batch, None].to(device), t], 1))
+            logits = heads(x, tokens)  # [n, h, S]
+            topk = ids[logits.topk(top_k, dim=-1).indices]  # token ids [n, h, k]
+            in_k = (topk == t[..., None]).any(-1) & valid
+            top1 = (topk[..., 0] == t) & valid
+        hit1 += top1.sum(0).cpu().float()
+        hitk += in_k.sum(0).cpu().float()
+        count += valid.sum(0).cpu().float()
+        oracle_sum += float(in_k.long().cumprod(dim=1).sum())
+        n_pos += x.shape[0]
+    return {
+        "top1": (hit1 / count.clamp(min=1)).tolist(),
+        f"top{top_k}": (hitk / count.clamp(min=1)).tolist(),
+        f"oracle_top{top_k}": oracle_sum / max(n_pos, 1),
+        "positions": n_pos,
+    }
+
+
+def check_replicas_agree(accelerator, module: torch.nn.Module) -> None:
+    """Data-parallel replicas must hold the same weights after each epoch: a gradient that bypassed the
+    wrapper's synchronisation would silently train one different model per process."""
+    if accelerator.num_processes == 1:
+        return
+    checksum = torch.stack([p.detach().double().sum() for p in module.parameters()]).to(accelerator.device)
+    gathered = accelerator.gather(checksum[None])
+    if not torch.allclose(gathered, gathered[:1].expand_as(gathered)):
+        raise RuntimeError(f"data-parallel replicas diverged ({accelerator.num_processes} processes)")
+
+
+def split_by_sample(feats: Features, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices (train, val) of `feats`, holding out a `val_fraction` of the samples whole."""
+    num_samples = int(feats.sample.max()) + 1
+    g = torch.Generator().manual_seed(seed)
+    val_samples = torch.randperm(num_samples, generator=g)[: max(1, int(num_samples * val_fraction))]
+    is_val = torch.isin(feats.sample, val_samples)
+    return (~is_val).nonzero().squeeze(1), is_val.nonzero().squeeze(1)
+
+
+def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision=args.mixed_precision)
+    torch.manual_seed(args.seed)
+    resolve_heads_shape(args)
+    cache = Path(args.features_cache or Path(args.output) / "features")
+    # the main process computes what the cache lacks and writes it; the others then read it back
+    if accelerator.is_main_process:
+        feats = cached_features(model, data, args.num_heads, cache, progress=not args.no_progress)
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        feats = cached_features(model, data, args.num_heads, cache, progress=False)
+    train_index, val_index = split_by_sample(feats, args.val_fraction, args.seed)
+    if args.max_positions and train_index.numel() > args.max_positions:
+        keep = torch.randperm(train_index.numel(), generator=torch.Generator().manual_seed(args.seed))
+        train_index = train_index[keep[: args.max_positions]]
+    train, val = feats.select(train_index), feats.select(val_index)
+
+    draft_vocab = None
+    if args.draft_vocab_size and not args.init:  # --init heads keep the draft vocabulary they were trained on
+        eos = model.generation_config.eos_token_id
+        always = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        train_samples = set(train.sample.unique().tolist())
+        vocab = model_vocab_size(model)
+        draft_vocab = draft_vocabulary([data[i] for i in sorted(train_samples)], args.draft_vocab_size, vocab, always)
+    heads = initial_heads(model, args, draft_vocab)
+    sample_tokens = positions = None
+    if heads.context_copy is not None:  # the pointer reads each position's context: the samples' tokens
+        sample_tokens = SampleTokens.build(data, response_positions)
+        positions = feature_positions(feats.sample, sample_tokens)
+    if args.freeze_heads:  # only the context-copy pointer learns
+        for name, param in heads.named_parameters():
+            param.requires_grad_(name.startswith("context_copy."))
+    vocab_index = draft_index(heads)
+    weights = loss_weights(args.num_heads, args.loss_decay)
+    params = [p for p in heads.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    # head i's soft target comes from the hidden state at position t+i; rows are found before `select`
+    # reorders anything, as indices into `feats` (val and train rows alike are consecutive per sample)
+    teacher = teacher_rows(feats, args.num_heads)
+    train_teacher = teacher[train_index]
+    dataset = torch.utils.data.TensorDataset(train.hidden, train.targets, train.next_token, train_teacher, train_index)
+    shuffle = torch.Generator().manual_seed(args.seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, generator=shuffle)
+    total_steps = max(1, args.epochs * len(loader))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s / total_steps, 1.0)))
+    )
+    fingerprint = run_fingerprint(args, rows_digest(data))
+    history, first_epoch = resume(args.output, fingerprint, {"heads": heads}, optimizer, scheduler, shuffle)
+    heads, optimizer, loader, scheduler = accelerator.prepare(heads, optimizer, loader, scheduler)
+    bare = accelerator.unwrap_model(heads)
+    if vocab_index is not None:
+        vocab_index = vocab_index.to(accelerator.device)
+    for epoch in range(first_epoch, args.epochs):
+        heads.train()
+        t0, running, steps = time.time(), 0.0, 0
+        for hidden, targets, next_tokens, rows, feature_rows in loader:
+            teacher_hidden = None
+            if args.teacher_weight and not args.freeze_heads:  # NaN marks "no teacher" (past the sample's end)
+                teacher_hidden = feats.hidden[rows.clamp(min=0).cpu()].float().to(hidden.device)
+                teacher_hidden[rows < 0] = float("nan")
+            loss = hidden.new_zeros(()).float()
+            if sample_tokens is not None:
+                at = feature_rows.cpu()
+                read, copy = copy_targets(sample_tokens, feats.sample[at], positions[at], targets.cpu(), vocab_index)
+                with accelerator.autocast():
+                    loss, _ = copy_loss(heads, hidden.float(), read.to(hidden.device), copy.to(hidden.device), weights)
+            if not args.freeze_heads:  # the heads' own loss (frozen heads: the pointer's alone)
+                with accelerator.autocast():
+                    own, _ = heads_loss(
+                        heads,
+                        hidden.float(),
+                        targets,
+                        weights,
+                        vocab_index,
+                        next_tokens,
+                        teacher_hidden,
+                        args.teacher_weight,
+                    )
+                loss = loss + own
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            running += float(loss.detach())
+            steps += 1
+            if args.log_every and steps % args.log_every == 0 and accelerator.is_main_process:
+                print(f"epoch {epoch} step {steps}/{len(loader)} loss {running / steps:.4f}", flush=True)
+        heads.eval()
+        check_replicas_agree(accelerator, bare)
+        val_positions = None if positions is None else positions[val_index]
+        metrics = (
+            evaluate(bare, val, args.top_k, 512, sample_tokens, val_positions) if accelerator.is_main_process else {}
+        )
+        record = {
+            "epoch": epoch,
+            "train_loss": running / max(steps, 1),
+            "seconds": time.time() - t0,
+            "processes": accelerator.num_processes,
+            **metrics,
+        }
+        history.append(record)
+        if accelerator.is_main_process:
+            print(json.dumps(record), flush=True)
+            save_epoch(args.output, fingerprint, history, {"heads": bare}, optimizer, scheduler, shuffle)
+    return bare, history
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="packaged", help="base model path or 'packaged'")
+    parser.add_argument(
+        "--data", required=True, nargs="+", help="hf-bpd distill --output folders (or their dataset/), in this order"
+    )
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--mode", choices=["frozen", "joint"], default="frozen")
+    parser.add_argument(
+        "--init",
+        default=None,
+        help="saved heads to continue training from (more data, or the joint stage after a frozen one); they "
+        "keep their shape and draft vocabulary, and the shape arguments below default to theirs",
+    )
+    parser.add_argument("--num-heads", type=int, default=None, help="default 4")
+    parser.add_argument("--num-layers", type=int, default=None, help="default 1")
+    parser.add_argument("--draft-vocab-size", type=int, default=None, help="default 0: the full vocabulary")
+    parser.add_argument(
+        "--token-input",
+        choices=TOKEN_INPUT_CHOICES,
+        default=None,
+        help="the token embedding each head also reads: 'previous' (the default) the token before its target "
+        "(drafted node by node), 'next' token t+1 (the base model's own choice), 'none' plain Medusa heads",
+    )
+    parser.add_argument(
+        "--copy-dim",
+        type=int,
+        default=0,
+        help="frozen mode, 'previous' heads: add a context-copy pointer of this width to the heads (0: none; "
+        "heads that have one keep it)",
+    )
+    parser.add_argument(
+        "--freeze-heads",
+        action="store_true",
+        help="train only the context-copy pointer, keeping the heads' own weights (e.g. of --init heads)",
+    )
+    parser.add_argument("--features-cache", default=None, help="frozen mode: cache folder (default: OUTPUT/features)")
+    parser.add_argument("--loss-decay", type=float, default=0.8, help="head i loss weight = decay**(i-1)")
+    parser.add_argument(
+        "--teacher-weight",
+        type=float,
+        default=0.0,
+        help="frozen mode: weight of the base model's own distribution as a soft target (0: distilled tokens only)",
+    )
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch-size", type=int, default=256, help="positions (frozen) or samples (joint)")
+    parser.add_argument("--max-positions", type=int, default=0, help="cap on training positions (0: all)")
+    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--top-k", type=int, default=5, help="k of the top-k accuracy and lattice oracle")
+    parser.add_argument("--lora-r", type=int, default=8)
+    parser.add_argument("--base-loss-weight", type=float, default=1.0, help="joint mode: weight of the base LM loss")
+    parser.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def token_input(args: argparse.Namespace) -> str:
+    """`--token-input` as `BlockDraftHeadsConfig.token_input` ("none" -> "")."""
+    return "" if args.token_input == "none" else args.token_input
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-bpd train-heads", description=__doc__.split("\n\n")[0])
+    add_args(parser)
+    args = parser.parse_args(argv)
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    from hf_bpd.models import load_model
+    from hf_bpd.training.distill import load_distilled
+
+    # under accelerate launch / torchrun: this process's device (cuda:<local rank>); CPU data parallelism
+    # with ACCELERATE_USE_CPU=true, as `Accelerator` reads it
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    device = args.device or str(state.device)
+    model, _ = load_model(args.model, device=device, with_tokenizer=False)
+    data = load_distilled(args.data)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.mode == "frozen":
+        heads, history = train_frozen(model, data, args)
+    else:
+        from hf_bpd.training.joint import train_joint
+
+        heads, history = train_joint(model, data, args)
+    if state.is_main_process:
+        heads.save_pretrained(out)
+        (out / "training_log.json").write_text(json.dumps({"args": vars(args), "epochs": history}, indent=2))
+        print(f"saved heads to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""Batches (hf_bpd/batch.py): every row equals the same row of plain batched greedy `generate` on the same
+left-padded batch, however differently the rows accept, finish or start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import hf_bpd
+from hf_bpd import BlockDrafter, BlockDraftHeads
+
+PAD = 0
+
+
+def left_padded(prompts: list[list[int]]) -> dict:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def prompts_for(batch_size: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 9, 3, 17, 5, 2, 12, 7][:batch_size]
+    return [torch.randint(3, 97, (n,), generator=g).tolist() for n in lengths]
+
+
+def drafter_for(model, **kw) -> BlockDrafter:
+    # zero-residual heads draft the model's own next token: rows accept different lengths
+    return BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8, **kw)
+
+
+def both(model, batch, drafter, **kw):
+    kw = dict(do_sample=False, pad_token_id=PAD, **kw)
+    ref = model.generate(**batch, **kw)
+    out = model.generate(**batch, **kw, custom_generate=hf_bpd.generate, assistant=drafter)
+    return ref, out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("batch_size", [2, 3, 8])
+def test_every_row_equals_plain_batched_greedy(arch, batch_size):
+    model = tiny_model(arch, eos_token_id=None)
+    drafter = drafter_for(model)
+    for seed, new in ((0, 1), (1, 17), (2, 40)):
+        batch = left_padded(prompts_for(batch_size, seed))
+        ref, out = both(model, batch, drafter, max_new_tokens=new)
+        assert out.tolist() == ref.tolist(), (arch, batch_size, new)
+    rows = drafter.stats.rows
+    assert len(rows) == batch_size and all(r.new_tokens == 40 for r in rows)
+    if batch_size > 2:
+        assert max(max(r.accepted_lengths) for r in rows) > 1  # drafts were accepted in some row
+
+
+def test_rows_hitting_eos_at_different_steps_inside_drafts_are_padded_like_generate():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = drafter_for(model)
+    batch = left_padded(prompts_for(6, 3))
+    _, free = both(model, batch, drafter, max_new_tokens=40)
+    width = batch["input_ids"].shape[1]
+    # an eos that one row produces mid-way, inside an accepted block in some steps
+    eos = free[2, width + 7].item()
+    ref, out = both(model, batch, drafter, max_new_tokens=40, eos_token_id=eos)
+    assert out.tolist() == ref.tolist()
+    lengths = [r.new_tokens for r in drafter.stats.rows]
+    assert len(set(lengths)) > 1  # the rows finished at different steps
+
+
+def test_a_row_finishing_at_its_first_token():
+    model = tiny_model("qwen2", eos_token_id=None)
+    batch = left_padded(prompts_for(3, 4))
+    drafter = drafter_for(model)
+    _, free = both(model, batch, drafter, max_new_tokens=20)
+    eos = free[1, batch["input_ids"].shape[1]].item()  # row 1's very first token
+    ref, out = both(model, batch, drafter, max_new_tokens=20, eos_token_id=eos)
+    assert out.tolist() == ref.tolist()
+    assert drafter.stats.rows[1].new_tokens == 1
+
+
+def test_auto_trees_share_the_budget_and_stay_exact():
+    from hf_bpd.cost import ForwardCost
+
+    model = tiny_model("llama", eos_token_id=None)
+    curve = ForwardCost((1, 2, 4, 8, 16), (0.05, 0.06, 0.065, 0.07, 0.09))
+    drafter = drafter_for(model, forward_cost=curve)
+    drafter.max_tree_tokens = "auto"
+    batch = left_padded(prompts_for(4, 5))
+    ref, out = both(model, batch, drafter, max_new_tokens=30)
+    assert out.tolist() == ref.tolist()
+    # the curve's largest tree (16 tokens) is shared among the unfinished rows: no forward holds more
+    assert max(drafter.stats.tree_sizes) <= 16
+
+
+def test_right_padding_and_holes_are_refused_before_any_forward():
+    model = tiny_model("llama")
+    drafter = drafter_for(model)
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    ids = torch.tensor([[5, 6, 7], [8, 9, PAD]])
+    with pytest.raises(ValueError, match="left-padded"):
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+            max_new_tokens=3,
+            pad_token_id=PAD,
+            custom_generate=hf_bpd.generate,
+            assistant=drafter,
+        )
+    with pytest.raises(ValueError, match="hole"):
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.tensor([[1, 1, 1], [1, 0, 1]]),
+            max_new_tokens=3,
+            pad_token_id=PAD,
+            custom_generate=hf_bpd.generate,
+            assistant=drafter,
+        )
+    assert not calls
+
+
+def test_batches_below_an_attention_window_squeeze_holes_and_stay_exact():
+    model = tiny_model("mistral", sliding_window=32, eos_token_id=None)
+    batch = left_padded(prompts_for(4, 6))  # the widest prompt has 17 tokens
+    ref, out = both(model, batch, drafter_for(model), max_new_tokens=15)  # 17 + 15: the whole window
+    assert out.tolist() == ref.tolist()
+
+
+def test_squeeze_holes_keeps_each_rows_real_slots_in_order():
+    from transformers import DynamicCache
+
+    from hf_bpd.batch import squeeze_holes
+
+    cache = DynamicCache()
+    keys = torch.arange(2 * 6, dtype=torch.float).view(2, 1, 6, 1)
+    cache.update(keys, keys.clone(), 0)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 0, 1, 1, 1, 1]])
+    new = squeeze_holes(cache, mask)
+    assert new.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert cache.layers[0].keys[0, 0, 2:, 0].tolist() == [1.0, 2.0, 4.0]
+    assert cache.layers[0].keys[1, 0, :, 0].tolist() == [6.0, 8.0, 9.0, 10.0, 11.0]

@@ -1,0 +1,165 @@
+"""hf_bpd.support: every architecture of the support matrix is exact or refused up front; inputs and
+options the loop would not honour are refused by name before any forward; the usual streamer works."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from support_matrix import ROWS, build, readme_block
+from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+import hf_bpd
+from hf_bpd import BlockDrafter, BlockDraftHeads
+from hf_bpd.compat import cache_argument
+
+# prompt length, max_new_tokens: every exact row decodes all three (longest: 60 tokens in all)
+CASES = ((1, 20), (7, 40), (30, 25))
+
+
+class ForwardCounter:
+    """Counts the model's forwards (a pre-hook), so a test can assert a refusal came before any."""
+
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_pre_hook(self._count)
+
+    def _count(self, *_):
+        self.calls += 1
+
+
+def copying_drafter(model, **kw) -> BlockDrafter:
+    # zero-residual heads draft the base model's own next token: on a random model's repetitive text they are
+    # often right, so multi-token acceptance is exercised
+    return BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8, **kw)
+
+
+def decode(model, ids, drafter=None, **kw):
+    extra = dict(custom_generate=hf_bpd.generate, assistant=drafter) if drafter is not None else {}
+    return model.generate(ids, do_sample=False, pad_token_id=0, **kw, **extra)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_support_matrix(row):
+    model = build(row)
+    drafter = copying_drafter(model)
+    g = torch.Generator().manual_seed(1)
+    if row.expected == "refused":
+        counter = ForwardCounter(model)
+        ids = torch.randint(3, 97, (1, 7), generator=g)
+        with pytest.raises(ValueError, match=row.refusal):
+            decode(model, ids, drafter, max_new_tokens=40)
+        assert counter.calls == 0, "refused only after a forward"
+        return
+    sizes = []
+    for prompt_len, new in CASES:
+        ids = torch.randint(3, 97, (1, prompt_len), generator=g)
+        # no eos: a random model may emit it at once, and every length should be decoded
+        ref = decode(model, ids, max_new_tokens=new, eos_token_id=None)
+        out = decode(model, ids, drafter, max_new_tokens=new, eos_token_id=None)
+        assert out.tolist() == ref.tolist(), f"{row.name}: prompt {prompt_len}, {new} new tokens"
+        sizes += drafter.stats.tree_sizes
+    assert max(sizes) > 1  # trees were verified, not single tokens
+
+
+def test_readme_shows_the_support_matrix():
+    from support_matrix import README
+
+    assert readme_block() in README.read_text(encoding="utf-8"), "run: python -m tests.support_matrix"
+
+
+def test_window_caps_trees_so_a_generation_up_to_the_window_is_exact():
+    # prompt + max_new_tokens exactly the window: every step's tree must stay below it
+    model = tiny_model("mistral", sliding_window=24, eos_token_id=None)
+    drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=4), top_k=3, max_tree_tokens=16)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert decode(model, ids, drafter, max_new_tokens=20).tolist() == decode(model, ids, max_new_tokens=20).tolist()
+    with pytest.raises(ValueError, match="attention window of 24"):
+        decode(model, ids, drafter, max_new_tokens=21)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(cache_implementation="static"), "DynamicCache"),
+        (dict(return_dict_in_generate=True, output_hidden_states=True), "hidden states"),
+        (dict(return_dict_in_generate=True, output_attentions=True), "attentions"),
+    ],
+)
+def test_unsupported_options_are_refused_before_any_forward(kwargs, message):
+    model = tiny_model("llama")
+    counter = ForwardCounter(model)
+    with pytest.raises(ValueError, match=message):
+        decode(model, torch.tensor([[5, 6, 7]]), copying_drafter(model), max_new_tokens=5, **kwargs)
+    assert counter.calls == 0
+
+
+def test_unsupported_inputs_are_refused_before_any_forward():
+    model = tiny_model("llama")
+    drafter = copying_drafter(model)
+    counter = ForwardCounter(model)
+    embeds = model.get_input_embeddings()(torch.tensor([[5, 6, 7]]))
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        model.generate(inputs_embeds=embeds, max_new_tokens=5, custom_generate=hf_bpd.generate, assistant=drafter)
+    filled = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([[5, 6]]), **{cache_argument(model): filled})
+    counter.calls = 0
+    with pytest.raises(ValueError, match="filled"):
+        decode(model, torch.tensor([[5, 6, 7]]), drafter, max_new_tokens=5, past_key_values=filled)
+    assert counter.calls == 0
+    gpt2 = build(next(r for r in ROWS if r.model_type == "gpt2"))
+    counter = ForwardCounter(gpt2)
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="token_type_ids"):
+        decode(gpt2, ids, copying_drafter(gpt2), max_new_tokens=5, token_type_ids=torch.zeros_like(ids))
+    assert counter.calls == 0
+
+
+def test_empty_prompt_is_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="empty"):
+        hf_bpd.support.check_call_supported(
+            model, torch.zeros(1, 0, dtype=torch.long), model.generation_config, {"attention_mask": None}
+        )
+
+
+class RecordingStreamer(BaseStreamer):
+    def __init__(self):
+        self.puts: list[list[int]] = []
+        self.ended = 0
+
+    def put(self, value):
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_streamer_given_the_usual_way_gets_prompt_once_every_token_and_end():
+    model = tiny_model("llama", eos_token_id=None)
+    ids = torch.tensor([[5, 6, 7]])
+    plain, ours = RecordingStreamer(), RecordingStreamer()
+    ref = decode(model, ids, max_new_tokens=12, streamer=plain)
+    out = decode(model, ids, copying_drafter(model), max_new_tokens=12, streamer=ours)
+    assert out.tolist() == ref.tolist()
+    assert ours.ended == plain.ended == 1
+    assert ours.puts[0] == plain.puts[0] == [5, 6, 7]  # the prompt, once
+    assert sum(ours.puts[1:], []) == sum(plain.puts[1:], []) == ref[0, 3:].tolist()
+
+
+def test_heads_run_beside_the_lm_head():
+    model = tiny_model("llama")
+    drafter = copying_drafter(model)
+    drafter.prepare(model)
+    assert drafter.heads.device == model.get_output_embeddings().weight.device
+
+
+def test_a_drafter_busy_in_another_generation_is_refused_not_mixed():
+    model = tiny_model("llama")
+    drafter = copying_drafter(model)
+    with drafter.exclusive(), pytest.raises(RuntimeError, match="already decoding"):  # as if another thread held it
+        decode(model, torch.tensor([[5, 6, 7]]), drafter, max_new_tokens=4)
+    ids = torch.tensor([[5, 6, 7]])
+    assert decode(model, ids, drafter, max_new_tokens=4).tolist() == decode(model, ids, max_new_tokens=4).tolist()
