@@ -189,13 +189,15 @@ def run_case(case: Case) -> dict:
         eos = produced[len(produced) // 2] if produced else None
     kw = generate_kwargs(case, eos)
     drafter = make_drafter(model, case)
-    window_ok = True
     from hf_bpd.support import attention_window
 
+    # a windowed row is served exactly while prompt + new tokens fit its window, and refused otherwise;
+    # every other "refused" row always is
     window = attention_window(model.config.get_text_config(decoder=True))
-    if window is not None and case.prompt_len + case.max_new_tokens > window:
-        window_ok = False
-    expect_refusal = row.expected == "refused" or not window_ok
+    if window is not None:
+        expect_refusal = case.prompt_len + case.max_new_tokens > window
+    else:
+        expect_refusal = row.expected == "refused"
     counter = Forwards(model)
     try:
         torch.manual_seed(case.seed)
