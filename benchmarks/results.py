@@ -98,7 +98,34 @@ def render_replay(report: dict) -> list[str]:
     return lines
 
 
-RENDERERS = {"bench": render_bench, "replay": render_replay}
+def render_fuzz(report: dict) -> list[str]:
+    outcomes = report["outcomes"]
+    lines = ["| runs | " + " | ".join(sorted(outcomes)) + " |", "|" + " --- |" * (1 + len(outcomes))]
+    lines.append(f"| {report['runs']} | " + " | ".join(str(outcomes[k]) for k in sorted(outcomes)) + " |")
+    lines += [
+        "",
+        "| dtype | runs | decoded (not refused) | near ties | near-tie rate |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for dtype, d in report["by_dtype"].items():
+        lines.append(
+            f"| {dtype} | {d['runs']} | {d['decoded']} | {d['near_ties']} | {100 * d['near_tie_rate']:.2f} % |"
+        )
+    return lines
+
+
+def render_memory(report: dict) -> list[str]:
+    first, last = report["rss_mib"][0], report["rss_mib"][-1]
+    return [
+        "| calls | RSS after the first 50 (MiB) | RSS at the end (MiB) | growth over the second half (MiB) | slope, "
+        "second half (KiB per call) |",
+        "| --- | --- | --- | --- | --- |",
+        f"| {report['calls']} | {first[1]:.1f} | {last[1]:.1f} | {report['rss_growth_mib_second_half']:.2f} | "
+        f"{report['slope_kib_per_call_second_half']:.2f} |",
+    ]
+
+
+RENDERERS = {"bench": render_bench, "replay": render_replay, "fuzz": render_fuzz, "memory": render_memory}
 
 
 def render_claim(claim: dict) -> str:

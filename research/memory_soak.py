@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     xs, ys = [p[0] for p in half], [p[1] for p in half]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    from hf_bpd.tools.bench import environment
+
     result = {
+        "environment": environment("cpu", "float32"),
         "command": "python -m research.memory_soak " + " ".join(argv if argv is not None else sys.argv[1:]),
         "calls": args.calls,
         "rss_mib": points,

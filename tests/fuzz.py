@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     summary = fuzz(seeds, progress=True)
     summary["command"] = "python -m tests.fuzz " + " ".join(argv if argv is not None else sys.argv[1:])
+    from hf_bpd.tools.bench import environment
+
+    summary["environment"] = environment("cpu", "float32 and bfloat16")
     print(json.dumps({k: summary[k] for k in ("runs", "outcomes", "by_dtype")}, indent=1))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
