@@ -194,10 +194,8 @@ def run_case(case: Case) -> dict:
     # a windowed row is served exactly while prompt + new tokens fit its window, and refused otherwise;
     # every other "refused" row always is
     window = attention_window(model.config.get_text_config(decoder=True))
-    if window is not None:
-        expect_refusal = case.prompt_len + case.max_new_tokens > window
-    else:
-        expect_refusal = row.expected == "refused"
+    fits = window is None or case.prompt_len + case.max_new_tokens <= window
+    expect_refusal = not fits if window is not None else row.expected == "refused"
     counter = Forwards(model)
     try:
         torch.manual_seed(case.seed)
