@@ -73,8 +73,14 @@ def render_card(
     bench: dict | None = None,
     manifest: dict | None = None,
     top_k: int = 10,
-    max_tree_tokens: int = 32,
+    max_tree_tokens: int | str = 32,
+    self_loading: bool = False,
 ) -> str:
+    """The model card: metadata (`huggingface_hub.ModelCardData`) and the template filled with real numbers.
+    `self_loading`: the folder is a saved drafter (`BlockDrafter.save_pretrained`), so the card also shows
+    the Hub-style call that needs no drafter object."""
+    from huggingface_hub import ModelCard, ModelCardData
+
     cfg = heads.config
     template = resources.files("hf_bpd").joinpath("templates", TEMPLATE).read_text(encoding="utf-8")
     softmax = "tied to the base LM head" if cfg.tie_lm_head else "of its own"
@@ -93,7 +99,13 @@ def render_card(
             "attention from the bigram it continues to every earlier bigram) and mixes the token that followed "
             "there into its own distribution, so it can copy names, numbers and phrases from the prompt"
         )
-    return template.format(
+    hub_call = (
+        "\nThis repository is a whole drafter (heads, settings in `drafter.json`, `custom_generate/`), so it also "
+        "decodes with no drafter object:\n\n```python\nout = model.generate(**inputs, max_new_tokens=128, "
+        f'custom_generate="{repo_id}", trust_remote_code=True)\n```\n'
+    )
+    body = template.format(
+        self_loading=hub_call if self_loading else "",
         base_model=cfg.base_model_name or "unknown",
         repo_id=repo_id,
         num_heads=cfg.num_heads,
@@ -106,6 +118,12 @@ def render_card(
         accuracy_table=accuracy_table(training_log),
         tau_table=tau_table(bench),
     )
+    data = ModelCardData(
+        library_name="hf_bpd",
+        base_model=cfg.base_model_name or None,
+        tags=["blockwise-parallel-decoding", "speculative-decoding", "draft-heads", "custom_generate"],
+    )
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
 
 
 def save_hub_folder(heads: BlockDraftHeads, folder: str | Path, repo_id: str = "<repo_id>", **card_kwargs) -> Path:

@@ -213,7 +213,7 @@ class BlockDrafter:
                     "build_rescorer`), so it cannot be saved: save drafter.with_rescorer(None), or build it from one"
                 )
             settings["rescorer"] = save_spec(spec, Path(self.rescorer.spec_folder), folder)
-        card = {"top_k": self.top_k, "max_tree_tokens": self.max_tree_tokens, **card_kwargs}
+        card = {"top_k": self.top_k, "max_tree_tokens": self.max_tree_tokens, "self_loading": True, **card_kwargs}
         save_hub_folder(self.heads, folder, repo_id, **card)
         (folder / DRAFTER_SETTINGS).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
         strategy = resources.files("hf_bpd").joinpath("custom_generate")
