@@ -32,7 +32,7 @@ def test_saved_folder_holds_heads_settings_card_and_strategy(tmp_path):
     names = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
     assert {"config.json", "model.safetensors", "drafter.json", "README.md", "custom_generate/generate.py"} <= names
     card = (folder / "README.md").read_text()
-    assert card.startswith("---\n") and "base_model:" in card.split("---")[1]  # ModelCardData metadata
+    assert card.startswith("---\n") and "library_name: hf_bpd" in card.split("---")[1]  # ModelCardData
     assert 'custom_generate="me/drafter"' in card and "max_tree_tokens=10" in card
     settings = json.loads((folder / "drafter.json").read_text())
     assert settings == {**drafter.settings(), "rescorer": CONTEXT_RESCORER}
