@@ -203,3 +203,20 @@ def test_smollm2_stop_strings_through_the_hub_folder_and_criteria(smollm2):
         assistant=drafter,
     )
     assert out.tolist() == ref.tolist()
+
+
+@pytest.mark.real
+def test_smollm2_batch_of_8_mixed_prompts_equals_plain_batched_greedy(smollm2):
+    """A left-padded batch of 8 chat prompts of different categories and lengths, 64 new tokens: every row
+    equals the same row of plain batched greedy generate."""
+    from hf_bpd.tools.bench_batch import left_padded_batch
+
+    model, tokenizer = smollm2
+    batch = left_padded_batch(tokenizer, spec_bench_prompts(20)[::2][:8], "cpu")
+    assert len(set(batch["attention_mask"].sum(-1).tolist())) > 1  # rows of different lengths
+    kw = dict(do_sample=False, max_new_tokens=64, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    ref = model.generate(**batch, **kw)
+    drafter = hf_bpd.load_packaged_drafter()
+    out = model.generate(**batch, **kw, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist()
+    assert len(drafter.stats.rows) == 8 and drafter.stats.steps < 64
