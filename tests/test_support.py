@@ -163,3 +163,26 @@ def test_a_drafter_busy_in_another_generation_is_refused_not_mixed():
         decode(model, torch.tensor([[5, 6, 7]]), drafter, max_new_tokens=4)
     ids = torch.tensor([[5, 6, 7]])
     assert decode(model, ids, drafter, max_new_tokens=4).tolist() == decode(model, ids, max_new_tokens=4).tolist()
+
+
+def test_max_new_tokens_zero_behaves_like_generate():
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    try:
+        ref, error = decode(model, ids, max_new_tokens=0), None
+    except Exception as err:  # noqa: BLE001 - whatever plain generate does, hf_bpd must do the same
+        ref, error = None, err
+    if error is not None:
+        with pytest.raises(type(error)):
+            decode(model, ids, copying_drafter(model), max_new_tokens=0)
+    else:
+        assert decode(model, ids, copying_drafter(model), max_new_tokens=0).tolist() == ref.tolist()
+
+
+def test_nan_logits_decode_as_plain_greedy_does():
+    model = tiny_model("llama", eos_token_id=None)
+    with torch.no_grad():
+        model.model.layers[-1].mlp.down_proj.weight[0, 0] = float("nan")  # NaN hidden states, NaN logits
+    ids = torch.tensor([[5, 6, 7]])
+    ref = decode(model, ids, max_new_tokens=6)
+    assert decode(model, ids, copying_drafter(model), max_new_tokens=6).tolist() == ref.tolist()
