@@ -47,3 +47,11 @@ def test_train_heads_notebook_distills_trains_decodes_and_shares(capsys):
     out = capsys.readouterr().out
     assert out.count("identical: True") == 2 and "identical from the saved folder: True" in out
     assert "identical: False" not in out and "drafter.json" in out
+
+
+@pytest.mark.real
+def test_paper_analyses_notebook_runs_the_analyses_and_plots(capsys):
+    run_notebook("paper_analyses.ipynb")
+    out = capsys.readouterr().out
+    assert "analysed categories: ['math', 'summarization', 'translation', 'writing']" in out
+    assert "entropy_hmax.png" in out
