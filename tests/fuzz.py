@@ -40,6 +40,7 @@ from support_matrix import ROWS, Row, build  # noqa: E402
 import hf_bpd  # noqa: E402
 from hf_bpd import BlockDrafter, BlockDraftHeads  # noqa: E402
 from hf_bpd.cost import ForwardCost  # noqa: E402
+from hf_bpd.tools.bench import ForwardCounter  # noqa: E402
 
 # the gap between plain greedy's two best logits below which a tree forward may round the other way:
 # a few units in the last place of the logits' magnitude in that dtype
@@ -168,15 +169,6 @@ def near_tie(logits: torch.Tensor, dtype: torch.dtype) -> bool:
     return gap <= TIE_ABSOLUTE[dtype] + TIE_RELATIVE[dtype] * float(top2[0].abs())
 
 
-class Forwards:
-    def __init__(self, model):
-        self.calls = 0
-        self.handle = model.register_forward_pre_hook(self._count)
-
-    def _count(self, *_):
-        self.calls += 1
-
-
 def run_case(case: Case) -> dict:
     row = next(r for r in ROWS if r.name == case.row)
     model = model_for(row, case.dtype)
@@ -194,21 +186,18 @@ def run_case(case: Case) -> dict:
     # a windowed row is served exactly while prompt + new tokens fit its window, and refused otherwise;
     # every other "refused" row always is
     window = attention_window(model.config.get_text_config(decoder=True))
-    fits = window is None or case.prompt_len + case.max_new_tokens <= window
-    expect_refusal = not fits if window is not None else row.expected == "refused"
-    counter = Forwards(model)
+    too_long = window is not None and case.prompt_len + case.max_new_tokens > window
+    expect_refusal = too_long if window is not None else row.expected == "refused"
     try:
         torch.manual_seed(case.seed)
-        out = model.generate(ids, custom_generate=hf_bpd.generate, assistant=drafter, **kw)
+        with ForwardCounter(model) as counter:
+            out = model.generate(ids, custom_generate=hf_bpd.generate, assistant=drafter, **kw)
     except ValueError as err:
-        counter.handle.remove()
-        if expect_refusal and counter.calls == 0:
+        if expect_refusal and counter.count == 0:
             return {"outcome": "refused"}
-        return {"outcome": "mismatch", "error": f"ValueError after {counter.calls} forwards: {err}"}
+        return {"outcome": "mismatch", "error": f"ValueError after {counter.count} forwards: {err}"}
     except Exception:
-        counter.handle.remove()
         return {"outcome": "mismatch", "error": traceback.format_exc(limit=3)}
-    counter.handle.remove()
     if expect_refusal:
         return {"outcome": "mismatch", "error": "decoded a case the support matrix refuses"}
     torch.manual_seed(case.seed)

@@ -13,20 +13,10 @@ from transformers.generation.streamers import BaseStreamer
 import hf_bpd
 from hf_bpd import BlockDrafter, BlockDraftHeads
 from hf_bpd.compat import cache_argument
+from hf_bpd.tools.bench import ForwardCounter
 
 # prompt length, max_new_tokens: every exact row decodes all three (longest: 60 tokens in all)
 CASES = ((1, 20), (7, 40), (30, 25))
-
-
-class ForwardCounter:
-    """Counts the model's forwards (a pre-hook), so a test can assert a refusal came before any."""
-
-    def __init__(self, model):
-        self.calls = 0
-        model.register_forward_pre_hook(self._count)
-
-    def _count(self, *_):
-        self.calls += 1
 
 
 def copying_drafter(model, **kw) -> BlockDrafter:
@@ -46,11 +36,10 @@ def test_support_matrix(row):
     drafter = copying_drafter(model)
     g = torch.Generator().manual_seed(1)
     if row.expected == "refused":
-        counter = ForwardCounter(model)
         ids = torch.randint(3, 97, (1, 7), generator=g)
-        with pytest.raises(ValueError, match=row.refusal):
+        with ForwardCounter(model) as counter, pytest.raises(ValueError, match=row.refusal):
             decode(model, ids, drafter, max_new_tokens=40)
-        assert counter.calls == 0, "refused only after a forward"
+        assert counter.count == 0, "refused only after a forward"
         return
     sizes = []
     for prompt_len, new in CASES:
@@ -89,32 +78,29 @@ def test_window_caps_trees_so_a_generation_up_to_the_window_is_exact():
 )
 def test_unsupported_options_are_refused_before_any_forward(kwargs, message):
     model = tiny_model("llama")
-    counter = ForwardCounter(model)
-    with pytest.raises(ValueError, match=message):
+    with ForwardCounter(model) as counter, pytest.raises(ValueError, match=message):
         decode(model, torch.tensor([[5, 6, 7]]), copying_drafter(model), max_new_tokens=5, **kwargs)
-    assert counter.calls == 0
+    assert counter.count == 0
 
 
 def test_unsupported_inputs_are_refused_before_any_forward():
     model = tiny_model("llama")
     drafter = copying_drafter(model)
-    counter = ForwardCounter(model)
     embeds = model.get_input_embeddings()(torch.tensor([[5, 6, 7]]))
-    with pytest.raises(ValueError, match="inputs_embeds"):
+    with ForwardCounter(model) as counter, pytest.raises(ValueError, match="inputs_embeds"):
         model.generate(inputs_embeds=embeds, max_new_tokens=5, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert counter.count == 0
     filled = DynamicCache(config=model.config)
     with torch.no_grad():
         model(torch.tensor([[5, 6]]), **{cache_argument(model): filled})
-    counter.calls = 0
-    with pytest.raises(ValueError, match="filled"):
+    with ForwardCounter(model) as counter, pytest.raises(ValueError, match="filled"):
         decode(model, torch.tensor([[5, 6, 7]]), drafter, max_new_tokens=5, past_key_values=filled)
-    assert counter.calls == 0
+    assert counter.count == 0
     gpt2 = build(next(r for r in ROWS if r.model_type == "gpt2"))
-    counter = ForwardCounter(gpt2)
     ids = torch.tensor([[5, 6, 7]])
-    with pytest.raises(ValueError, match="token_type_ids"):
+    with ForwardCounter(gpt2) as counter, pytest.raises(ValueError, match="token_type_ids"):
         decode(gpt2, ids, copying_drafter(gpt2), max_new_tokens=5, token_type_ids=torch.zeros_like(ids))
-    assert counter.calls == 0
+    assert counter.count == 0
 
 
 def test_empty_prompt_is_refused():
