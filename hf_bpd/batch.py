@@ -29,7 +29,7 @@ import time
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from .decoding import accept_tree, choose_tokens, prefill, verify_tree
+from .decoding import accept_tree, choose_tokens, prefill, prompt_mask, verify_tree
 from .drafter import BlockDrafter, DecodingStats
 from .tree import DraftTree, batch_trees
 
@@ -109,9 +109,7 @@ def decode_batch(
     stats.rows = rows
 
     t0 = time.perf_counter()
-    past_mask = model_kwargs.get("attention_mask")
-    if past_mask is None:
-        past_mask = torch.ones_like(input_ids)
+    past_mask = prompt_mask(input_ids, model_kwargs)
     logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
     scores = logits_processor(input_ids, logits)
     first = choose_tokens(scores, do_sample)

@@ -54,6 +54,12 @@ class AcceptResult:
     finished: bool
 
 
+def prompt_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
+    """The prompt's 2D mask of real tokens [B, P] (`generate` drops an all-ones mask: then all ones)."""
+    mask = model_kwargs.get("attention_mask")
+    return torch.ones_like(input_ids) if mask is None else mask
+
+
 def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, DynamicCache]:
     """Run the prompt exactly as `generate` does. Returns (raw next-token logits [B, V] float32, last
     hidden state [B, H], cache)."""
@@ -263,9 +269,7 @@ def decode(
     all_logits: list[torch.Tensor] = []
     context = getattr(model.config, "max_position_embeddings", None)
     t0 = time.perf_counter()
-    past_mask = model_kwargs.get("attention_mask")
-    if past_mask is None:
-        past_mask = torch.ones_like(input_ids)
+    past_mask = prompt_mask(input_ids, model_kwargs)
     logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
     do_sample = bool(generation_config.do_sample)
     scores = logits_processor(input_ids, logits)
