@@ -14,12 +14,14 @@ step. The design keeps that single length and lets rows differ in which cache sl
   cache nears an attention window), `squeeze_holes` gathers each row's real slots to the right end again
   (left-padded form), one gather per layer.
 
-Tree sizes: with a fixed `max_tree_tokens` every row gets that many; with "auto" the forward-cost curve's
-largest tree is shared among the unfinished rows (the verification forward holds B x n tokens, and a
-bigger batch is already compute-bound on a CPU); below an attention window, trees are capped so the
-cache plus the tree stays within it, as for one row. Sampling works row by row (each row's own draws, so
-the random stream differs from plain batched sampling while each row's law is plain sampling's).
-Streamers and per-token scores are refused for batches.
+Tree sizes: with a fixed `max_tree_tokens` every row gets that many. With "auto" each unfinished row
+grows a tree of at most the forward-cost curve's largest size divided among them, and one width w is then
+chosen for all rows (`cost.best_batch_width`): the verification forward holds B x w tokens (trees are
+padded to the widest, finished rows included), so w maximises the batch's expected accepted tokens per
+cost(B x w), and a bigger batch, already compute-bound on a CPU, verifies smaller trees. Below an attention
+window, trees are capped so the cache plus the tree stays within it, as for one row. Sampling works row
+by row (each row's own draws, so the random stream differs from plain batched sampling while each row's
+law is plain sampling's). Streamers and per-token scores are refused for batches.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def decode_batch(
             past_mask = squeeze_holes(cache, past_mask)
         if window is not None:  # every row's text fits the window, so at least the root does
             share = min(share or drafter.tree_budget, window - 1 - past_mask.shape[1])
-        drafted = drafter.draft(hidden_last[active], contexts[active], max_depth, share)
+        drafted = drafter.draft(hidden_last[active], contexts[active], max_depth, share, forward_rows=batch_size)
         trees: list[DraftTree] = [DraftTree.root_only(pad)] * batch_size
         for b, tree in zip(active, drafted):
             trees[b] = tree

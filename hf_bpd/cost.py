@@ -237,3 +237,23 @@ def best_tree_size(node_probs: list[float], cost: ForwardCost | LearnedForwardCo
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n
+
+
+def best_batch_width(
+    node_probs: list[list[float]], rows_in_forward: int, cost: ForwardCost | LearnedForwardCost
+) -> int:
+    """One verification forward for a batch: every row's tree is padded to the widest, so the forward holds
+    `rows_in_forward` x w tokens (finished rows included) whatever each row drafted. node_probs[b]: row b's
+    node acceptance probabilities (as in `best_tree_size`). Returns the width w maximising the batch's
+    expected accepted tokens, sum over rows of their first min(w, n_b) probabilities, per cost(rows x w)."""
+    widest = max((len(p) for p in node_probs), default=1)
+    best_w, best_rate = 1, 0.0
+    expected = [0.0] * len(node_probs)
+    for w in range(1, widest + 1):
+        for b, probs in enumerate(node_probs):
+            if w <= len(probs):
+                expected[b] += probs[w - 1]
+        rate = sum(expected) / cost(rows_in_forward * w)
+        if rate > best_rate:
+            best_w, best_rate = w, rate
+    return best_w

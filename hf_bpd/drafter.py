@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .calibration import AcceptanceCalibration, Arc
-from .cost import ForwardCost, LearnedForwardCost, best_tree_size, cached_forward_cost
+from .cost import ForwardCost, LearnedForwardCost, best_batch_width, best_tree_size, cached_forward_cost
 from .expansion import chain_lattice, expand_tree
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
@@ -349,18 +349,21 @@ class BlockDrafter:
         rescored: list[list[ScoredPath]] | None = None,
         hidden_last: torch.Tensor | None = None,
         max_tokens: int | None = None,
+        forward_rows: int | None = None,
     ) -> list[DraftTree]:
         """One draft tree per batch row: the most probable nodes among the heads' best prefixes and the
         `rescored` drafts (drafts without estimates first); with a forward-cost curve, cut to the prefix
         with the best expected tokens per second. Probabilities are calibrated (`calibration`). "Previous"
         heads grow each tree from `hidden_last [batch, hidden]` (`expansion.expand_tree`) instead and need
-        no `lattice`. `max_tokens` caps the tree below the drafter's own budget (an attention window)."""
+        no `lattice`. `max_tokens` caps the tree below the drafter's own budget (an attention window).
+        `forward_rows`: the batch verifies these trees (padded to one width) with that many rows, finished
+        rows included, so one width is chosen for all of them (`cost.best_batch_width`)."""
         if self.heads.conditions_on_draft and hidden_last is None:
             raise ValueError("heads that read the drafted token grow trees from the hidden state: pass hidden_last")
         if lattice is None and not self.heads.conditions_on_draft:
             raise ValueError("these heads draft from their lattice: pass it")
         budget = self.tree_budget if max_tokens is None else max(1, min(self.tree_budget, max_tokens))
-        trees = []
+        trees, node_arcs = [], []
         self._verified = []
         for b in range(context.shape[0]):
             root = int(context[b, -1])
@@ -388,13 +391,29 @@ class BlockDrafter:
                 limit = self.context_lookup if max_depth is None else min(self.context_lookup, max_depth)
                 chain, ngram = lookup_continuation(context[b].cpu().numpy(), limit)
                 tree, arcs = merge_lookup(tree, arcs, chain, ngram, self.calibration, budget)
-            if self.forward_cost is not None and len(tree) > 1:
-                logprobs = tree.path_logprobs(arcs, self.calibration)
-                tree = tree.truncated(best_tree_size([math.exp(lp) for lp in logprobs], self.step_cost))
-                self._recent_sizes.append(len(tree))
             trees.append(tree)
+            node_arcs.append(arcs)
+        if self.forward_cost is not None:
+            trees = self._sized(trees, node_arcs, forward_rows)
+        for tree, arcs in zip(trees, node_arcs):
             known = arcs is not None and self.calibration is not None
             self._verified.append((tree, arcs[: len(tree)]) if known else None)  # a prefix keeps node indices
+        return trees
+
+    def _sized(self, trees: list[DraftTree], node_arcs: list, forward_rows: int | None) -> list[DraftTree]:
+        """Cut each tree to the prefix with the best expected tokens per second of the verification forward:
+        per tree for one row, or one common width for a batch forward of `forward_rows` rows."""
+        probs = [
+            [math.exp(lp) for lp in tree.path_logprobs(arcs, self.calibration)] if len(tree) > 1 else [1.0]
+            for tree, arcs in zip(trees, node_arcs)
+        ]
+        if forward_rows is None:
+            sizes = [best_tree_size(p, self.step_cost) for p in probs]
+        else:
+            width = best_batch_width(probs, forward_rows, self.step_cost)
+            sizes = [min(width, len(tree)) for tree in trees]
+        trees = [tree.truncated(n) if n < len(tree) else tree for tree, n in zip(trees, sizes)]
+        self._recent_sizes.extend(len(tree) for tree, n in zip(trees, probs) if len(n) > 1)
         return trees
 
     def _growth_budget(self, budget: int) -> int:
@@ -460,9 +479,10 @@ class BlockDrafter:
         context: torch.Tensor,
         max_depth: int | None = None,
         max_tokens: int | None = None,
+        forward_rows: int | None = None,
     ) -> Sequence[DraftTree]:
-        """Heads -> lattice -> trees (at most `max_tokens` nodes each, when given), timing each phase
-        into `stats`."""
+        """Heads -> lattice -> trees (at most `max_tokens` nodes each, when given; `forward_rows`: see
+        `tree`), timing each phase into `stats`."""
         t0 = self._sync(hidden_last.device)
         # "previous" heads draft the tree node by node; their chain lattice only serves a rescorer
         needs_lattice = self.rescorer is not None or not self.heads.conditions_on_draft
@@ -472,7 +492,7 @@ class BlockDrafter:
         rescored = self.rescore(lattice, context)
         t2 = time.perf_counter()
         with self._heads_context:
-            trees = self.tree(lattice, context, max_depth, rescored, hidden_last, max_tokens)
+            trees = self.tree(lattice, context, max_depth, rescored, hidden_last, max_tokens, forward_rows)
         t3 = time.perf_counter()
         self.stats.time_heads += t1 - t0
         self.stats.time_rescore += t2 - t1

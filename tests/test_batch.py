@@ -78,18 +78,29 @@ def test_a_row_finishing_at_its_first_token():
     assert drafter.stats.rows[1].new_tokens == 1
 
 
-def test_auto_trees_share_the_budget_and_stay_exact():
+@pytest.mark.parametrize("curve_shape", ["flat", "linear"])
+def test_auto_trees_take_one_width_sized_by_the_batch_forward_and_stay_exact(curve_shape):
     from hf_bpd.cost import ForwardCost
 
     model = tiny_model("llama", eos_token_id=None)
-    curve = ForwardCost((1, 2, 4, 8, 16), (0.05, 0.06, 0.065, 0.07, 0.09))
-    drafter = drafter_for(model, forward_cost=curve)
+    sizes = (1, 2, 4, 8, 16)
+    # flat: a GPU-like forward, 16 tokens cost barely more than one; linear: each token costs the same
+    seconds = (0.05, 0.05, 0.05, 0.05, 0.051) if curve_shape == "flat" else tuple(0.05 * n for n in sizes)
+    drafter = drafter_for(model, forward_cost=ForwardCost(sizes, seconds))
     drafter.max_tree_tokens = "auto"
     batch = left_padded(prompts_for(4, 5))
     ref, out = both(model, batch, drafter, max_new_tokens=30)
     assert out.tolist() == ref.tolist()
-    # the curve's largest tree (16 tokens) is shared among the unfinished rows: no forward holds more
-    assert max(drafter.stats.tree_sizes) <= 16
+    rows = drafter.stats.rows
+    largest = max(max(r.tree_sizes) for r in rows)
+    if curve_shape == "linear":
+        # B x w tokens cost w times a one-token-per-row step and no drafted node is sure: plain steps
+        assert largest == 1
+    else:  # drafts are worth verifying, within the curve's largest tree (16) shared by the unfinished rows
+        assert largest > 1
+        for step in range(max(len(r.tree_sizes) for r in rows)):
+            sizes = [r.tree_sizes[step] for r in rows if len(r.tree_sizes) > step]
+            assert max(sizes) <= 16 // len(sizes)
 
 
 def test_right_padding_and_holes_are_refused_before_any_forward():

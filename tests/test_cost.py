@@ -66,3 +66,15 @@ def test_cache_file_of_another_key_is_not_trusted(stale, private_forward_cost_ca
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stale))
     assert cost.cached_forward_cost(model, packed_linear=False, sizes=(1, 2))[2] is True
+
+
+def test_batch_width_trades_every_rows_expected_tokens_against_the_batch_forward():
+    curve = cost.ForwardCost((1, 8, 64), (1.0, 1.0, 8.0))  # flat up to 8 tokens, then linear
+    sure, unsure = [1.0, 0.9, 0.9, 0.9], [1.0, 0.1, 0.1, 0.1]
+    # 2 rows x 4 tokens still cost one flat forward: the whole trees
+    assert cost.best_batch_width([sure, unsure], 2, curve) == 4
+    # the same 2 rows among 8 (6 finished rows padded to the width): 8 x 4 tokens cost 4 such forwards
+    assert cost.best_batch_width([sure, unsure], 8, curve) == 1
+    # one row: the same choice as sizing that row's tree alone
+    assert cost.best_batch_width([sure], 1, curve) == cost.best_tree_size(sure, curve)
+    assert cost.best_batch_width([[1.0], [1.0]], 2, curve) == 1

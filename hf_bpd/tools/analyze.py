@@ -312,7 +312,7 @@ def rescorer_overhead(model, tokenizer, rows: list[dict], rescorers: dict, h: in
 def main(argv: list[str] | None = None) -> int:
     from ..jsonl import read_jsonl
     from ..models import chat_inputs, load_model
-    from .bench import DEFAULT_DATA, check_data_file, select_rows
+    from .bench import DEFAULT_DATA, check_data_file, environment, select_rows
 
     parser = argparse.ArgumentParser(prog="hf-bpd analyze", description=__doc__.split("\n\n")[0])
     parser.add_argument("data", nargs="?", default=DEFAULT_DATA)
@@ -321,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spread", type=int, default=26)
     parser.add_argument("--per-category", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--answers",
+        default=None,
+        help="greedy answers cache of `hf-bpd replay` (jsonl) to take first-turn answers from instead of "
+        "generating them; refused if it was written for another --max-new-tokens",
+    )
     parser.add_argument("--output", required=True, help="folder for report.md, analysis.json and the plots")
     parser.add_argument(
         "--overhead", action="store_true", help="only time the shipped rescorers on k=16, h=8 lattices (overhead.json)"
@@ -331,8 +337,18 @@ def main(argv: list[str] | None = None) -> int:
     from ..drafter import BlockDrafter
     from ..packaged import load_packaged_drafter, packaged_rescorer, packaged_rescorers
 
-    model, tokenizer = load_model("packaged")
     rows = select_rows(read_jsonl(args.data), None, args.per_category, None, args.spread)
+    answers = None
+    if args.answers is not None:
+        from .replay import read_answers
+
+        header, answers = read_answers(args.answers)
+        if (header or {}).get("max_new_tokens") != args.max_new_tokens:
+            raise SystemExit(f"{args.answers} holds answers of another length than --max-new-tokens")
+        missing = [r.get("question_id") for r in rows if (r.get("question_id"), 0) not in answers]
+        if missing:
+            raise SystemExit(f"{args.answers} has no first-turn answer for question ids {missing[:10]}")
+    model, tokenizer = load_model("packaged")
     if args.overhead:
         names = sorted(packaged_rescorers())
         timings = rescorer_overhead(model, tokenizer, rows, {n: packaged_rescorer(n, tokenizer) for n in names})
@@ -352,11 +368,13 @@ def main(argv: list[str] | None = None) -> int:
 
     for row in tqdm(rows, desc="analyze"):
         inputs = chat_inputs(tokenizer, [{"role": "user", "content": row["turns"][0]}])
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=args.max_new_tokens)
         prompt_ids = inputs["input_ids"][0].tolist()
-        per_category[row["category"]].append(
-            analyze_row(model, drafter, rescorer, prompt_ids, out[0, len(prompt_ids) :].tolist())
-        )
+        if answers is not None:
+            answer = answers[(row.get("question_id"), 0)]
+        else:
+            out = model.generate(**inputs, do_sample=False, max_new_tokens=args.max_new_tokens)
+            answer = out[0, len(prompt_ids) :].tolist()
+        per_category[row["category"]].append(analyze_row(model, drafter, rescorer, prompt_ids, answer))
     summary = summarise(per_category, drafter.num_heads)
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -364,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in summary["categories"].values():
         del r["entropy_samples"]
     summary["args"] = vars(args)
+    summary["environment"] = environment("cpu", "float32")
+    summary["rows"] = len(rows)
     (out_dir / "analysis.json").write_text(json.dumps(summary, indent=2))
     report = markdown(summary, files)
     (out_dir / "report.md").write_text(report)

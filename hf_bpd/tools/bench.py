@@ -614,9 +614,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batch-size",
         type=int,
-        default=1,
-        help="B > 1: first turns in left-padded batches of B, each decoded in one generate call (methods "
-        "greedy and hf_bpd[+RESCORER]; no journal)",
+        nargs="+",
+        default=[1],
+        help="B > 1, or several sizes: first turns in left-padded batches of B, each decoded in one generate "
+        "call, every size in this run (methods greedy and hf_bpd[+RESCORER]; no journal)",
     )
     parser.add_argument(
         "--merge",
@@ -634,9 +635,10 @@ def main(argv: list[str] | None = None) -> int:
         return _report(results, info, args.output)
 
     check_data_file(args.data)
-    if args.batch_size < 1:
+    if min(args.batch_size) < 1:
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.batch_size > 1:
+    batched = args.batch_size != [1]
+    if batched:
         unbatched = [m for m in args.methods if m in ("prompt_lookup", "assisted")]
         if unbatched or args.resume or args.do_sample:
             raise SystemExit(
@@ -721,13 +723,18 @@ def main(argv: list[str] | None = None) -> int:
         available[m]() if m in available else with_rescorer(m.split("+", 1)[1]) for m in args.methods if m != "greedy"
     ]
     rows = select_rows(read_jsonl(args.data), args.categories, args.per_category, args.limit, args.spread)
-    if args.batch_size > 1:
+    if batched:
         from .bench_batch import run_batch_bench
 
-        records = run_batch_bench(model, tokenizer, rows, methods, args.max_new_tokens, args.batch_size)
+        records = []
+        for size in args.batch_size:
+            records += run_batch_bench(model, tokenizer, rows, methods, args.max_new_tokens, size, len(records))
         info = {"environment": environment(args.device, args.dtype), "args": vars(args), "rows": len(rows)}
         info["drafter"] = {"heads": args.heads, **header["drafter"]}
-        info["row_tau"] = [r["row_tau"] for r in records if "row_tau" in r]
+        info["forward_cost"] = header.get("forward_cost")
+        info["row_tau"] = {r["category"]: [] for r in records}
+        for r in records:
+            info["row_tau"][r["category"]] += r.get("row_tau", [])
         return _report(summarize(records, [m.name for m in methods]), info, args.output)
     seed = args.seed if args.do_sample else None
     results = run_bench(

@@ -1,12 +1,13 @@
 """`hf-bpd bench --batch-size B`: batch throughput of hf_bpd against plain batched greedy `generate`.
 
-The first turn of each selected row is one prompt; consecutive prompts form batches of B (left-padded
-chat inputs, as a tokenizer with padding_side="left" makes them), and every method decodes each batch in
-ONE `generate` call, methods alternating which runs first. A row's tokens are its generated tokens up to
-and including its first eos (the padding after it is not output). Speed is the batch's tokens per second;
-"tau" is tokens per base-model forward of the whole batch (plain batched greedy: about the batch size), and
-each hf_bpd row's own τ (its tokens / its steps + 1) is kept too. Every row is compared with the same row
-of plain batched greedy. Prompt lookup and assisted generation do not take batches in transformers.
+The first turn of each selected row is one prompt; consecutive prompts form batches of B (left-padded chat
+inputs, as a tokenizer with padding_side="left" makes them), and every method decodes each batch in ONE
+`generate` call, methods taking turns to run first, after one untimed warm-up batch per size. A row's tokens
+are its generated tokens up to and including its first eos (the padding after it is not output). Speed is the
+batch's tokens per second; "tau" is tokens per base-model forward of the whole batch (plain batched greedy:
+about the batch size), and each hf_bpd row's own τ (its tokens / its steps + 1) is kept too. Every row is
+compared with the same row of plain batched greedy. Prompt lookup and assisted generation do not take batches
+in transformers.
 """
 
 from __future__ import annotations
@@ -40,8 +41,13 @@ def row_tokens(generated: torch.Tensor, eos: set[int]) -> list[list[int]]:
     return rows
 
 
-def run_batch_bench(model, tokenizer, rows: list[dict], methods, max_new_tokens: int, batch_size: int) -> list[dict]:
-    """Records (one per batch and method) for `bench.summarize`; the reference is `methods[0]`."""
+def run_batch_bench(
+    model, tokenizer, rows: list[dict], methods, max_new_tokens: int, batch_size: int, first_record: int = 0
+) -> list[dict]:
+    """Records (one per batch and method, category "batches of B") for `bench.summarize`; the reference is
+    `methods[0]`. Every method decodes the first batch once, untimed, before any timing (warm-up at this
+    size); the methods then take turns running first. `first_record` numbers the records after earlier
+    ones of the same run."""
     from .bench import ForwardCounter
 
     device = next(model.parameters()).device
@@ -50,14 +56,15 @@ def run_batch_bench(model, tokenizer, rows: list[dict], methods, max_new_tokens:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts = [row["turns"][0] for row in rows]
     records = []
+    warm_up = left_padded_batch(tokenizer, prompts[:batch_size], device)
+    for m in methods:
+        m.run({**warm_up, "pad_token_id": pad}, min(max_new_tokens, 8))
     with ForwardCounter(model) as counter:
         for g, start in enumerate(range(0, len(prompts), batch_size)):
             batch = left_padded_batch(tokenizer, prompts[start : start + batch_size], device)
             width = batch["input_ids"].shape[1]
-            others = methods[1:]
-            others = others[g % len(others) :] + others[: g % len(others)] if others else []
             results = {}
-            for m in [methods[0], *others]:
+            for m in methods[g % len(methods) :] + methods[: g % len(methods)]:
                 counter.count = 0
                 t0 = time.perf_counter()
                 out, stats = m.run({**batch, "pad_token_id": pad}, max_new_tokens)
@@ -66,7 +73,7 @@ def run_batch_bench(model, tokenizer, rows: list[dict], methods, max_new_tokens:
             for m in methods:
                 tokens, forwards, stats, seconds = results[m.name]
                 record = {
-                    "row": g,
+                    "row": first_record + g,
                     "question_id": rows[start].get("question_id"),
                     "category": f"batches of {batch_size}",
                     "turn": 0,
