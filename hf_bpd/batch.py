@@ -18,7 +18,9 @@ Tree sizes: with a fixed `max_tree_tokens` every row gets that many. With "auto"
 grows a tree of at most the forward-cost curve's largest size divided among them, and one width w is then
 chosen for all rows (`cost.best_batch_width`): the verification forward holds B x w tokens (trees are
 padded to the widest, finished rows included), so w maximises the batch's expected accepted tokens per
-cost(B x w), and a bigger batch, already compute-bound on a CPU, verifies smaller trees. Below an attention
+cost(B x w), and a bigger batch, already compute-bound on a CPU, verifies smaller trees. That cost is the
+call's own (`cost.BatchForwardCost`): its first step is a plain one, and every forward is timed, because a
+batch at long contexts costs far more than the one-row start-up curve says. Below an attention
 window, trees are capped so the cache plus the tree stays within it, as for one row. Sampling works row
 by row (each row's own draws, so the random stream differs from plain batched sampling while each row's
 law is plain sampling's). Streamers and per-token scores are refused for batches.
@@ -31,6 +33,7 @@ import time
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
+from .cost import BatchForwardCost
 from .decoding import accept_tree, choose_tokens, prefill, prompt_mask, verify_tree
 from .drafter import BlockDrafter, DecodingStats
 from .tree import DraftTree, batch_trees
@@ -58,7 +61,8 @@ def check_batch_supported(input_ids: torch.Tensor, generation_config: Generation
 
 def compact_rows(cache, num_tree: int, keep: torch.Tensor) -> None:
     """Of the last `num_tree` entries of every layer keep, per row, the tree indices `keep [B, K]` (row b's
-    accepted nodes first; the rest of its K slots are holes its mask hides)."""
+    accepted nodes first; the rest of its K slots are holes its mask hides). In place, as
+    `decoding.compact_cache`: only the tree slot is touched, whatever the context length."""
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None:
             continue
@@ -66,7 +70,8 @@ def compact_rows(cache, num_tree: int, keep: torch.Tensor) -> None:
             t = getattr(layer, name)  # [B, heads, S, dim]
             start = t.shape[-2] - num_tree
             index = (keep + start)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
-            setattr(layer, name, torch.cat([t[..., :start, :], t.gather(2, index)], dim=-2))
+            t[..., start : start + keep.shape[1], :] = t.gather(2, index)
+            setattr(layer, name, t[..., : start + keep.shape[1], :])
         if hasattr(layer, "cumulative_length"):  # sliding-window layers count what they hold
             layer.cumulative_length -= num_tree - keep.shape[1]
 
@@ -109,6 +114,8 @@ def decode_batch(
     do_sample = bool(generation_config.do_sample)
     rows = [DecodingStats() for _ in range(batch_size)]
     stats.rows = rows
+    auto = drafter.max_tree_tokens == "auto" and drafter.forward_cost is not None
+    batch_cost = BatchForwardCost(drafter.step_cost, batch_size) if auto else None
 
     t0 = time.perf_counter()
     past_mask = prompt_mask(input_ids, model_kwargs)
@@ -135,15 +142,19 @@ def decode_batch(
             past_mask = squeeze_holes(cache, past_mask)
         if window is not None:  # every row's text fits the window, so at least the root does
             share = min(share or drafter.tree_budget, window - 1 - past_mask.shape[1])
-        drafted = drafter.draft(hidden_last[active], contexts[active], max_depth, share, forward_rows=batch_size)
+        if batch_cost is not None and not batch_cost.seconds:
+            share = 1  # a plain step first, timed: the batch's own one-token cost at its contexts
+        drafted = drafter.draft(hidden_last[active], contexts[active], max_depth, share, batch_cost)
         trees: list[DraftTree] = [DraftTree.root_only(pad)] * batch_size
         for b, tree in zip(active, drafted):
             trees[b] = tree
-        t1 = time.perf_counter()
         batch = batch_trees(trees, pad_token_id=pad, device=device)
+        t1 = drafter._sync(device)
         with drafter.linear_context:
             out = verify_tree(model, batch, cache, past_mask)
-        t2 = time.perf_counter()
+        t2 = drafter._sync(device)
+        if batch_cost is not None:
+            batch_cost.observe(batch.input_ids.shape[1], t2 - t1)
         results = {
             b: accept_tree(trees[b], out.logits[b], sequences[b], logits_processor, stopping_criteria, do_sample)
             for b in active

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import time
@@ -239,9 +240,7 @@ def best_tree_size(node_probs: list[float], cost: ForwardCost | LearnedForwardCo
     return best_n
 
 
-def best_batch_width(
-    node_probs: list[list[float]], rows_in_forward: int, cost: ForwardCost | LearnedForwardCost
-) -> int:
+def best_batch_width(node_probs: list[list[float]], rows_in_forward: int, cost) -> int:
     """One verification forward for a batch: every row's tree is padded to the widest, so the forward holds
     `rows_in_forward` x w tokens (finished rows included) whatever each row drafted. node_probs[b]: row b's
     node acceptance probabilities (as in `best_tree_size`). Returns the width w maximising the batch's
@@ -257,3 +256,35 @@ def best_batch_width(
         if rate > best_rate:
             best_w, best_rate = w, rate
     return best_w
+
+
+class BatchForwardCost:
+    """Seconds of one batch verification forward of `rows` rows by tree width, for one `generate` call.
+
+    The start-up curve is measured on one row at a short context. A batch's forward at its own contexts
+    (often far longer) costs more, and not in proportion: attention grows with rows x width x context while
+    the curve sees mostly the linear layers. So the call times its own forwards (`observe`): each width it
+    verified keeps a running mean of its seconds, and a width not yet timed is estimated from the nearest
+    timed one, scaled by the curve's ratio between the two. `batch.decode_batch` verifies roots only in its
+    first step, so the plain one-token step is always among the timed widths.
+    """
+
+    def __init__(self, curve: ForwardCost | LearnedForwardCost, rows: int, rate: float = 0.3) -> None:
+        self.curve = curve
+        self.rows = rows
+        self.rate = rate
+        self.seconds: dict[int, float] = {}
+
+    def __call__(self, n: int) -> float:
+        """Seconds of a forward of n = rows x width tokens."""
+        width = max(1, -(-n // self.rows))
+        if width in self.seconds:
+            return self.seconds[width]
+        if not self.seconds:
+            return self.curve(n)
+        near = min(self.seconds, key=lambda w: abs(math.log(w / width)))
+        return self.seconds[near] * self.curve(self.rows * width) / self.curve(self.rows * near)
+
+    def observe(self, width: int, seconds: float) -> None:
+        """One timed verification forward of the batch, its trees padded to `width`."""
+        self.seconds[width] = _running_mean(self.seconds.get(width), seconds, self.rate)

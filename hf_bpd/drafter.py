@@ -21,7 +21,14 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .calibration import AcceptanceCalibration, Arc
-from .cost import ForwardCost, LearnedForwardCost, best_batch_width, best_tree_size, cached_forward_cost
+from .cost import (
+    BatchForwardCost,
+    ForwardCost,
+    LearnedForwardCost,
+    best_batch_width,
+    best_tree_size,
+    cached_forward_cost,
+)
 from .expansion import chain_lattice, expand_tree
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
@@ -349,15 +356,15 @@ class BlockDrafter:
         rescored: list[list[ScoredPath]] | None = None,
         hidden_last: torch.Tensor | None = None,
         max_tokens: int | None = None,
-        forward_rows: int | None = None,
+        batch_cost: BatchForwardCost | None = None,
     ) -> list[DraftTree]:
         """One draft tree per batch row: the most probable nodes among the heads' best prefixes and the
         `rescored` drafts (drafts without estimates first); with a forward-cost curve, cut to the prefix
         with the best expected tokens per second. Probabilities are calibrated (`calibration`). "Previous"
         heads grow each tree from `hidden_last [batch, hidden]` (`expansion.expand_tree`) instead and need
         no `lattice`. `max_tokens` caps the tree below the drafter's own budget (an attention window).
-        `forward_rows`: the batch verifies these trees (padded to one width) with that many rows, finished
-        rows included, so one width is chosen for all of them (`cost.best_batch_width`)."""
+        `batch_cost`: a batch verifies these trees padded to one width, with `batch_cost.rows` rows (finished
+        rows included), so one width is chosen for all of them by that cost (`cost.best_batch_width`)."""
         if self.heads.conditions_on_draft and hidden_last is None:
             raise ValueError("heads that read the drafted token grow trees from the hidden state: pass hidden_last")
         if lattice is None and not self.heads.conditions_on_draft:
@@ -381,7 +388,7 @@ class BlockDrafter:
                     estimates[toks[: d + 1]] = max(lp, estimates.get(toks[: d + 1], -math.inf))
             if self.heads.conditions_on_draft:
                 hidden = hidden_last[b : b + 1].to(self.heads.device, self.heads.dtype)
-                grow = self._growth_budget(budget)
+                grow = self._growth_budget(budget, 8 if batch_cost is None else 2)
                 arcs = expand_tree(
                     tree, self.heads, hidden, self.top_k, grow, max_depth, estimates, self.calibration, context[b]
                 )
@@ -394,35 +401,37 @@ class BlockDrafter:
             trees.append(tree)
             node_arcs.append(arcs)
         if self.forward_cost is not None:
-            trees = self._sized(trees, node_arcs, forward_rows)
+            trees = self._sized(trees, node_arcs, batch_cost)
         for tree, arcs in zip(trees, node_arcs):
             known = arcs is not None and self.calibration is not None
             self._verified.append((tree, arcs[: len(tree)]) if known else None)  # a prefix keeps node indices
         return trees
 
-    def _sized(self, trees: list[DraftTree], node_arcs: list, forward_rows: int | None) -> list[DraftTree]:
+    def _sized(self, trees: list[DraftTree], node_arcs: list, batch_cost: BatchForwardCost | None) -> list[DraftTree]:
         """Cut each tree to the prefix with the best expected tokens per second of the verification forward:
-        per tree for one row, or one common width for a batch forward of `forward_rows` rows."""
+        per tree for one row, or one common width for a batch forward (`batch_cost`)."""
         probs = [
             [math.exp(lp) for lp in tree.path_logprobs(arcs, self.calibration)] if len(tree) > 1 else [1.0]
             for tree, arcs in zip(trees, node_arcs)
         ]
-        if forward_rows is None:
+        if batch_cost is None:
             sizes = [best_tree_size(p, self.step_cost) for p in probs]
         else:
-            width = best_batch_width(probs, forward_rows, self.step_cost)
+            width = best_batch_width(probs, batch_cost.rows, batch_cost)
             sizes = [min(width, len(tree)) for tree in trees]
         trees = [tree.truncated(n) if n < len(tree) else tree for tree, n in zip(trees, sizes)]
         self._recent_sizes.extend(len(tree) for tree, n in zip(trees, probs) if len(n) > 1)
         return trees
 
-    def _growth_budget(self, budget: int) -> int:
+    def _growth_budget(self, budget: int, floor: int = 8) -> int:
         """Nodes to grow for a tree that the forward-cost curve will cut: each expansion round costs head
-        calls, so grow at most twice the largest tree of the last steps (at least 8; all of `budget`
-        without a curve or before any step). Self-correcting: a tree cut at that bound raises it."""
+        calls, so grow at most 1.5 times the largest tree of the last steps (at least `floor`; all of
+        `budget` without a curve or before any step). Self-correcting: a tree cut at that bound raises it.
+        Batches pass a floor of 2: every row pays its own head calls, and a compute-bound batch forward
+        often affords single tokens only, so growing 8 nodes per row would be wasted."""
         if self.forward_cost is None or not self._recent_sizes:
             return budget
-        return min(budget, max(8, (3 * max(self._recent_sizes) + 1) // 2))
+        return min(budget, max(floor, (3 * max(self._recent_sizes) + 1) // 2))
 
     def _fill_from_lattice(
         self,
@@ -479,9 +488,9 @@ class BlockDrafter:
         context: torch.Tensor,
         max_depth: int | None = None,
         max_tokens: int | None = None,
-        forward_rows: int | None = None,
+        batch_cost: BatchForwardCost | None = None,
     ) -> Sequence[DraftTree]:
-        """Heads -> lattice -> trees (at most `max_tokens` nodes each, when given; `forward_rows`: see
+        """Heads -> lattice -> trees (at most `max_tokens` nodes each, when given; `batch_cost`: see
         `tree`), timing each phase into `stats`."""
         t0 = self._sync(hidden_last.device)
         # "previous" heads draft the tree node by node; their chain lattice only serves a rescorer
@@ -492,7 +501,7 @@ class BlockDrafter:
         rescored = self.rescore(lattice, context)
         t2 = time.perf_counter()
         with self._heads_context:
-            trees = self.tree(lattice, context, max_depth, rescored, hidden_last, max_tokens, forward_rows)
+            trees = self.tree(lattice, context, max_depth, rescored, hidden_last, max_tokens, batch_cost)
         t3 = time.perf_counter()
         self.stats.time_heads += t1 - t0
         self.stats.time_rescore += t2 - t1

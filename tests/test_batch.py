@@ -79,9 +79,14 @@ def test_a_row_finishing_at_its_first_token():
 
 
 @pytest.mark.parametrize("curve_shape", ["flat", "linear"])
-def test_auto_trees_take_one_width_sized_by_the_batch_forward_and_stay_exact(curve_shape):
-    from hf_bpd.cost import ForwardCost
+def test_auto_trees_take_one_width_sized_by_the_batch_forward_and_stay_exact(curve_shape, monkeypatch):
+    from hf_bpd.cost import BatchForwardCost, ForwardCost
 
+    # every forward "takes" what the curve says (no timing in tests): the sizing then follows the curve
+    def observe_the_curve(self, width, seconds):
+        self.seconds[width] = self.curve(self.rows * width)
+
+    monkeypatch.setattr(BatchForwardCost, "observe", observe_the_curve)
     model = tiny_model("llama", eos_token_id=None)
     sizes = (1, 2, 4, 8, 16)
     # flat: a GPU-like forward, 16 tokens cost barely more than one; linear: each token costs the same
@@ -92,6 +97,7 @@ def test_auto_trees_take_one_width_sized_by_the_batch_forward_and_stay_exact(cur
     ref, out = both(model, batch, drafter, max_new_tokens=30)
     assert out.tolist() == ref.tolist()
     rows = drafter.stats.rows
+    assert all(r.tree_sizes[0] == 1 for r in rows)  # the first step is a plain one, timed
     largest = max(max(r.tree_sizes) for r in rows)
     if curve_shape == "linear":
         # B x w tokens cost w times a one-token-per-row step and no drafted node is sure: plain steps

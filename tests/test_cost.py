@@ -78,3 +78,16 @@ def test_batch_width_trades_every_rows_expected_tokens_against_the_batch_forward
     # one row: the same choice as sizing that row's tree alone
     assert cost.best_batch_width([sure], 1, curve) == cost.best_tree_size(sure, curve)
     assert cost.best_batch_width([[1.0], [1.0]], 2, curve) == 1
+
+
+def test_batch_cost_uses_the_calls_own_timings_and_scales_untimed_widths_by_the_curve():
+    curve = cost.ForwardCost((1, 8, 64), (1.0, 1.0, 8.0))
+    batch = cost.BatchForwardCost(curve, rows=8)
+    assert batch(8 * 4) == curve(32)  # nothing timed yet: the curve
+    batch.observe(1, 3.0)  # long contexts: a plain step of the batch takes 3x what the curve says
+    assert batch(8) == 3.0
+    assert batch(8 * 4) == pytest.approx(3.0 * curve(32) / curve(8))  # scaled from the nearest timed width
+    batch.observe(4, 20.0)
+    assert batch(8 * 4) == 20.0 and batch(8 * 3) == pytest.approx(20.0 * curve(24) / curve(32))
+    batch.observe(4, 10.0)  # a running mean over the call's forwards of that width
+    assert 10.0 < batch(8 * 4) < 20.0
