@@ -84,6 +84,9 @@ def render_bench(report: dict) -> list[str]:
         lines += ["| method | " + " | ".join(phases) + " |", "|" + " --- |" * (1 + len(phases))]
         for name, steps in phased.items():
             lines.append(f"| {name} | " + " | ".join(f"{steps[p]:.1f}" for p in phases) + " |")
+    if all("nll_per_token" in r["overall"] for r in methods.values()):
+        lines += ["", "| method | answers' NLL per token under the base model (T = 1) |", "| --- | --- |"]
+        lines += [f"| {n} | {r['overall']['nll_per_token']:.3f} |" for n, r in methods.items()]
     sampled = bool(report.get("decoding", {}).get("do_sample"))
     return [*lines, "", _identical_line(methods, sampled)]
 
@@ -125,6 +128,26 @@ def render_memory(report: dict) -> list[str]:
     ]
 
 
+def render_batch(report: dict) -> list[str]:
+    """`hf-bpd bench --batch-size ...`: per batch size, batch tokens/s of each method and hf_bpd's τ."""
+    methods = report["methods"]
+    names = list(methods)
+    reference, others = names[0], names[1:]
+    head = ["batch size", f"{reference} tok/s"]
+    for n in others:
+        head += [f"{n} tok/s", f"{n} speedup", f"{n} tokens per batch forward", f"{n} mean row τ"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for cat in methods[reference]["categories"]:
+        cells = [cat.removeprefix("batches of "), f"{methods[reference]['categories'][cat]['tokens_per_s']:.1f}"]
+        row_tau = report.get("row_tau", {}).get(cat, [])
+        for n in others:
+            s = methods[n]["categories"][cat]
+            mean_row_tau = f"{sum(row_tau) / len(row_tau):.2f}" if row_tau else "–"
+            cells += [f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}×", f"{s['tau']:.2f}", mean_row_tau]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, "", _identical_line(methods)]
+
+
 def render_analyze(report: dict) -> list[str]:
     """`hf-bpd analyze`: per category, the heads' top-1 τ, the rescored τ, repetition, h_max and entropy."""
     data = report["categories"]
@@ -157,6 +180,7 @@ RENDERERS = {
     "fuzz": render_fuzz,
     "memory": render_memory,
     "analyze": render_analyze,
+    "batch": render_batch,
 }
 
 

@@ -1,7 +1,7 @@
 """hf_bpd: lossless blockwise parallel decoding (Kim et al., 2024) as a transformers plugin."""
 
-from .decoding import generate
 from .drafter import BlockDrafter, DecodingStats, Rescorer
+from .generation import generate
 from .heads import BlockDraftHeads, BlockDraftHeadsConfig
 from .joint import load_joint_model
 from .lattice import Lattice, ScoredPath

@@ -102,10 +102,12 @@ def decode_batch(
     generation_config: GenerationConfig,
     model_kwargs: dict,
     window: int | None = None,
+    typical: tuple[float, float] | None = None,
 ):
     """The decoding loop for B > 1 rows (module docstring). Returns the sequences [B, L] padded on the
     right with the pad token, as plain batched `generate` returns them. `window`: the model's attention
-    window (`support.check_call_supported` made sure every row's text fits in it)."""
+    window (`support.check_call_supported` made sure every row's text fits in it). `typical`: as in
+    `decoding.decode`."""
     drafter.prepare(model)
     stats = drafter.stats
     batch_size, device = input_ids.shape[0], input_ids.device
@@ -153,14 +155,18 @@ def decode_batch(
         with drafter.linear_context:
             out = verify_tree(model, batch, cache, past_mask)
         t2 = drafter._sync(device)
-        if batch_cost is not None:
-            batch_cost.observe(batch.input_ids.shape[1], t2 - t1)
         results = {
-            b: accept_tree(trees[b], out.logits[b], sequences[b], logits_processor, stopping_criteria, do_sample)
+            b: accept_tree(
+                trees[b], out.logits[b], sequences[b], logits_processor, stopping_criteria, do_sample, typical
+            )
             for b in active
         }
         drafter.observe([results[b].nodes for b in active], [results[b].finished for b in active], 0, None)
         t3 = time.perf_counter()
+        if batch_cost is not None:
+            # on a CPU the forward's own time; on an accelerator the accept (which reads the logits on the
+            # host) is the first sync after the forward, so the time up to its end
+            batch_cost.observe(batch.input_ids.shape[1], (t2 if device.type == "cpu" else t3) - t1)
         width = max(len(r.nodes) for r in results.values())
         keep = torch.zeros(batch_size, width, dtype=torch.long)
         real_slots = torch.zeros(batch_size, width, dtype=past_mask.dtype)

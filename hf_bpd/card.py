@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .heads import BlockDraftHeads
+if TYPE_CHECKING:  # heads.py imports this module to write its Hub folder
+    from .heads import BlockDraftHeads
 
 TEMPLATE = "draft_heads.md"
 

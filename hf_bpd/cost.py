@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .cache import cache_root
 from .compat import cache_argument
 from .packed_linear import linear_context, wants_packed_linear
 from .vocab import model_vocab_size
@@ -131,8 +132,7 @@ def forward_cost_key(model, packed_linear: bool | None = None, sizes=DEFAULT_SIZ
 
 
 def forward_cost_dir() -> Path:
-    """Where measured curves are kept: `forward_cost/` in hf_bpd's cache (`packaged.cache_root`)."""
-    from .packaged import cache_root
+    """Where measured curves are kept: `forward_cost/` in hf_bpd's cache (`cache.cache_root`)."""
 
     return cache_root() / "forward_cost"
 
@@ -146,7 +146,7 @@ def cached_forward_cost(
     model, packed_linear: bool | None = None, sizes=DEFAULT_SIZES, refresh: bool = False
 ) -> tuple[ForwardCost, Path, bool]:
     """The forward-cost curve of `model` on this machine, measured once and then read from hf_bpd's cache
-    (`packaged.cache_root()/forward_cost/`), keyed by `forward_cost_key`. Returns (curve, cache file,
+    (`cache.cache_root()/forward_cost/`), keyed by `forward_cost_key`. Returns (curve, cache file,
     whether it was measured now). Only tree sizes depend on it, never a token; the drafter's
     `LearnedForwardCost` corrects it online with the forwards it times. `refresh` measures again."""
     key = forward_cost_key(model, packed_linear, sizes)

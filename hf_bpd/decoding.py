@@ -1,4 +1,4 @@
-"""The blockwise parallel decoding loop, as a transformers `custom_generate` function.
+"""The blockwise parallel decoding loop of one row (`decode`), run by `hf_bpd.generate` (`generation.py`):
 
     model.generate(**inputs, custom_generate=hf_bpd.generate, assistant=drafter, max_new_tokens=N)
 
@@ -19,6 +19,13 @@ as `generate`'s sampling loop makes them, the same seed gives the same tokens as
 `model.generate(do_sample=True)` (up to the rounding difference between a tree forward and a one-token
 forward).
 
+Lossy, off by default: `lossy_typical_acceptance=True` (or `(epsilon, delta)`) in the `generate` call
+takes Medusa's typical acceptance instead when sampling: at a reached node, a drafted child is accepted
+without a draw when its processed probability p(x) > min(epsilon, delta * exp(-H(p))) (Medusa's defaults
+0.09 and 0.3; the most probable such child), and the step ends with one ordinary draw where no child
+qualifies. It accepts more drafts than the exact rule, but its outputs no longer follow plain sampling's
+law (tests/test_sampling.py shows the χ² test failing) and no seed reproduces plain sampling.
+
 Only public extension points are used (4D attention masks, `position_ids`, the Cache API): no modeling
 file is copied or patched, so any causal LM whose attention honours a 4D mask works (sdpa, eager).
 
@@ -37,9 +44,8 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .compat import GENERATE_CACHE_FIELD, cache_argument, caller_streamer, output_cache
+from .compat import GENERATE_CACHE_FIELD, cache_argument, output_cache
 from .drafter import BlockDrafter
-from .support import check_call_supported, check_model_supported
 from .tree import DraftTree, TreeBatch, batch_trees
 
 
@@ -120,6 +126,39 @@ def choose_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     return torch.multinomial(probs, num_samples=1).squeeze(1)
 
 
+TYPICAL_ACCEPTANCE = (0.09, 0.3)  # Medusa's (epsilon, delta)
+
+
+def typical_acceptance(setting) -> tuple[float, float] | None:
+    """`lossy_typical_acceptance` of a `generate` call -> (epsilon, delta), or None when off."""
+    if setting is None or setting is False:
+        return None
+    if setting is True:
+        return TYPICAL_ACCEPTANCE
+    try:
+        epsilon, delta = (float(v) for v in setting)
+    except (TypeError, ValueError):
+        raise ValueError(f"lossy_typical_acceptance takes True or (epsilon, delta), got {setting!r}") from None
+    if not (0 < epsilon <= 1 and delta > 0):
+        raise ValueError(f"lossy_typical_acceptance needs 0 < epsilon <= 1 and delta > 0, got {setting!r}")
+    return epsilon, delta
+
+
+def typical_child(tree: DraftTree, node: int, scores: torch.Tensor, epsilon: float, delta: float) -> int | None:
+    """Medusa's typical acceptance at `node` (lossy): the drafted child whose token's processed probability
+    exceeds min(epsilon, delta * exp(-entropy)), the most probable one if several do, else None."""
+    children = [i for i in range(node + 1, len(tree)) if tree.parents[i] == node]
+    if not children:
+        return None
+    logp = torch.log_softmax(scores.float(), dim=-1)
+    probs = logp.exp()
+    entropy = float(-(probs * logp).nan_to_num().sum())  # tokens masked to -inf contribute 0, not NaN
+    threshold = min(epsilon, delta * float(torch.exp(torch.tensor(-entropy))))
+    p = probs[[tree.tokens[i] for i in children]].tolist()
+    best = max(range(len(children)), key=p.__getitem__)
+    return children[best] if p[best] > threshold else None
+
+
 def accept_tree(
     tree: DraftTree,
     logits: torch.Tensor,
@@ -127,6 +166,7 @@ def accept_tree(
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
     do_sample: bool = False,
+    typical: tuple[float, float] | None = None,
 ) -> AcceptResult:
     """Follow the base model's own choices through the tree for one row: its greedy token at each node,
     or with `do_sample` one draw from its processed distribution there (module docstring: exact).
@@ -135,7 +175,8 @@ def accept_tree(
     node the processors see exactly the sequence plain `generate` would have had, so the chosen token is
     the one `generate` would choose (or has the law of its draw). A matching child is followed; otherwise
     the chosen token is the bonus token and the step ends. Stopping criteria are checked after every token,
-    so eos or max_new_tokens inside an accepted draft stop right there.
+    so eos or max_new_tokens inside an accepted draft stop right there. `typical` (sampling only, lossy):
+    accept children by Medusa's typical acceptance instead (`typical_child`; module docstring).
     """
     nodes, tokens, scores, raw = [], [], [], []
     node = 0
@@ -143,7 +184,8 @@ def accept_tree(
         nodes.append(node)
         node_logits = logits[node : node + 1].float()
         node_scores = logits_processor(sequence, node_logits)
-        token = int(choose_tokens(node_scores, do_sample))
+        accepted = None if typical is None else typical_child(tree, node, node_scores[0], *typical)
+        token = int(choose_tokens(node_scores, do_sample)) if accepted is None else tree.tokens[accepted]
         sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=-1)
         tokens.append(token)
         scores.append(node_scores[0])
@@ -175,78 +217,6 @@ def compact_cache(cache: DynamicCache, num_tree: int, keep: torch.Tensor) -> Non
             layer.cumulative_length -= dropped
 
 
-def generate(
-    model,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    synced_gpus: bool = False,
-    streamer=None,
-    assistant: BlockDrafter | None = None,
-    **model_kwargs,
-):
-    """Lossless blockwise parallel decoding, greedy or sampled (`generation_config.do_sample`); see the
-    module docstring. `assistant` is the `BlockDrafter`.
-
-    `streamer`: given to `generate` the usual way it is found in the calling `generate` (which does not
-    hand it to a callable custom_generate; `compat.caller_streamer`); one bound with
-    `functools.partial(hf_bpd.generate, streamer=streamer)` works too.
-    """
-    if not isinstance(assistant, BlockDrafter):
-        raise TypeError(
-            "hf_bpd.generate needs the drafter: model.generate(..., custom_generate=hf_bpd.generate, "
-            f"assistant=BlockDrafter(...)); got assistant={type(assistant).__name__}"
-        )
-    if generation_config.num_beams not in (None, 1):
-        raise ValueError("hf_bpd.generate does not do beam search: pass num_beams=1")
-    if (generation_config.num_return_sequences or 1) > 1:
-        raise ValueError(
-            f"hf_bpd.generate returns one sequence per input, got num_return_sequences="
-            f"{generation_config.num_return_sequences}: repeat the input in the batch instead"
-        )
-    if synced_gpus:
-        raise ValueError("hf_bpd.generate does not support synced_gpus")
-    check_model_supported(model)
-    window = check_call_supported(model, input_ids, generation_config, model_kwargs)
-    if input_ids.shape[0] > 1:
-        from .batch import check_batch_supported, decode_batch
-
-        check_batch_supported(input_ids, generation_config, model_kwargs)
-        if streamer is not None or caller_streamer(model) is not None:
-            raise ValueError("streamers take one sequence: hf_bpd.generate streams batches of size 1 only")
-        with assistant.exclusive():
-            sequences = decode_batch(
-                model,
-                assistant,
-                input_ids,
-                logits_processor,
-                stopping_criteria,
-                generation_config,
-                model_kwargs,
-                window,
-            )
-        return (
-            GenerateDecoderOnlyOutput(sequences=sequences) if generation_config.return_dict_in_generate else sequences
-        )
-    if streamer is not None:  # bound with functools.partial: the prompt is ours to put
-        streamer.put(input_ids.cpu())
-    else:  # given to generate the usual way: generate put the prompt already
-        streamer = caller_streamer(model)
-    with assistant.exclusive():
-        return decode(
-            model,
-            assistant,
-            input_ids,
-            logits_processor,
-            stopping_criteria,
-            generation_config,
-            streamer,
-            window,
-            model_kwargs,
-        )
-
-
 def decode(
     model,
     drafter: BlockDrafter,
@@ -257,9 +227,11 @@ def decode(
     streamer,
     window: int | None,
     model_kwargs: dict,
+    typical: tuple[float, float] | None = None,
 ):
     """The decoding loop of `generate`, on a call already checked: prefill, then draft, verify, accept and
-    compact until a stopping criterion holds. `window`: the model's attention window, which caps trees."""
+    compact until a stopping criterion holds. `window`: the model's attention window, which caps trees.
+    `typical`: Medusa's lossy typical acceptance (epsilon, delta), or None (exact)."""
     drafter.prepare(model)
     stats = drafter.stats
     prompt_len = input_ids.shape[1]
@@ -296,7 +268,9 @@ def decode(
         with drafter.linear_context:  # oneDNN packed weights on a CPU (BlockDrafter's packed_linear)
             out = verify_tree(model, batch, cache, past_mask)
         t2 = drafter._sync(input_ids.device)
-        result = accept_tree(trees[0], out.logits[0], input_ids, logits_processor, stopping_criteria, do_sample)
+        result = accept_tree(
+            trees[0], out.logits[0], input_ids, logits_processor, stopping_criteria, do_sample, typical
+        )
         # CPU times are exact; on an accelerator only when the drafter synchronises (profile)
         timed = input_ids.device.type == "cpu" or drafter.profile
         drafter.observe([result.nodes], [result.finished], batch.input_ids.shape[1], t2 - t1 if timed else None)

@@ -19,8 +19,8 @@ import functools
 from transformers import StoppingCriteriaList, StopStringCriteria
 
 from .compat import calling_generate_argument
-from .decoding import generate
 from .drafter import BlockDrafter
+from .generation import generate
 
 _saved_drafters: dict[str, BlockDrafter] = {}
 

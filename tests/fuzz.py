@@ -40,7 +40,7 @@ from support_matrix import ROWS, Row, build  # noqa: E402
 import hf_bpd  # noqa: E402
 from hf_bpd import BlockDrafter, BlockDraftHeads  # noqa: E402
 from hf_bpd.cost import ForwardCost  # noqa: E402
-from hf_bpd.tools.bench import ForwardCounter  # noqa: E402
+from hf_bpd.tools.forward_counter import ForwardCounter  # noqa: E402
 
 # the gap between plain greedy's two best logits below which a tree forward may round the other way:
 # a few units in the last place of the logits' magnitude in that dtype

@@ -156,3 +156,50 @@ def test_squeeze_holes_keeps_each_rows_real_slots_in_order():
     assert new.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
     assert cache.layers[0].keys[0, 0, 2:, 0].tolist() == [1.0, 2.0, 4.0]
     assert cache.layers[0].keys[1, 0, :, 0].tolist() == [6.0, 8.0, 9.0, 10.0, 11.0]
+
+
+def test_rows_with_a_context_rescorer_and_context_copy_heads_equal_plain_batched_greedy():
+    from test_context_copy import copy_heads
+
+    from hf_bpd.rescoring.ngram import NgramRescorer
+
+    model = tiny_model("llama", eos_token_id=None)
+    rescorer = NgramRescorer(context_weight=0.5, num_paths=2)
+    drafter = BlockDrafter(copy_heads(model), top_k=3, max_tree_tokens=8, rescorer=rescorer)
+    # repeats in the prompts give the context n-grams, the pointer and the lookup chain something to copy
+    prompts = [p + p for p in prompts_for(4, 6)]
+    for new in (9, 30):
+        ref, out = both(model, left_padded(prompts), drafter, max_new_tokens=new)
+        assert out.tolist() == ref.tolist(), new
+    assert drafter.calibration is not None and drafter.calibration.summary()  # calibrated across rows
+
+
+def test_sampled_rows_each_follow_plain_samplings_law():
+    """Each row draws its own tokens: the first three tokens of both rows of a batch have plain sampling's
+    law (χ², as for one row in test_sampling.py), while the rows accept different drafts."""
+    from test_sampling import CONTROL_RUNS, STAT_OPTIONS, chi_squared_p, exact_three_token_law
+
+    model = tiny_model("llama", vocab_size=8, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=2), top_k=3, max_tree_tokens=8)
+    prompts = [[1, 2, 3, 1], [4, 5, 6]]
+    batch = left_padded(prompts)
+    counts: list[dict] = [{}, {}]
+    accepted = 0
+    for seed in range(CONTROL_RUNS):
+        torch.manual_seed(seed)
+        out = model.generate(
+            **batch,
+            max_new_tokens=3,
+            pad_token_id=PAD,
+            custom_generate=hf_bpd.generate,
+            assistant=drafter,
+            **STAT_OPTIONS,
+        )
+        for row in range(2):
+            key = tuple(out[row, -3:].tolist())
+            counts[row][key] = counts[row].get(key, 0) + 1
+        accepted += sum(n - 1 for r in drafter.stats.rows for n in r.accepted_lengths)
+    assert accepted > CONTROL_RUNS // 10  # drafts were accepted: the tree rule ran in the batch
+    for row, prompt in enumerate(prompts):
+        law = exact_three_token_law(model, prompt)
+        assert chi_squared_p(counts[row], law, CONTROL_RUNS) > 1e-3, row

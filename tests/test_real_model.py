@@ -94,17 +94,6 @@ def test_missing_package_gives_clear_error(monkeypatch):
         packaged.packaged_gguf_path()
 
 
-def test_cache_root_respects_environment(monkeypatch, tmp_path):
-    for var in ("HF_BPD_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert packaged.cache_root() == tmp_path / "xdg" / "hf_bpd"
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    assert packaged.cache_root() == tmp_path / "hf" / "hf_bpd"
-    monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path / "own"))
-    assert packaged.cache_root() == tmp_path / "own"
-
-
 @pytest.mark.real
 @pytest.mark.slow
 def test_two_processes_building_the_cache_at_once(tmp_path):

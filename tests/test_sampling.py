@@ -274,13 +274,14 @@ def root_only_accept(tree, logits, sequence, processors, stopping, do_sample=Fal
 _real_accept_tree = decoding.accept_tree
 
 
-def sampled_three_tokens(model, drafter, prompt: list[int], runs: int = RUNS) -> dict[tuple[int, ...], int]:
+def sampled_three_tokens(model, drafter, prompt: list[int], runs: int = RUNS, **kw) -> dict[tuple[int, ...], int]:
     counts: dict[tuple[int, ...], int] = {}
     ids = torch.tensor([prompt])
     accepted = 0
     for seed in range(runs):
         torch.manual_seed(seed)
-        out = model.generate(ids, max_new_tokens=3, custom_generate=hf_bpd.generate, assistant=drafter, **STAT_OPTIONS)
+        options = dict(max_new_tokens=3, custom_generate=hf_bpd.generate, assistant=drafter, **STAT_OPTIONS, **kw)
+        out = model.generate(ids, **options)
         key = tuple(out[0, len(prompt) :].tolist())
         counts[key] = counts.get(key, 0) + 1
         accepted += sum(n - 1 for n in drafter.stats.accepted_lengths)
@@ -308,3 +309,36 @@ def test_chi_squared_has_power_against_processing_at_the_root_only(small_vocab_m
     law = exact_three_token_law(model, prompt)
     p = chi_squared_p(sampled_three_tokens(model, drafter, prompt, CONTROL_RUNS), law, CONTROL_RUNS)
     assert p < 1e-6, p
+
+
+def test_chi_squared_rejects_the_lossy_typical_acceptance(small_vocab_model):
+    """Medusa's typical acceptance (the opt-in lossy option) fails the test the exact rule passes."""
+    model, drafter, prompt = small_vocab_model
+    law = exact_three_token_law(model, prompt)
+    counts = sampled_three_tokens(model, drafter, prompt, CONTROL_RUNS, lossy_typical_acceptance=True)
+    assert chi_squared_p(counts, law, CONTROL_RUNS) < 1e-6
+
+
+def test_typical_child_follows_medusas_rule():
+    tree = DraftTree.from_paths(0, [(1, 2), (3,)], max_nodes=8)  # root's children: 1 (node 1) and 3 (node 3)
+    # entropy of this distribution is about 1.14 nats: threshold min(0.09, 0.3 * exp(-1.14)) = 0.09
+    probs = torch.tensor([0.5, 0.3, 0.0, 0.05, 0.15])
+    scores = probs.log()
+    assert decoding.typical_child(tree, 0, scores, 0.09, 0.3) == 1  # token 1 (p 0.3) beats token 3 (p 0.05)
+    assert decoding.typical_child(tree, 0, scores, 0.5, 10.0) is None  # threshold 0.5: no child qualifies
+    assert decoding.typical_child(tree, 3, scores, 0.09, 0.3) is None  # a leaf has no child to accept
+    only_low = DraftTree.from_paths(0, [(3,)], max_nodes=8)
+    assert decoding.typical_child(only_low, 0, scores, 0.09, 0.3) is None  # p 0.05 is below the threshold
+
+
+def test_typical_acceptance_needs_sampling_and_a_valid_setting():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2), top_k=3, max_tree_tokens=8)
+    ids = torch.tensor([[1, 2, 3]])
+    call = dict(max_new_tokens=4, custom_generate=hf_bpd.generate, assistant=drafter)
+    with pytest.raises(ValueError, match="needs do_sample=True"):
+        model.generate(ids, do_sample=False, lossy_typical_acceptance=True, **call)
+    with pytest.raises(ValueError, match="epsilon, delta"):
+        model.generate(ids, do_sample=True, lossy_typical_acceptance=(0.1,), **call)
+    with pytest.raises(ValueError, match="0 < epsilon <= 1"):
+        model.generate(ids, do_sample=True, lossy_typical_acceptance=(2.0, 0.3), **call)

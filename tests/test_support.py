@@ -13,7 +13,7 @@ from transformers.generation.streamers import BaseStreamer
 import hf_bpd
 from hf_bpd import BlockDrafter, BlockDraftHeads
 from hf_bpd.compat import cache_argument
-from hf_bpd.tools.bench import ForwardCounter
+from hf_bpd.tools.forward_counter import ForwardCounter
 
 # prompt length, max_new_tokens: every exact row decodes all three (longest: 60 tokens in all)
 CASES = ((1, 20), (7, 40), (30, 25))

@@ -11,8 +11,8 @@ import torch
 from conftest import tiny_distilled, tiny_model
 
 import hf_bpd
-from hf_bpd.training import distill, train_heads
-from hf_bpd.training.train_heads import IGNORE, head_targets
+from hf_bpd.training import distill, objective, train_heads
+from hf_bpd.training.objective import IGNORE, head_targets
 
 datasets = pytest.importorskip("datasets")
 
@@ -39,7 +39,7 @@ def test_feature_cache_resumes_and_only_computes_new_samples(tmp_path, monkeypat
     whole = train_heads.compute_features(model, data, 2, progress=False)
     # token t+1 beside each position's hidden state: the response token the base model chose
     first = data[0]["prompt_ids"] + data[0]["response_ids"]
-    start = train_heads.response_positions(len(data[0]["prompt_ids"]))
+    start = objective.response_positions(len(data[0]["prompt_ids"]))
     n0 = int((whole.sample == 0).sum())
     assert whole.next_token[:n0].tolist() == first[start + 1 : start + 1 + n0]
     computed = []
@@ -93,11 +93,11 @@ def test_teacher_loss_is_the_cross_entropy_against_the_base_distribution():
     logits = torch.randn(5, heads.config.vocab_size)
     p = heads.base_logits(teacher[[0, 1, 2, 4]]).softmax(-1)
     want = -(p * logits[[0, 1, 2, 4]].log_softmax(-1)).sum(-1).mean()
-    assert torch.allclose(train_heads.teacher_loss(heads, logits, teacher), want)
+    assert torch.allclose(objective.teacher_loss(heads, logits, teacher), want)
     # a head that already outputs the base distribution has the smallest loss: the teacher's entropy
     same = heads.base_logits(teacher.nan_to_num())
     entropy = -(p * p.log()).sum(-1).mean()
-    assert torch.allclose(train_heads.teacher_loss(heads, same, teacher), entropy, atol=1e-5)
+    assert torch.allclose(objective.teacher_loss(heads, same, teacher), entropy, atol=1e-5)
 
 
 def test_frozen_training_with_teacher_weight_loss_falls_and_drafts_losslessly(tmp_path):
@@ -222,7 +222,7 @@ def without_seconds(history: list[dict]) -> list[dict]:
 
 
 def test_frozen_training_interrupted_resumes_to_the_same_weights(tmp_path, monkeypatch):
-    from hf_bpd.training.checkpoint import checkpoint_path
+    from hf_bpd.training.checkpoint import latest_checkpoint, read_run
 
     model = tiny_model("llama", eos_token_id=None)
     data = tiny_distilled(model)
@@ -234,7 +234,7 @@ def test_frozen_training_interrupted_resumes_to_the_same_weights(tmp_path, monke
         interrupt_after(m, train_heads, steps_per_epoch + 4)  # in the middle of epoch 1
         with pytest.raises(Interrupted):
             train_heads.train_frozen(model, data, args_for(out, **settings))
-    assert torch.load(checkpoint_path(out))["epochs_done"] == 1
+    assert read_run(latest_checkpoint(out))["epochs_done"] == 1  # accelerate's state of epoch 1 and run.json
     resumed, resumed_log = train_heads.train_frozen(model, data, args_for(out, **settings))
     assert same_weights(resumed, straight)  # bit for bit: same shuffle order, optimizer and schedule
     assert without_seconds(resumed_log) == without_seconds(straight_log)
@@ -246,7 +246,7 @@ def test_frozen_training_interrupted_resumes_to_the_same_weights(tmp_path, monke
         train_heads.train_frozen(model, data, args_for(out, **{**settings, "lr": 1e-2}))
     with pytest.raises(ValueError, match="data differ"):
         train_heads.train_frozen(model, tiny_distilled(model, seed=1), args_for(out, **settings))
-    checkpoint_path(out).write_bytes(b"not a checkpoint")
+    (latest_checkpoint(out) / "run.json").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable train-heads checkpoint"):
         train_heads.train_frozen(model, data, args_for(out, **settings))
 
@@ -394,9 +394,9 @@ class FakeAccelerator:
 def test_diverged_data_parallel_replicas_raise():
     module = torch.nn.Linear(3, 2)
     mine = torch.stack([p.detach().double().sum() for p in module.parameters()])
-    train_heads.check_replicas_agree(FakeAccelerator([mine, mine.clone()]), module)
+    objective.check_replicas_agree(FakeAccelerator([mine, mine.clone()]), module)
     with pytest.raises(RuntimeError, match="diverged"):
-        train_heads.check_replicas_agree(FakeAccelerator([mine, mine + 1]), module)
+        objective.check_replicas_agree(FakeAccelerator([mine, mine + 1]), module)
 
 
 @pytest.mark.parametrize("mode", ["frozen", "joint"])

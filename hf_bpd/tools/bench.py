@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 
 from ..cost import ForwardCost, measure_forward_cost
-from ..decoding import generate as bpd_generate
 from ..drafter import BlockDrafter
+from ..generation import generate as bpd_generate
 from ..jsonl import read_jsonl
 from ..models import chat_inputs
+from .forward_counter import ForwardCounter
 
 DEFAULT_DATA = "../shared/data/spec_bench_dev.jsonl"
 
@@ -44,6 +45,8 @@ class MethodTotals:
     identical_turns: int = 0  # turns whose output equals greedy's (the mismatch rate in low precision)
     step_times: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     steps: int = 0
+    nll: float = 0.0  # sampled runs: the answers' summed negative log-likelihood under the base model
+    nll_tokens: int = 0
 
     def add(self, record: dict) -> None:
         """One method's result on one turn (a `run_bench` record)."""
@@ -57,6 +60,9 @@ class MethodTotals:
         self.steps += record.get("steps", 0)  # hf_bpd's per-phase seconds, summed over its steps
         for k, v in record.get("step_seconds", {}).items():
             self.step_times[k] += v
+        if "nll" in record:
+            self.nll += record["nll"]
+            self.nll_tokens += record["tokens"]
 
     def summary(self) -> dict:
         out = {
@@ -72,7 +78,19 @@ class MethodTotals:
         }
         if self.steps:
             out["ms_per_step"] = {k: 1000 * v / self.steps for k, v in self.step_times.items()}
+        if self.nll_tokens:
+            out["nll_per_token"] = self.nll / self.nll_tokens
         return out
+
+
+@torch.no_grad()
+def answer_nll(model, sequence: torch.Tensor, prompt_length: int) -> float:
+    """Summed negative log-likelihood of the answer `sequence[0, prompt_length:]` under the base model's
+    raw distribution (temperature 1): the quality measure of sampled runs, where outputs differ by method
+    and a lossy acceptance rule would show as a shift from plain sampling's value."""
+    logits = model(sequence).logits[0, prompt_length - 1 : -1].float()
+    answer = sequence[0, prompt_length:]
+    return float(torch.nn.functional.cross_entropy(logits, answer, reduction="sum"))
 
 
 @dataclass
@@ -83,25 +101,6 @@ class Method:
     name: str
     run: Callable
     drafter: BlockDrafter | None = None
-
-
-class ForwardCounter:
-    """Counts calls of the base model's forward (a hook, removed on exit): the same τ denominator for
-    every method."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-        self.count = 0
-
-    def __enter__(self) -> ForwardCounter:
-        self._handle = self.model.register_forward_pre_hook(self._hook)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._handle.remove()
-
-    def _hook(self, module, args) -> None:
-        self.count += 1
 
 
 GREEDY = {"do_sample": False}
@@ -270,6 +269,8 @@ def run_bench(
                         "greedy_seconds": greedy_s,
                         "identical": seq.tolist() == ref.tolist(),
                     }
+                    if seed is not None:  # after the timing, not counted as decoding forwards
+                        record["nll"] = answer_nll(model, seq, n)
                     if stats is not None:
                         record["steps"] = stats.steps
                         record["step_seconds"] = {k: v * stats.steps for k, v in stats.time_per_step().items()}
@@ -458,6 +459,9 @@ def markdown_table(results: dict) -> str:
             f"| {m} | {s['tau']:.2f} | {s['tokens_per_s']:.2f} | {s['speedup']:.2f}× | "
             f"{_identical_cell(s)} | " + " | ".join(times) + " |"
         )
+    if all("nll_per_token" in results[m]["overall"] for m in methods):
+        lines += ["", "| method | answers' NLL per token under the base model (T = 1) |", "| --- | --- |"]
+        lines += [f"| {m} | {results[m]['overall']['nll_per_token']:.3f} |" for m in methods]
     return "\n".join(lines)
 
 
@@ -581,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=["greedy", "prompt_lookup", "hf_bpd"],
         help="greedy (always run: the reference), prompt_lookup, assisted (the shipped rescorer LM as a draft "
-        "model), hf_bpd (heads alone), hf_bpd+NAME with NAME a shipped rescorer (hf_bpd.packaged_rescorers())",
+        "model), hf_bpd (heads alone), hf_bpd+NAME with NAME a shipped rescorer (hf_bpd.packaged_rescorers()), "
+        "hf_bpd_typical (with --do-sample: Medusa's typical acceptance, lossy)",
     )
     parser.add_argument("--do-sample", action="store_true", help="sample (every method, the reference too)")
     parser.add_argument("--temperature", type=float, default=None, help="with --do-sample")
@@ -710,11 +715,19 @@ def main(argv: list[str] | None = None) -> int:
         small.bind(model)
         return assisted_method(model, small.lm, decoding=decoding)
 
+    def typical() -> Method:
+        if not args.do_sample:
+            raise SystemExit("hf_bpd_typical is Medusa's (lossy) typical acceptance of sampled tokens: add --do-sample")
+        # a drafter of its own (same heads and settings), so that its calibration is its own
+        lossy = {**decoding, "lossy_typical_acceptance": True}
+        return bpd_method(model, drafter.with_rescorer(drafter.rescorer), "hf_bpd_typical", lossy)
+
     available = {
         "greedy": lambda: greedy_method(model, decoding),
         "prompt_lookup": lambda: prompt_lookup_method(model, decoding=decoding),
         "assisted": assisted,
         "hf_bpd": lambda: bpd_method(model, drafter, decoding=decoding),
+        "hf_bpd_typical": typical,
     }
     unknown = {m for m in args.methods if m not in available and not m.startswith("hf_bpd+")}
     if unknown:

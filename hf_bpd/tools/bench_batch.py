@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..models import chat_inputs
+from .forward_counter import ForwardCounter
 
 
 def left_padded_batch(tokenizer, prompts: list[str], device) -> dict:
@@ -48,8 +49,6 @@ def run_batch_bench(
     `methods[0]`. Every method decodes the first batch once, untimed, before any timing (warm-up at this
     size); the methods then take turns running first. `first_record` numbers the records after earlier
     ones of the same run."""
-    from .bench import ForwardCounter
-
     device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -16,7 +16,7 @@ from importlib import resources
 
 import torch
 
-from ..decoding import generate as bpd_generate
+from ..generation import generate as bpd_generate
 from ..jsonl import parse_jsonl
 from ..models import chat_inputs
 

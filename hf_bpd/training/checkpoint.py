@@ -1,18 +1,27 @@
 """Per-epoch training checkpoints, so an interrupted `hf-bpd train-heads` resumes where it stopped.
 
-After each epoch the main process writes `OUTPUT/checkpoint/last.pt`: the trainable weights, the optimizer
-and LR-schedule state, the shuffle generator's state, the epochs' validation records, and a fingerprint of
-the run (every training argument plus a digest of the distilled samples). Re-running the same command
-loads it and trains only the epochs that are left; because the shuffle order, the optimizer and the
-schedule continue exactly, the resumed run ends with the same weights, bit for bit, as an uninterrupted
-one. A checkpoint of other settings or other data is refused with the differing arguments named, rather
-than silently mixing two runs.
+The training state is accelerate's own: after each epoch `Accelerator.save_state` writes the prepared
+modules, the optimizer, the LR schedule, the mixed-precision scaler and every process's RNG states, plus
+the objects registered for checkpointing (`track`): the data loader's shuffle generator and trained weights
+that are not a prepared module's (joint mode's LoRA adapter; `skip_module_in_state` keeps accelerate from
+writing the whole frozen base model). Beside them `run.json` holds the epochs done, their validation
+records and the run's fingerprint (every training argument plus a digest of the distilled samples).
+
+Layout: `OUTPUT/checkpoint/epoch-N/` per saved epoch and `OUTPUT/checkpoint/latest`, which names the newest
+complete one. `latest` is replaced (atomically) only after its folder is complete, so an interruption
+while saving leaves the previous epoch's checkpoint in force. Re-running the same command loads it and
+trains only the epochs that are left; because the shuffle order, the optimizer, the schedule and the RNG
+streams continue exactly, the resumed run ends with the same weights, bit for bit, as an uninterrupted one.
+A checkpoint of other settings or other data is refused with the differing arguments named, rather than
+silently mixing two runs.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -21,84 +30,105 @@ import torch
 _NOT_TRAINING = ("output", "features_cache", "device", "log_every", "no_progress", "model")
 
 
-@dataclass
-class EpochCheckpoint:
-    epochs_done: int
-    history: list[dict]
-    modules: dict[str, dict[str, torch.Tensor]]  # name -> state dict of what is trained
-    optimizer: dict
-    scheduler: dict | None
-    shuffle: torch.Tensor  # the data loader generator's state after `epochs_done` epochs
-    fingerprint: dict
+class GeneratorState:
+    """A `torch.Generator` (the data loader's shuffle order) as an accelerate checkpoint object."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"state": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["state"])
 
 
 def run_fingerprint(args: argparse.Namespace, data_digest: str) -> dict:
     """What must match for a checkpoint to continue this run: the training arguments and the data."""
     fp = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_TRAINING}
     fp["data"] = data_digest
-    return fp
+    return json.loads(json.dumps(fp, default=str))  # as run.json will hold it (paths as text, tuples as lists)
 
 
-def checkpoint_path(output: str | Path) -> Path:
-    return Path(output) / "checkpoint" / "last.pt"
+def checkpoint_root(output: str | Path) -> Path:
+    return Path(output) / "checkpoint"
 
 
-def save_checkpoint(output: str | Path, ckpt: EpochCheckpoint) -> Path:
-    path = checkpoint_path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(ckpt.__dict__, tmp)
-    tmp.replace(path)  # atomic: an interruption while saving leaves the previous epoch's checkpoint
-    return path
+def latest_checkpoint(output: str | Path) -> Path | None:
+    """The newest complete epoch folder under `output`, or None before the first epoch ends."""
+    latest = checkpoint_root(output) / "latest"
+    return checkpoint_root(output) / latest.read_text().strip() if latest.is_file() else None
 
 
-def load_checkpoint(output: str | Path, fingerprint: dict) -> EpochCheckpoint | None:
-    """The checkpoint under `output` if there is one, after checking it belongs to this run."""
-    path = checkpoint_path(output)
-    if not path.is_file():
-        return None
+def read_run(folder: Path) -> dict:
+    """A checkpoint folder's `run.json` (epochs_done, history, fingerprint)."""
     try:
-        saved = torch.load(path, weights_only=True)
-        ckpt = EpochCheckpoint(**saved)
-    except Exception as e:  # truncated by hand, another format: name the file rather than a pickle trace
-        raise ValueError(f"{path} is not a readable train-heads checkpoint ({e}); delete it to start over") from e
-    saved_fp = ckpt.fingerprint
-    changed = sorted(k for k in set(fingerprint) | set(saved_fp) if fingerprint.get(k) != saved_fp.get(k))
+        run = json.loads((folder / "run.json").read_text())
+        if not {"epochs_done", "history", "fingerprint"} <= set(run):
+            raise ValueError("keys missing")
+    except (OSError, ValueError) as e:  # truncated by hand, deleted, another format: name the folder
+        raise ValueError(f"{folder} is not a readable train-heads checkpoint ({e}); delete it to start over") from e
+    return run
+
+
+def track(accelerator, shuffle: torch.Generator, *objects) -> None:
+    """Register what `save_state` does not hold by itself: the shuffle generator, then `objects` (each with
+    state_dict / load_state_dict). Call in the same order in every run, before `resume`."""
+    accelerator.register_for_checkpointing(GeneratorState(shuffle), *objects)
+
+
+def skip_module_in_state(accelerator, module) -> None:
+    """Keep accelerate's save_state / load_state off the prepared `module` (its trained part is tracked on
+    its own, e.g. a LoRA adapter over a frozen base model that would otherwise be written whole)."""
+
+    def on_save(models, weights, output_dir):
+        del weights[next(i for i, m in enumerate(models) if m is module)]
+
+    def on_load(models, input_dir):
+        models[:] = [m for m in models if m is not module]
+
+    accelerator.register_save_state_pre_hook(on_save)
+    accelerator.register_load_state_pre_hook(on_load)
+
+
+def resume(accelerator, output, fingerprint: dict) -> tuple[list[dict], int]:
+    """Load `output`'s newest checkpoint into the prepared training state (and the `track`ed objects), after
+    checking that it belongs to this run. Returns the finished epochs' records and the first epoch to
+    train."""
+    folder = latest_checkpoint(output)
+    if folder is None:
+        return [], 0
+    run = read_run(folder)
+    saved = run["fingerprint"]
+    changed = sorted(k for k in set(fingerprint) | set(saved) if fingerprint.get(k) != saved.get(k))
     if changed:
         raise ValueError(
-            f"{path} belongs to a run with other settings ({', '.join(changed)} differ): "
+            f"{folder} belongs to a run with other settings ({', '.join(changed)} differ): "
             "use the same arguments to resume, or another --output"
         )
-    return ckpt
+    accelerator.load_state(folder)
+    if accelerator.is_main_process:
+        print(f"resuming from {folder}: {run['epochs_done']} epoch(s) done", flush=True)
+    return list(run["history"]), run["epochs_done"]
 
 
-def resume(output, fingerprint: dict, modules: dict, optimizer, scheduler, shuffle) -> tuple[list[dict], int]:
-    """Load `output`'s checkpoint into the (not yet `accelerator.prepare`d) training state, if there is one.
-    Returns the finished epochs' records and the first epoch to train."""
-    ckpt = load_checkpoint(output, fingerprint)
-    if ckpt is None:
-        return [], 0
-    for name, module in modules.items():
-        module.load_state_dict(ckpt.modules[name])
-    optimizer.load_state_dict(ckpt.optimizer)
-    if scheduler is not None:
-        scheduler.load_state_dict(ckpt.scheduler)
-    shuffle.set_state(ckpt.shuffle)
-    print(f"resuming from {checkpoint_path(output)}: {ckpt.epochs_done} epoch(s) done", flush=True)
-    return list(ckpt.history), ckpt.epochs_done
-
-
-def save_epoch(output, fingerprint: dict, history: list[dict], modules: dict, optimizer, scheduler, shuffle) -> None:
-    """Write the state after `len(history)` epochs (main process only)."""
-    save_checkpoint(
-        output,
-        EpochCheckpoint(
-            epochs_done=len(history),
-            history=history,
-            modules={name: {k: v.detach().cpu() for k, v in m.state_dict().items()} for name, m in modules.items()},
-            optimizer=optimizer.state_dict(),
-            scheduler=None if scheduler is None else scheduler.state_dict(),
-            shuffle=shuffle.get_state(),
-            fingerprint=fingerprint,
-        ),
-    )
+def save_epoch(accelerator, output, fingerprint: dict, history: list[dict]) -> Path:
+    """Write the state after `len(history)` epochs. Every process calls it (each saves its RNG state)."""
+    root = checkpoint_root(output)
+    folder = root / f"epoch-{len(history)}"
+    if accelerator.is_main_process and folder.exists():  # left by an interrupted save: never `latest`
+        shutil.rmtree(folder)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(folder)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        run = {"epochs_done": len(history), "history": history, "fingerprint": fingerprint}
+        (folder / "run.json").write_text(json.dumps(run, indent=1))
+        tmp = root / "latest.tmp"
+        tmp.write_text(folder.name)
+        os.replace(tmp, root / "latest")  # atomic: the new epoch's folder is complete from here on
+        for old in root.glob("epoch-*"):
+            if old != folder:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return folder

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from hf_bpd.training.copy_training import SampleTokens, feature_positions
-from hf_bpd.training.train_heads import cached_features, evaluate, response_positions
+from hf_bpd.training.objective import response_positions
+from hf_bpd.training.train_heads import cached_features, evaluate
 
 
 def evaluate_saved_heads(model, heads, data, features, top_k: int) -> dict:

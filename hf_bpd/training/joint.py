@@ -13,8 +13,8 @@ import time
 import torch
 
 from hf_bpd.heads import BlockDraftHeads
-from hf_bpd.training.checkpoint import resume, run_fingerprint, save_epoch
-from hf_bpd.training.train_heads import (
+from hf_bpd.training.checkpoint import resume, run_fingerprint, save_epoch, skip_module_in_state, track
+from hf_bpd.training.objective import (
     IGNORE,
     check_replicas_agree,
     draft_index,
@@ -89,13 +89,14 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         generator=shuffle,
     )
     fingerprint = run_fingerprint(args, rows_digest(data))
-    trained = {"heads": heads, "lora": LoraWeights(peft_model)}
-    history, first_epoch = resume(args.output, fingerprint, trained, optimizer, None, shuffle)
     peft_model, heads, optimizer, loader = accelerator.prepare(peft_model, heads, optimizer, loader)
+    # the checkpoint holds the adapter, not the whole (frozen) base model the PEFT wrapper would save
+    skip_module_in_state(accelerator, peft_model)
+    track(accelerator, shuffle, LoraWeights(accelerator.unwrap_model(peft_model)))
+    history, first_epoch = resume(accelerator, args.output, fingerprint)
     bare_heads = accelerator.unwrap_model(heads)
     if vocab_index is not None:
         vocab_index = vocab_index.to(accelerator.device)
-    trained = {"heads": bare_heads, "lora": LoraWeights(accelerator.unwrap_model(peft_model))}
     for epoch in range(first_epoch, args.epochs):
         peft_model.train()
         t0, running, steps = time.time(), 0.0, 0
@@ -128,7 +129,7 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         history.append(record)
         if accelerator.is_main_process:
             print(json.dumps(record), flush=True)
-            save_epoch(args.output, fingerprint, history, trained, optimizer, None, shuffle)
+        save_epoch(accelerator, args.output, fingerprint, history)
     unwrapped = accelerator.unwrap_model(peft_model)
     if accelerator.is_main_process:
         unwrapped.save_pretrained(f"{args.output}/lora")

@@ -35,11 +35,24 @@ from pathlib import Path
 import torch
 
 from hf_bpd.heads import BlockDraftHeads
-from hf_bpd.training.checkpoint import resume, run_fingerprint, save_epoch
+from hf_bpd.training.checkpoint import resume, run_fingerprint, save_epoch, track
 from hf_bpd.training.copy_training import SampleTokens, copy_hits, copy_loss, copy_targets, feature_positions
+from hf_bpd.training.objective import (
+    IGNORE,
+    check_replicas_agree,
+    draft_index,
+    head_targets,
+    heads_loss,
+    initial_heads,
+    length_sorted_batches,
+    loss_weights,
+    resolve_heads_shape,
+    response_positions,
+    right_padded,
+    rows_digest,
+)
 from hf_bpd.vocab import model_vocab_size
 
-IGNORE = -100
 TOKEN_INPUT_CHOICES = ("previous", "next", "none")  # --token-input; "none" is token_input ""
 
 
@@ -63,19 +76,6 @@ class Features:
         return Features(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Features)))
 
 
-def head_targets(sequence: list[int], start: int, num_heads: int) -> torch.Tensor:
-    """Targets [L - start - 1, h] for positions t = start .. L-2 of `sequence`: row t holds the tokens at
-    t+2 .. t+1+h (IGNORE past the end)."""
-    seq = torch.tensor(sequence)
-    n = len(sequence) - start - 1
-    out = torch.full((max(n, 0), num_heads), IGNORE, dtype=torch.long)
-    for i in range(1, num_heads + 1):
-        src = seq[start + 1 + i :]
-        m = min(n, src.numel())
-        out[:m, i - 1] = src[:m]
-    return out
-
-
 def teacher_rows(feats: Features, num_heads: int) -> torch.Tensor:
     """[n, h]: for each position t and head i, the row of `feats` at position t+i of the same sample (its
     hidden state gives the base model's own distribution over token t+1+i, head i's target), -1 where
@@ -86,37 +86,6 @@ def teacher_rows(feats: Features, num_heads: int) -> torch.Tensor:
     rows = rows.clamp(max=max(n - 1, 0))
     valid &= feats.sample[rows] == feats.sample[:, None]
     return torch.where(valid, rows, -1)
-
-
-def response_positions(prompt_len: int) -> int:
-    """First position trained on: the last prompt token (its hidden state drafts the response start)."""
-    return max(prompt_len - 1, 0)
-
-
-def right_padded(rows) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-    """prompt+response sequences of `rows`, right-padded: (sequences, input_ids [B, L], attention_mask).
-    Right padding keeps every real token at positions 0..len-1; padded keys are masked."""
-    seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
-    ids = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s)] = torch.tensor(s)
-        mask[b, : len(s)] = 1
-    return seqs, ids, mask
-
-
-def length_sorted_batches(data, batch_tokens: int) -> list[list[int]]:
-    """Indices of `data` rows (prompt + response) in batches of at most `batch_tokens` padded tokens,
-    shortest first: similar lengths share a batch, so little of it is padding."""
-    length = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in data]
-    batches: list[list[int]] = []
-    for j in sorted(range(len(data)), key=length.__getitem__):
-        # sorted by length: the new row is the batch's longest
-        if batches and length[j] * (len(batches[-1]) + 1) <= batch_tokens:
-            batches[-1].append(j)
-        else:
-            batches.append([j])
-    return batches
 
 
 @torch.no_grad()
@@ -149,16 +118,6 @@ def compute_features(
         bar.update(len(batch))
     bar.close()
     return Features(torch.cat(hidden), torch.cat(targets), torch.cat(next_token), torch.cat(sample))
-
-
-def rows_digest(rows) -> str:
-    """Identifies distilled rows by their tokens: a cached chunk is reused only for the same samples."""
-    import hashlib
-
-    h = hashlib.sha1()
-    for r in rows:
-        h.update(json.dumps([r["prompt_ids"], r["response_ids"]]).encode())
-    return h.hexdigest()
 
 
 def cached_features(
@@ -212,118 +171,6 @@ def draft_vocabulary(data, size: int, vocab_size: int, always: list[int]) -> tor
     return score.topk(size).indices.sort().values
 
 
-HEADS_SHAPE_DEFAULTS = {"num_heads": 4, "num_layers": 1, "token_input": "previous", "draft_vocab_size": 0}
-
-
-def resolve_heads_shape(args: argparse.Namespace) -> None:
-    """Fill in the heads' shape arguments (`HEADS_SHAPE_DEFAULTS`) left unset, in place: from the `--init`
-    heads when there are some, else the defaults. A value given that differs from the `--init` heads
-    raises ValueError naming it: continuing from heads cannot change their shape."""
-    saved = {}
-    if args.init:
-        cfg = BlockDraftHeads.saved_config(args.init)  # a folder that is not heads raises here
-        saved = {
-            "num_heads": cfg.num_heads,
-            "num_layers": cfg.num_layers,
-            "token_input": cfg.token_input or "none",
-            "draft_vocab_size": cfg.draft_vocab_size,
-        }
-    for name, default in HEADS_SHAPE_DEFAULTS.items():
-        given = getattr(args, name)
-        if given is not None and name in saved and given != saved[name]:
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} {given} differs from the --init heads in {args.init}, which have {saved[name]}")
-        setattr(args, name, saved.get(name, default) if given is None else given)
-
-
-def initial_heads(model, args: argparse.Namespace, draft_vocab: torch.Tensor | None = None) -> BlockDraftHeads:
-    """The heads training starts from, in float32 and bound to `model`: the `--init` heads (checked to fit
-    `model`), or new ones of the arguments' shape drafting `draft_vocab` (None: the whole vocabulary).
-    `--copy-dim` adds a context-copy pointer to heads that have none."""
-    copy_dim = getattr(args, "copy_dim", 0)
-    if getattr(args, "freeze_heads", False) and not copy_dim:
-        raise ValueError("--freeze-heads trains only a context-copy pointer: give --copy-dim")
-    if args.init:
-        device = next(model.parameters()).device
-        heads = BlockDraftHeads.from_pretrained(args.init).to(device).float().bind(model)
-        if copy_dim and heads.context_copy is None:
-            return heads.with_context_copy(copy_dim)
-        if copy_dim and copy_dim != heads.config.copy_dim:
-            raise ValueError(
-                f"--copy-dim {copy_dim} differs from the --init heads in {args.init}, which have "
-                f"{heads.config.copy_dim}"
-            )
-        return heads
-    heads = BlockDraftHeads.for_base_model(
-        model,
-        args.num_heads,
-        args.num_layers,
-        draft_vocab=draft_vocab,
-        token_input=token_input(args),
-        copy_dim=copy_dim,
-    )
-    return heads.float()
-
-
-def draft_index(heads: BlockDraftHeads) -> torch.Tensor | None:
-    """Token id -> index in the heads' draft vocabulary (IGNORE for tokens outside it, which no head can
-    draft and so are not trained on); None for heads that draft the whole vocabulary."""
-    index = heads.draft_index()
-    return None if index is None else torch.where(index < 0, IGNORE, index)
-
-
-def loss_weights(num_heads: int, decay: float) -> list[float]:
-    """w_i = decay**(i-1): later heads are less accurate and matter less for acceptance."""
-    return [decay**i for i in range(num_heads)]
-
-
-def heads_loss(
-    heads: BlockDraftHeads,
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    weights: list[float],
-    vocab_index: torch.Tensor | None,
-    next_tokens: torch.Tensor | None = None,
-    teacher_hidden: torch.Tensor | None = None,
-    teacher_weight: float = 0.0,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Weighted CE over heads, computed head by head (a [n, h, V] logit tensor would not fit).
-    `next_tokens`: token t+1 per position, for heads with a token input. `teacher_hidden [n, h, H]`: the
-    base hidden state at position t+i for head i (NaN where there is none), whose base-model logits are
-    the soft target mixed in with `teacher_weight` (module docstring). `heads` may be wrapped for data
-    parallelism (`accelerator.prepare`): the forward goes through the wrapper, or gradients would not be
-    synchronised across processes."""
-    from accelerate.utils import extract_model_from_parallel
-
-    bare = extract_model_from_parallel(heads)
-    tokens = None if next_tokens is None else bare.teacher_forced_tokens(torch.cat([next_tokens[:, None], targets], 1))
-    states = heads(hidden, tokens, return_states=True)
-    project = bare.project
-    total, per_head = hidden.new_zeros(()).float(), []
-    for i, w in enumerate(weights):
-        tgt = targets[:, i] if vocab_index is None else vocab_index[targets[:, i].clamp(min=0)]
-        tgt = torch.where(targets[:, i] == IGNORE, IGNORE, tgt)
-        logits = project(states[:, i]).float()
-        loss = torch.nn.functional.cross_entropy(logits, tgt, ignore_index=IGNORE)
-        loss = torch.nan_to_num(loss)  # a batch with no target for this head
-        if teacher_weight:
-            loss = (1 - teacher_weight) * loss + teacher_weight * teacher_loss(bare, logits, teacher_hidden[:, i])
-        per_head.append(loss.detach())
-        total = total + w * loss
-    return total, per_head
-
-
-def teacher_loss(heads: BlockDraftHeads, logits: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
-    """Mean CE of the head's `logits [n, S]` against the base model's own distribution over the draft
-    vocabulary (`heads.base_logits` of `teacher_hidden [n, H]`), over the rows that have a teacher (not NaN)."""
-    has = ~teacher_hidden[:, 0].isnan()
-    if not bool(has.any()):
-        return logits.new_zeros(())
-    with torch.no_grad():
-        target = heads.base_logits(teacher_hidden[has].to(logits.dtype)).float().softmax(-1)
-    return -(target * logits[has].log_softmax(-1)).sum(-1).mean()
-
-
 @torch.no_grad()
 def evaluate(
     heads: BlockDraftHeads,
@@ -371,17 +218,6 @@ def evaluate(
         f"oracle_top{top_k}": oracle_sum / max(n_pos, 1),
         "positions": n_pos,
     }
-
-
-def check_replicas_agree(accelerator, module: torch.nn.Module) -> None:
-    """Data-parallel replicas must hold the same weights after each epoch: a gradient that bypassed the
-    wrapper's synchronisation would silently train one different model per process."""
-    if accelerator.num_processes == 1:
-        return
-    checksum = torch.stack([p.detach().double().sum() for p in module.parameters()]).to(accelerator.device)
-    gathered = accelerator.gather(checksum[None])
-    if not torch.allclose(gathered, gathered[:1].expand_as(gathered)):
-        raise RuntimeError(f"data-parallel replicas diverged ({accelerator.num_processes} processes)")
 
 
 def split_by_sample(feats: Features, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -443,8 +279,9 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         optimizer, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s / total_steps, 1.0)))
     )
     fingerprint = run_fingerprint(args, rows_digest(data))
-    history, first_epoch = resume(args.output, fingerprint, {"heads": heads}, optimizer, scheduler, shuffle)
     heads, optimizer, loader, scheduler = accelerator.prepare(heads, optimizer, loader, scheduler)
+    track(accelerator, shuffle)
+    history, first_epoch = resume(accelerator, args.output, fingerprint)
     bare = accelerator.unwrap_model(heads)
     if vocab_index is not None:
         vocab_index = vocab_index.to(accelerator.device)
@@ -499,7 +336,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         history.append(record)
         if accelerator.is_main_process:
             print(json.dumps(record), flush=True)
-            save_epoch(args.output, fingerprint, history, {"heads": bare}, optimizer, scheduler, shuffle)
+        save_epoch(accelerator, args.output, fingerprint, history)
     return bare, history
 
 
@@ -559,11 +396,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--no-progress", action="store_true")
-
-
-def token_input(args: argparse.Namespace) -> str:
-    """`--token-input` as `BlockDraftHeadsConfig.token_input` ("none" -> "")."""
-    return "" if args.token_input == "none" else args.token_input
 
 
 def main(argv: list[str] | None = None) -> int:

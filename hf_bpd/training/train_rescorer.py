@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from hf_bpd.training.train_heads import IGNORE, length_sorted_batches, right_padded
+from hf_bpd.training.objective import IGNORE, length_sorted_batches, right_padded
 
 
 def lm_batches(data, batch_tokens: int, seed: int) -> list[list[dict]]:

@@ -1,0 +1,96 @@
+"""`hf_bpd.generate`, the transformers `custom_generate` entry point:
+
+    model.generate(**inputs, custom_generate=hf_bpd.generate, assistant=drafter, max_new_tokens=N)
+
+It refuses what the loops would not decode exactly (`support.py`, before any forward), then runs one row
+through `decoding.decode` or a batch through `batch.decode_batch`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .batch import check_batch_supported, decode_batch
+from .compat import caller_streamer
+from .decoding import decode, typical_acceptance
+from .drafter import BlockDrafter
+from .support import check_call_supported, check_model_supported
+
+
+def generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer=None,
+    assistant: BlockDrafter | None = None,
+    lossy_typical_acceptance: bool | tuple[float, float] = False,
+    **model_kwargs,
+):
+    """Lossless blockwise parallel decoding, greedy or sampled (`generation_config.do_sample`); see the
+    module docstring. `assistant` is the `BlockDrafter`. `lossy_typical_acceptance` (sampling only, off by
+    default): Medusa's typical acceptance, faster and NOT lossless (module docstring).
+
+    `streamer`: given to `generate` the usual way it is found in the calling `generate` (which does not
+    hand it to a callable custom_generate; `compat.caller_streamer`); one bound with
+    `functools.partial(hf_bpd.generate, streamer=streamer)` works too.
+    """
+    if not isinstance(assistant, BlockDrafter):
+        raise TypeError(
+            "hf_bpd.generate needs the drafter: model.generate(..., custom_generate=hf_bpd.generate, "
+            f"assistant=BlockDrafter(...)); got assistant={type(assistant).__name__}"
+        )
+    if generation_config.num_beams not in (None, 1):
+        raise ValueError("hf_bpd.generate does not do beam search: pass num_beams=1")
+    if (generation_config.num_return_sequences or 1) > 1:
+        raise ValueError(
+            f"hf_bpd.generate returns one sequence per input, got num_return_sequences="
+            f"{generation_config.num_return_sequences}: repeat the input in the batch instead"
+        )
+    if synced_gpus:
+        raise ValueError("hf_bpd.generate does not support synced_gpus")
+    typical = typical_acceptance(lossy_typical_acceptance)
+    if typical is not None and not generation_config.do_sample:
+        raise ValueError("lossy_typical_acceptance changes how sampled tokens are accepted: it needs do_sample=True")
+    check_model_supported(model)
+    window = check_call_supported(model, input_ids, generation_config, model_kwargs)
+    if input_ids.shape[0] > 1:
+        check_batch_supported(input_ids, generation_config, model_kwargs)
+        if streamer is not None or caller_streamer(model) is not None:
+            raise ValueError("streamers take one sequence: hf_bpd.generate streams batches of size 1 only")
+        with assistant.exclusive():
+            sequences = decode_batch(
+                model,
+                assistant,
+                input_ids,
+                logits_processor,
+                stopping_criteria,
+                generation_config,
+                model_kwargs,
+                window,
+                typical,
+            )
+        return (
+            GenerateDecoderOnlyOutput(sequences=sequences) if generation_config.return_dict_in_generate else sequences
+        )
+    if streamer is not None:  # bound with functools.partial: the prompt is ours to put
+        streamer.put(input_ids.cpu())
+    else:  # given to generate the usual way: generate put the prompt already
+        streamer = caller_streamer(model)
+    with assistant.exclusive():
+        return decode(
+            model,
+            assistant,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            streamer,
+            window,
+            model_kwargs,
+            typical,
+        )
