@@ -28,10 +28,12 @@ law is plain sampling's). Streamers and per-token scores are refused for batches
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from .cost import BatchForwardCost
 from .decoding import accept_tree, choose_tokens, prefill, prompt_mask, verify_tree
@@ -57,6 +59,25 @@ def check_batch_supported(input_ids: torch.Tensor, generation_config: Generation
         generation_config.output_scores or generation_config.output_logits
     ):
         raise ValueError("batched hf_bpd.generate does not return per-token scores or logits: use batch size 1")
+
+
+def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessorList:
+    """The processors plain batched `generate` built, as they apply to row `row` alone: `accept_tree` runs
+    them on one row's sequence at a time, so state kept per batch row is cut to that row (the repetition
+    penalty's per-row prompt padding, `prefix_allowed_tokens_fn`'s batch id)."""
+    out = LogitsProcessorList()
+    for processor in processors:
+        if isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(
+            processor.prompt_ignore_length, torch.Tensor
+        ):
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
+        elif isinstance(processor, PrefixConstrainedLogitsProcessor):
+            allowed = processor._prefix_allowed_tokens_fn
+            processor = copy.copy(processor)
+            processor._prefix_allowed_tokens_fn = lambda _, sent, allowed=allowed: allowed(row, sent)
+        out.append(processor)
+    return out
 
 
 def compact_rows(cache, num_tree: int, keep: torch.Tensor) -> None:
@@ -116,6 +137,7 @@ def decode_batch(
     do_sample = bool(generation_config.do_sample)
     rows = [DecodingStats() for _ in range(batch_size)]
     stats.rows = rows
+    processors = [row_processors(logits_processor, b) for b in range(batch_size)]
     auto = drafter.max_tree_tokens == "auto" and drafter.forward_cost is not None
     batch_cost = BatchForwardCost(drafter.step_cost, batch_size) if auto else None
 
@@ -156,9 +178,7 @@ def decode_batch(
             out = verify_tree(model, batch, cache, past_mask)
         t2 = drafter._sync(device)
         results = {
-            b: accept_tree(
-                trees[b], out.logits[b], sequences[b], logits_processor, stopping_criteria, do_sample, typical
-            )
+            b: accept_tree(trees[b], out.logits[b], sequences[b], processors[b], stopping_criteria, do_sample, typical)
             for b in active
         }
         drafter.observe([results[b].nodes for b in active], [results[b].finished for b in active], 0, None)

@@ -203,3 +203,20 @@ def test_sampled_rows_each_follow_plain_samplings_law():
     for row, prompt in enumerate(prompts):
         law = exact_three_token_law(model, prompt)
         assert chi_squared_p(counts[row], law, CONTROL_RUNS) > 1e-3, row
+
+
+def test_processors_with_per_row_state_see_their_own_row():
+    """Repetition penalty ignores each row's own left padding, and `prefix_allowed_tokens_fn` gets each row's
+    batch id, as in plain batched generate (accept_tree runs processors one row at a time)."""
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = drafter_for(model)
+    batch = left_padded(prompts_for(4, 7))
+
+    def allowed(batch_id, sent):  # row b may only use tokens of one residue class
+        return [t for t in range(model.config.vocab_size) if t % 4 == batch_id]
+
+    for options in (dict(repetition_penalty=1.3), dict(prefix_allowed_tokens_fn=allowed)):
+        ref, out = both(model, batch, drafter, max_new_tokens=20, **options)
+        assert out.tolist() == ref.tolist(), options
+    width = batch["input_ids"].shape[1]
+    assert all(t % 4 == b for b in range(4) for t in out[b, width:].tolist())

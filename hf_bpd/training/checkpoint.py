@@ -81,11 +81,16 @@ def skip_module_in_state(accelerator, module) -> None:
     """Keep accelerate's save_state / load_state off the prepared `module` (its trained part is tracked on
     its own, e.g. a LoRA adapter over a frozen base model that would otherwise be written whole)."""
 
+    target = accelerator.unwrap_model(module)
+
+    def skipped(model) -> bool:  # prepared modules may come wrapped (DistributedDataParallel, compiled)
+        return accelerator.unwrap_model(model) is target
+
     def on_save(models, weights, output_dir):
-        del weights[next(i for i, m in enumerate(models) if m is module)]
+        del weights[next(i for i, m in enumerate(models) if skipped(m))]
 
     def on_load(models, input_dir):
-        models[:] = [m for m in models if m is not module]
+        models[:] = [m for m in models if not skipped(m)]
 
     accelerator.register_save_state_pre_hook(on_save)
     accelerator.register_load_state_pre_hook(on_load)
