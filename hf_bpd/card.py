@@ -28,7 +28,7 @@ def accuracy_table(training_log: dict | None) -> str:
     if oracle:
         rows.append(
             f"\nLattice oracle ({oracle}): {last[oracle]:.2f} drafted tokens per step "
-            f"on {last.get('positions', '?')} held-out positions."
+            f"on {last.get('positions', '?')} positions of the training run's validation split."
         )
     return "\n".join(rows)
 
