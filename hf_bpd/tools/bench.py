@@ -667,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
         drafter.context_lookup = args.context_lookup
     if args.resume and not args.output:
         raise SystemExit("--resume continues the journal of --output: give --output")
+    # before the run rewrites its own (possibly committed) result files, which would read as uncommitted code
+    env = environment(args.device, args.dtype)
     journal = Path(args.output).with_suffix(".journal.jsonl") if args.output else None
     if journal is not None and journal.is_file() and not args.resume:
         if not args.overwrite:
@@ -742,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
         records = []
         for size in args.batch_size:
             records += run_batch_bench(model, tokenizer, rows, methods, args.max_new_tokens, size, len(records))
-        info = {"environment": environment(args.device, args.dtype), "args": vars(args), "rows": len(rows)}
+        info = {"environment": env, "args": vars(args), "rows": len(rows)}
         info["drafter"] = {"heads": args.heads, **header["drafter"]}
         info["forward_cost"] = header.get("forward_cost")
         info["row_tau"] = {r["category"]: [] for r in records}
@@ -756,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     return _report(
         results,
         {
-            "environment": environment(args.device, args.dtype),
+            "environment": env,
             "args": vars(args),
             "drafter": {"heads": args.heads, **header["drafter"]},
             "rows": len(rows),
