@@ -338,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..packaged import load_packaged_drafter, packaged_rescorer, packaged_rescorers
 
     rows = select_rows(read_jsonl(args.data), None, args.per_category, None, args.spread)
+    env = environment("cpu", "float32")  # before the run writes anything
     answers = None
     if args.answers is not None:
         from .replay import read_answers
@@ -382,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in summary["categories"].values():
         del r["entropy_samples"]
     summary["args"] = vars(args)
-    summary["environment"] = environment("cpu", "float32")
+    summary["environment"] = env
     summary["rows"] = len(rows)
     (out_dir / "analysis.json").write_text(json.dumps(summary, indent=2))
     report = markdown(summary, files)

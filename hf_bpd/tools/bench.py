@@ -499,7 +499,8 @@ def plot(results: dict, path: str | Path) -> None:
 
 def environment(device: str, dtype: str) -> dict:
     """What a result file needs to say where it came from: date, device (the processor's model for a CPU),
-    library versions and the commit of the code that ran (None outside a git checkout)."""
+    library versions and the commit of the code that ran (None outside a git checkout). Take it when a run
+    starts: once a run has rewritten its own committed result files, the tree reads as uncommitted."""
     import subprocess
 
     import transformers
@@ -667,8 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter.context_lookup = args.context_lookup
     if args.resume and not args.output:
         raise SystemExit("--resume continues the journal of --output: give --output")
-    # before the run rewrites its own (possibly committed) result files, which would read as uncommitted code
-    env = environment(args.device, args.dtype)
+    env = environment(args.device, args.dtype)  # before the run writes anything
     journal = Path(args.output).with_suffix(".journal.jsonl") if args.output else None
     if journal is not None and journal.is_file() and not args.resume:
         if not args.overwrite:

@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     rows = select_rows(read_jsonl(args.data), args.categories, args.per_category, args.limit, args.spread)
+    env = environment(args.device, args.dtype)  # before the run writes anything (the answers cache too)
     header = answers_header(args.data, args.model, args.max_new_tokens)
     answers = greedy_answers(model, tokenizer, rows, args.answers, header, not args.no_progress)
     drafters = {}
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         table += "\n\n" + limit_markdown(limits)
     print(table)
     if args.output:
-        report = {"environment": environment(args.device, args.dtype), "args": vars(args), "rows": len(rows)}
+        report = {"environment": env, "args": vars(args), "rows": len(rows)}
         if limits is not None:
             report["limits"] = limits
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
