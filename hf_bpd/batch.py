@@ -35,6 +35,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
+from .calibration import SamplingWarp
 from .cost import BatchForwardCost
 from .decoding import accept_tree, choose_tokens, prefill, prompt_mask, verify_tree
 from .drafter import BlockDrafter, DecodingStats
@@ -135,6 +136,7 @@ def decode_batch(
     pad = int(generation_config._pad_token_tensor)
     context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     do_sample = bool(generation_config.do_sample)
+    warp = SamplingWarp.from_config(generation_config)
     rows = [DecodingStats() for _ in range(batch_size)]
     stats.rows = rows
     processors = [row_processors(logits_processor, b) for b in range(batch_size)]
@@ -168,7 +170,7 @@ def decode_batch(
             share = min(share or drafter.tree_budget, window - 1 - past_mask.shape[1])
         if batch_cost is not None and not batch_cost.seconds:
             share = 1  # a plain step first, timed: the batch's own one-token cost at its contexts
-        drafted = drafter.draft(hidden_last[active], contexts[active], max_depth, share, batch_cost)
+        drafted = drafter.draft(hidden_last[active], contexts[active], max_depth, share, batch_cost, warp=warp)
         trees: list[DraftTree] = [DraftTree.root_only(pad)] * batch_size
         for b, tree in zip(active, drafted):
             trees[b] = tree

@@ -13,6 +13,13 @@ depth) of an arc's conditional acceptance probability: among the children of eve
 model reached, the sum of their estimated arc probabilities against how often one of them was accepted. A
 ratio estimator with `prior` pseudo-observations starts at 1 (trust the estimates) and converges to the
 measured rate. It only reorders and sizes drafts, never changes a verified token, so output stays exact.
+
+Sampling changes what "accepted" means. Greedy accepts a child when it is the base model's argmax; exact
+sampling (`decoding.accept_tree`) accepts it when the base model's draw lands on it, with probability
+p_warped(token): the base distribution after temperature and top-p. So when sampling, the heads'
+estimates are warped the same way first (`SamplingWarp`: a sibling set that was a near tie gets shared
+acceptance, a token outside the nucleus gets none), and the multipliers are learned per regime (greedy or
+sampled), so one drafter can serve both kinds of calls without one corrupting the other's estimates.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch
+
+GREEDY = "greedy"  # acceptance regimes: the base model's argmax, or its draw (`SamplingWarp`)
+SAMPLED = "sampled"
 HEADS = "heads"  # an arc whose best estimate is the heads' lattice probability
 RESCORER = "rescorer"  # an arc whose best estimate came from the rescorer
 
@@ -43,11 +54,12 @@ class AcceptanceCalibration:
 
     prior: float = 2.0
     max_depth: int = 4
-    accepted: dict[tuple[str, int], float] = field(default_factory=lambda: defaultdict(float))
-    predicted: dict[tuple[str, int], float] = field(default_factory=lambda: defaultdict(float))
+    accepted: dict[tuple[str, str, int], float] = field(default_factory=lambda: defaultdict(float))
+    predicted: dict[tuple[str, str, int], float] = field(default_factory=lambda: defaultdict(float))
+    regime: str = GREEDY  # what the current call's acceptance means: GREEDY or SAMPLED (set per draft)
 
-    def _key(self, source: str, depth: int) -> tuple[str, int]:
-        return source, min(depth, self.max_depth)
+    def _key(self, source: str, depth: int) -> tuple[str, str, int]:
+        return self.regime, source, min(depth, self.max_depth)
 
     def scale(self, source: str, depth: int) -> float:
         """Measured over estimated acceptance for arcs of this source at this depth (1 before evidence)."""
@@ -68,10 +80,56 @@ class AcceptanceCalibration:
         self.accepted[key] += float(accepted)
 
     def summary(self) -> dict[str, float]:
-        """{"source@depth": multiplier} for every key with evidence (for reports)."""
-        return {f"{s}@{d}": self.scale(s, d) for s, d in sorted(self.predicted)}
+        """{"source@depth": multiplier} for every key with evidence (for reports); sampled calls' keys
+        end in " sampled"."""
+        out = {}
+        for regime, source, depth in sorted(self.predicted):
+            key = (regime, source, depth)
+            rate = (self.accepted.get(key, 0.0) + self.prior) / (self.predicted[key] + self.prior)
+            out[f"{source}@{depth}" + ("" if regime == GREEDY else f" {regime}")] = rate
+        return out
 
 
 def calibrated_logprob(arc: Arc, depth: int, calibration: AcceptanceCalibration | None) -> float:
     """The arc's log-probability as trees are ordered and sized: calibrated when there is a calibration."""
     return arc.logprob if calibration is None else calibration.calibrated(arc, depth)
+
+
+@dataclass(frozen=True)
+class SamplingWarp:
+    """What sampling does to the base model's distribution, applied to the heads' estimates of it: the
+    temperature, then top-p (the warpers behind most sampled traffic; others are left to calibration).
+
+    The heads give each node's top-k children only, so the normaliser is completed by bounding the rest
+    of the vocabulary's mass (1 - the top-k's) as if every other token had the k-th's probability, and the
+    nucleus that does not end inside the top-k is taken to hold `top_p` exactly. Estimates only: they order
+    and size drafts, never choose a token."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    @classmethod
+    def from_config(cls, generation_config) -> SamplingWarp | None:
+        """The warp of a `generate` call's config; None when it does not sample (greedy regime)."""
+        if not generation_config.do_sample:
+            return None
+        temperature = generation_config.temperature
+        top_p = generation_config.top_p
+        return cls(1.0 if temperature is None else float(temperature), 1.0 if top_p is None else float(top_p))
+
+    def __call__(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """`[n, k]` top-k log-probabilities of n nodes' children, each row sorted descending -> the
+        warped ones (-inf outside the nucleus)."""
+        logprobs = logprobs.float()
+        if self.temperature != 1.0:
+            probs = logprobs.exp()
+            rest = (1.0 - probs.sum(-1, keepdim=True)).clamp_min(0.0)
+            rest = rest * probs[:, -1:].clamp_min(1e-30) ** (1.0 / self.temperature - 1.0)
+            scaled = logprobs / self.temperature
+            logprobs = scaled - torch.logaddexp(scaled.logsumexp(-1, keepdim=True), rest.clamp_min(1e-30).log())
+        if self.top_p < 1.0:
+            probs = logprobs.exp()
+            inside = probs.cumsum(-1) - probs < self.top_p
+            nucleus = (probs * inside).sum(-1, keepdim=True).clamp_min(self.top_p)
+            logprobs = torch.where(inside, logprobs - nucleus.log(), -math.inf)
+        return logprobs

@@ -44,6 +44,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .calibration import SamplingWarp
 from .compat import GENERATE_CACHE_FIELD, cache_argument, output_cache
 from .drafter import BlockDrafter
 from .tree import DraftTree, TreeBatch, batch_trees
@@ -244,6 +245,7 @@ def decode(
     past_mask = prompt_mask(input_ids, model_kwargs)
     logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
     do_sample = bool(generation_config.do_sample)
+    warp = SamplingWarp.from_config(generation_config)
     scores = logits_processor(input_ids, logits)
     first = choose_tokens(scores, do_sample)[:, None]
     input_ids = torch.cat([input_ids, first], dim=-1)
@@ -262,7 +264,7 @@ def decode(
         # Below an attention window every layer attends like full attention: keep context + tree there
         # (check_call_supported made sure at least the root fits).
         max_tokens = None if window is None else window - 1 - past_len
-        trees = drafter.draft(hidden_last, input_ids, max_depth, max_tokens)
+        trees = drafter.draft(hidden_last, input_ids, max_depth, max_tokens, warp=warp)
         t1 = drafter._sync(input_ids.device)
         batch = batch_trees(trees, pad_token_id=int(input_ids[0, -1]), device=input_ids.device)
         with drafter.linear_context:  # oneDNN packed weights on a CPU (BlockDrafter's packed_linear)

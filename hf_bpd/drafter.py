@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .calibration import AcceptanceCalibration, Arc
+from .calibration import GREEDY, SAMPLED, AcceptanceCalibration, Arc, SamplingWarp
 from .cost import (
     BatchForwardCost,
     ForwardCost,
@@ -297,11 +297,19 @@ class BlockDrafter:
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    def lattice(self, hidden_last: torch.Tensor, root: torch.Tensor, context: torch.Tensor | None = None) -> Lattice:
+    def lattice(
+        self,
+        hidden_last: torch.Tensor,
+        root: torch.Tensor,
+        context: torch.Tensor | None = None,
+        warp: SamplingWarp | None = None,
+    ) -> Lattice:
         """Head logits on the last accepted hidden state `[batch, hidden]` -> top-k lattice. `root [batch]`:
         the base model's token from that state (the tree root; heads with a token input read it). For
         "previous" heads: the lattice of their greedy chain (`expansion.chain_lattice`), where
-        context-copy heads point into `context [batch, L]` (the accepted tokens, ending with the root)."""
+        context-copy heads point into `context [batch, L]` (the accepted tokens, ending with the root).
+        `warp`: a sampled call's, applied to a lattice the tree is drafted from (not to a chain lattice,
+        which only feeds a rescorer)."""
         with torch.no_grad():
             if self.heads.conditions_on_draft:
                 return chain_lattice(
@@ -309,7 +317,10 @@ class BlockDrafter:
                 )
             logits = self.heads(hidden_last.to(self.heads.device, self.heads.dtype), root)
             ids = self.heads.draft_vocab if self.heads.config.draft_vocab_size else None
-            return Lattice.from_logits(logits, self.top_k, ids)
+            lattice = Lattice.from_logits(logits, self.top_k, ids)
+            if warp is not None:
+                lattice = Lattice(lattice.tokens, warp(lattice.logprobs.flatten(0, 1)).view_as(lattice.logprobs))
+            return lattice
 
     @property
     def tree_budget(self) -> int:
@@ -357,6 +368,7 @@ class BlockDrafter:
         hidden_last: torch.Tensor | None = None,
         max_tokens: int | None = None,
         batch_cost: BatchForwardCost | None = None,
+        warp: SamplingWarp | None = None,
     ) -> list[DraftTree]:
         """One draft tree per batch row: the most probable nodes among the heads' best prefixes and the
         `rescored` drafts (drafts without estimates first); with a forward-cost curve, cut to the prefix
@@ -364,7 +376,8 @@ class BlockDrafter:
         heads grow each tree from `hidden_last [batch, hidden]` (`expansion.expand_tree`) instead and need
         no `lattice`. `max_tokens` caps the tree below the drafter's own budget (an attention window).
         `batch_cost`: a batch verifies these trees padded to one width, with `batch_cost.rows` rows (finished
-        rows included), so one width is chosen for all of them by that cost (`cost.best_batch_width`)."""
+        rows included), so one width is chosen for all of them by that cost (`cost.best_batch_width`).
+        `warp`: a sampled call's, for the heads' children that "previous" heads grow (see `draft`)."""
         if self.heads.conditions_on_draft and hidden_last is None:
             raise ValueError("heads that read the drafted token grow trees from the hidden state: pass hidden_last")
         if lattice is None and not self.heads.conditions_on_draft:
@@ -390,7 +403,7 @@ class BlockDrafter:
                 hidden = hidden_last[b : b + 1].to(self.heads.device, self.heads.dtype)
                 grow = self._growth_budget(budget, 8 if batch_cost is None else 2)
                 arcs = expand_tree(
-                    tree, self.heads, hidden, self.top_k, grow, max_depth, estimates, self.calibration, context[b]
+                    tree, self.heads, hidden, self.top_k, grow, max_depth, estimates, self.calibration, context[b], warp
                 )
             else:
                 arcs = self._fill_from_lattice(tree, lattice, b, budget, max_depth, estimates)
@@ -489,19 +502,25 @@ class BlockDrafter:
         max_depth: int | None = None,
         max_tokens: int | None = None,
         batch_cost: BatchForwardCost | None = None,
+        warp: SamplingWarp | None = None,
     ) -> Sequence[DraftTree]:
         """Heads -> lattice -> trees (at most `max_tokens` nodes each, when given; `batch_cost`: see
-        `tree`), timing each phase into `stats`."""
+        `tree`), timing each phase into `stats`. `warp`: the sampled call's (`SamplingWarp.from_config`;
+        None when greedy): the heads' estimates are warped like the base model's draws, and calibrated
+        in the sampled regime."""
         t0 = self._sync(hidden_last.device)
+        if self.calibration is not None:
+            self.calibration.regime = GREEDY if warp is None else SAMPLED
         # "previous" heads draft the tree node by node; their chain lattice only serves a rescorer
         needs_lattice = self.rescorer is not None or not self.heads.conditions_on_draft
+        lattice_warp = None if self.heads.conditions_on_draft else warp
         with self._heads_context:
-            lattice = self.lattice(hidden_last, context[:, -1], context) if needs_lattice else None
+            lattice = self.lattice(hidden_last, context[:, -1], context, lattice_warp) if needs_lattice else None
         t1 = self._sync(hidden_last.device)
         rescored = self.rescore(lattice, context)
         t2 = time.perf_counter()
         with self._heads_context:
-            trees = self.tree(lattice, context, max_depth, rescored, hidden_last, max_tokens, batch_cost)
+            trees = self.tree(lattice, context, max_depth, rescored, hidden_last, max_tokens, batch_cost, warp)
         t3 = time.perf_counter()
         self.stats.time_heads += t1 - t0
         self.stats.time_rescore += t2 - t1

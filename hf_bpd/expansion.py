@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from .calibration import HEADS, RESCORER, AcceptanceCalibration, Arc, calibrated_logprob
+from .calibration import HEADS, RESCORER, AcceptanceCalibration, Arc, SamplingWarp, calibrated_logprob
 from .context_copy import CopyMemory
 from .heads import BlockDraftHeads
 from .lattice import Lattice
@@ -48,9 +48,11 @@ def _top_children(
     groups: dict[int, tuple[list[int], list[int]]],
     top_k: int,
     memory: CopyMemory | None = None,
+    warp: SamplingWarp | None = None,
 ) -> dict[int, tuple[list[list[int]], list[list[float]]]]:
     """For nodes grouped by depth ({depth: (their tokens, their parents' tokens)}), head depth+1's top-k
-    (token ids, log-probs); parents' tokens feed the context-copy pointer (`memory`, None without one).
+    (token ids, log-probs; warped when sampling); parents' tokens feed the context-copy pointer (`memory`,
+    None without one).
     On a CPU the cost is reading weights, not arithmetic: every depth's residual block runs once on its
     group, and the shared softmax layer (the largest weight by far) once on all of them."""
     with torch.no_grad():
@@ -61,6 +63,8 @@ def _top_children(
         head_index = torch.tensor([d for d, (tokens, _) in groups.items() for _ in tokens])
         before = torch.tensor([b for _, (_, parents) in groups.items() for b in parents])
         ids, values = heads.top_tokens(torch.cat(states), top_k, head_index, before, memory)
+        if warp is not None:
+            values = warp(values)
     ids_list, values_list = ids.tolist(), values.tolist()
     out, start = {}, 0
     for depth, (tokens, _) in groups.items():
@@ -100,11 +104,13 @@ def expand_tree(
     estimates: dict[tuple[int, ...], float] | None = None,
     calibration: AcceptanceCalibration | None = None,
     context: torch.Tensor | None = None,
+    warp: SamplingWarp | None = None,
 ) -> list[Arc]:
     """Grow `tree` (a root, maybe with drafts already merged) in place up to `budget` nodes, best-first on
     calibrated path probability, from "previous" heads on `hidden [1, hidden]` and the rescorer's
     `estimates` ({draft prefix: log-probability of its last token}). `context [L]`: the accepted tokens,
-    ending with the root, for context-copy heads (others ignore it). Returns every node's arc (the
+    ending with the root, for context-copy heads (others ignore it). `warp`: a sampled call's, applied to
+    the heads' children (`calibration.SamplingWarp`). Returns every node's arc (the
     estimate that ordered it; -inf for a node merged before that the search never reached)."""
     memory = heads.copy_memory(context[None]) if context is not None else None
     before_root = int(context[-2]) if context is not None and context.numel() > 1 else tree.tokens[0]
@@ -135,7 +141,7 @@ def expand_tree(
             d: ([tree.tokens[n] for n in g], [tree.tokens[tree.parents[n]] if n else before_root for n in g])
             for d, g in by_depth.items()
         }
-        children = _top_children(heads, hidden, groups, top_k, memory) if groups else {}
+        children = _top_children(heads, hidden, groups, top_k, memory, warp) if groups else {}
         # a node's children come best first, and each one added takes a free slot (merged nodes reached
         # later take none): children past the free slots can never join the tree
         room = budget - len(tree) + (len(tree) - len(path_logprob))

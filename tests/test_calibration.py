@@ -10,7 +10,7 @@ from conftest import tiny_model
 
 import hf_bpd
 from hf_bpd import BlockDrafter
-from hf_bpd.calibration import HEADS, RESCORER, AcceptanceCalibration, Arc
+from hf_bpd.calibration import GREEDY, HEADS, RESCORER, SAMPLED, AcceptanceCalibration, Arc, SamplingWarp
 from hf_bpd.cost import ForwardCost, LearnedForwardCost, best_tree_size
 from hf_bpd.tree import DraftTree
 
@@ -120,3 +120,82 @@ def test_tree_sizes_recover_after_a_burst_of_load():
     assert best_tree_size(probs, cost) == 4
     with pytest.raises(ValueError, match="stale_rate"):
         LearnedForwardCost(curve, stale_rate=1.0)
+
+
+def test_sampling_warp_matches_generates_warpers_on_a_whole_vocabulary():
+    """With every token in the table, the warp is exactly the distribution plain sampling draws from
+    (transformers' temperature then top-p warpers), tokens outside the nucleus at -inf."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 8) * 2
+    for temperature, top_p in ((0.7, 0.9), (1.0, 0.8), (1.3, 1.0), (0.5, 1.0)):
+        scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_p < 1.0:
+            scores = TopPLogitsWarper(top_p)(None, scores)
+        expected, order = scores.log_softmax(-1).sort(-1, descending=True)
+        table = logits.log_softmax(-1).gather(-1, order)  # every token, sorted like a top-k table
+        warped = SamplingWarp(temperature, top_p)(table)
+        assert torch.equal(warped.isinf(), expected.isinf())
+        finite = expected.isfinite()
+        assert torch.allclose(warped[finite], expected[finite], atol=1e-5)
+
+
+def test_sampling_warp_on_a_top_k_table_stays_a_cautious_estimate():
+    """From the top-k only, below temperature 1 the rest of the vocabulary is over-counted, so no token
+    is promised more than its real warped probability and the estimates sum to at most 1."""
+    torch.manual_seed(1)
+    logits = torch.randn(20, 50) * 3
+    full = SamplingWarp(0.7)(logits.log_softmax(-1).sort(-1, descending=True).values)
+    top4 = SamplingWarp(0.7)(logits.log_softmax(-1).topk(4, dim=-1).values)
+    assert (top4 <= full[:, :4] + 1e-6).all()
+    assert (top4.exp().sum(-1) <= 1 + 1e-6).all()
+    assert (top4.exp().sum(-1) > 0.5 * full[:, :4].exp().sum(-1)).all()  # and not uselessly so
+    # a near tie shares its acceptance, a clear favourite gets more than its greedy-style estimate
+    tie, favourite = torch.tensor([[0.45, 0.44, 0.11]]).log(), torch.tensor([[0.8, 0.15, 0.05]]).log()
+    assert SamplingWarp(0.7)(tie).exp()[0, 1] > 0.4
+    assert SamplingWarp(0.7)(favourite).exp()[0, 0] > 0.9
+
+
+def test_sampling_warp_comes_from_the_call_and_greedy_calls_have_none():
+    from transformers import GenerationConfig
+
+    assert SamplingWarp.from_config(GenerationConfig(do_sample=False, temperature=0.7)) is None
+    assert SamplingWarp.from_config(GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9)) == SamplingWarp(
+        0.7, 0.9
+    )
+    assert SamplingWarp.from_config(GenerationConfig(do_sample=True)) == SamplingWarp(1.0, 1.0)
+
+
+def test_sampled_and_greedy_calls_calibrate_apart():
+    cal = AcceptanceCalibration()
+    arc = Arc(math.log(0.5), HEADS)
+    cal.regime = SAMPLED
+    for _ in range(100):
+        cal.observe(arc, 1, accepted=False)
+    assert cal.scale(HEADS, 1) < 0.1
+    cal.regime = GREEDY
+    assert cal.scale(HEADS, 1) == 1.0  # greedy estimates untouched by sampled evidence
+    cal.observe(arc, 1, accepted=True)
+    assert set(cal.summary()) == {"heads@1", "heads@1 sampled"}
+
+
+def test_a_drafter_serving_greedy_and_sampled_calls_keeps_both_exact():
+    """One drafter, greedy then sampled then greedy calls: each equals plain generate (seeded for
+    sampling), and the calibration keeps one set of multipliers per regime."""
+    model = tiny_model("llama", eos_token_id=None)
+    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3)
+    cpu_like = ForwardCost((1, 2, 4, 8, 16), (0.066, 0.127, 0.131, 0.140, 0.140))
+    drafter = BlockDrafter(heads, top_k=3, max_tree_tokens="auto", forward_cost=cpu_like)
+    ids = torch.tensor([[5, 6, 7, 5, 6]])
+    for do_sample in (False, True, False):
+        options = {"do_sample": do_sample, "max_new_tokens": 30}
+        if do_sample:
+            options.update(temperature=0.7, top_p=0.9)
+        torch.manual_seed(3)
+        ref = model.generate(ids, **options)
+        torch.manual_seed(3)
+        out = model.generate(ids, **options, custom_generate=hf_bpd.generate, assistant=drafter)
+        assert out.tolist() == ref.tolist()
+    regimes = {regime for regime, _, _ in drafter.calibration.predicted}
+    assert regimes == {GREEDY, SAMPLED}
