@@ -101,6 +101,23 @@ def render_replay(report: dict) -> list[str]:
     return lines
 
 
+def render_sampling_estimates(report: dict) -> list[str]:
+    """`research.ablate_sampling_estimates`: a seeded sampled run and a greedy run on the same rows."""
+    sampled, greedy = report["sampled"], report["greedy"]
+    lines = ["Sampled run (reference: seeded plain sampling):", ""]
+    lines += _category_table(sampled, [("tau", "τ"), ("speedup", "speedup")])
+    lines += ["", "Greedy run on the same rows (reference: plain greedy):", ""]
+    lines += _category_table(greedy, [("tau", "τ"), ("speedup", "speedup")])
+    lines += ["", "| run | method | τ | tokens/s | speedup |", "| --- | --- | --- | --- | --- |"]
+    for run, methods in (("sampled", sampled), ("greedy", greedy)):
+        for name, result in methods.items():
+            s = result["overall"]
+            lines.append(f"| {run} | {name} | {s['tau']:.2f} | {s['tokens_per_s']:.2f} | {s['speedup']:.2f}× |")
+    lines += ["", "| drafter | sampled τ / greedy τ of the shipped drafter |", "| --- | --- |"]
+    lines += [f"| {name} | {ratio:.0%} |" for name, ratio in report["sampled_over_greedy_tau"].items()]
+    return [*lines, "", _identical_line(sampled, sampled=True), _identical_line(greedy)]
+
+
 def render_fuzz(report: dict) -> list[str]:
     outcomes = report["outcomes"]
     lines = ["| runs | " + " | ".join(sorted(outcomes)) + " |", "|" + " --- |" * (1 + len(outcomes))]
@@ -186,6 +203,7 @@ RENDERERS = {
     "memory": render_memory,
     "analyze": render_analyze,
     "batch": render_batch,
+    "sampling_estimates": render_sampling_estimates,
 }
 
 

@@ -121,8 +121,8 @@ class OracleDrafter(BlockDrafter):
         self.rng = torch.Generator().manual_seed(0)
         self._context_len = 0
 
-    def lattice(self, hidden_last, root, context=None):
-        lattice = super().lattice(hidden_last, root, context)
+    def lattice(self, hidden_last, root, context=None, warp=None):
+        lattice = super().lattice(hidden_last, root, context, warp)
         tokens = lattice.tokens.clone()
         start = self._context_len
         for i in range(lattice.num_positions):
@@ -132,9 +132,9 @@ class OracleDrafter(BlockDrafter):
                     tokens[0, i, int(torch.randint(0, lattice.top_k, (1,), generator=self.rng))] = true
         return Lattice(tokens, lattice.logprobs)
 
-    def draft(self, hidden_last, context, max_depth=None, max_tokens=None):
+    def draft(self, hidden_last, context, max_depth=None, max_tokens=None, warp=None):
         self._context_len = context.shape[1]
-        return super().draft(hidden_last, context, max_depth, max_tokens)
+        return super().draft(hidden_last, context, max_depth, max_tokens, warp=warp)
 
     def _pick_true_path(self, lattice, context):
         truth = torch.tensor([self.reference[context.shape[1] : context.shape[1] + lattice.num_positions]])
