@@ -101,6 +101,9 @@ class DecodingStats:
         }
 
 
+LATTICE_FLOOR = -1e4  # log-probability of a lattice token sampling never draws (outside the nucleus)
+
+
 class BlockDrafter:
     """Drafts a tree per step from block draft heads.
 
@@ -318,8 +321,9 @@ class BlockDrafter:
             logits = self.heads(hidden_last.to(self.heads.device, self.heads.dtype), root)
             ids = self.heads.draft_vocab if self.heads.config.draft_vocab_size else None
             lattice = Lattice.from_logits(logits, self.top_k, ids)
-            if warp is not None:
-                lattice = Lattice(lattice.tokens, warp(lattice.logprobs.flatten(0, 1)).view_as(lattice.logprobs))
+            if warp is not None:  # a finite floor outside the nucleus: k-best searches subtract scores
+                warped = warp(lattice.logprobs.flatten(0, 1)).clamp_min(LATTICE_FLOOR)
+                lattice = Lattice(lattice.tokens, warped.view_as(lattice.logprobs))
             return lattice
 
     @property

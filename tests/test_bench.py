@@ -238,3 +238,22 @@ def test_batch_bench_rows_equal_plain_batched_greedy(smollm2):
     assert by_method["greedy"] == by_method["hf_bpd"] > 0
     bpd = [r for r in records if r["method"] == "hf_bpd"]
     assert bpd[0]["forwards"] < 24 and len(bpd[0]["row_tau"]) == 2
+
+
+def test_greedy_twin_in_a_sampled_run_decodes_greedily_with_its_own_calibration():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8)
+    twin = bench.greedy_bpd_method(model, drafter)
+    assert twin.name == "hf_bpd_greedy" and twin.drafter is not drafter
+    assert twin.drafter.calibration is not drafter.calibration and twin.drafter.heads is drafter.heads
+    ids = torch.tensor([[5, 6, 7, 5, 6, 9]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    torch.manual_seed(1)
+    seq, stats = twin.run(inputs, 20)
+    assert seq.tolist() == model.generate(**inputs, do_sample=False, max_new_tokens=20).tolist()
+    decoding = {"do_sample": True, "temperature": 0.7}
+    methods = [bench.greedy_method(model, decoding), bench.bpd_method(model, drafter, decoding=decoding), twin]
+    results = bench.run_bench(model, TinyChatTokenizer(), ROWS, methods, 12, progress=False, seed=0)
+    assert results["hf_bpd"]["overall"]["identical"]  # seeded plain sampling, token for token
+    assert results["hf_bpd_greedy"]["overall"]["tokens"] == results["sample"]["overall"]["tokens"] == 4 * 12
+    assert set(bench.learned(methods)) == {"hf_bpd", "hf_bpd_greedy"}

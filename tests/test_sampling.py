@@ -342,3 +342,29 @@ def test_typical_acceptance_needs_sampling_and_a_valid_setting():
         model.generate(ids, do_sample=True, lossy_typical_acceptance=(0.1,), **call)
     with pytest.raises(ValueError, match="0 < epsilon <= 1"):
         model.generate(ids, do_sample=True, lossy_typical_acceptance=(2.0, 0.3), **call)
+
+
+def test_lattice_heads_with_a_rescorer_sample_exactly_under_a_tight_nucleus():
+    """Lattice heads' warped estimates keep a finite floor outside the nucleus (k-best searches subtract
+    scores), and decoding with a rescorer over them stays seeded plain sampling."""
+    from hf_bpd.calibration import SamplingWarp
+    from hf_bpd.drafter import LATTICE_FLOOR
+
+    model = tiny_model("llama", eos_token_id=None)
+    rescorer = hf_bpd.NgramRescorer(context_weight=0.5, num_paths=2, beam=4)
+    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3)
+    drafter = BlockDrafter(heads, top_k=4, max_tree_tokens=12, rescorer=rescorer)
+    drafter.prepare(model)
+    torch.manual_seed(0)
+    hidden = torch.randn(2, model.config.hidden_size) * 10
+    lattice = drafter.lattice(hidden, torch.tensor([5, 6]), warp=SamplingWarp(0.7, 0.3))
+    assert lattice.logprobs.isfinite().all() and (lattice.logprobs == LATTICE_FLOOR).any()
+    assert (lattice.logprobs[..., 0] > LATTICE_FLOOR).all()  # the favourite is always in the nucleus
+    ids = torch.tensor([[5, 6, 7, 5, 6]])
+    for seed in range(4):
+        options = dict(do_sample=True, temperature=0.7, top_p=0.3, max_new_tokens=30)
+        torch.manual_seed(seed)
+        ref = model.generate(ids, **options)
+        torch.manual_seed(seed)
+        out = model.generate(ids, **options, custom_generate=hf_bpd.generate, assistant=drafter)
+        assert out.tolist() == ref.tolist(), seed

@@ -148,6 +148,14 @@ def bpd_method(model, drafter: BlockDrafter, name: str = "hf_bpd", decoding: dic
     return Method(name, run, drafter)
 
 
+def greedy_bpd_method(model, drafter: BlockDrafter) -> Method:
+    """hf_bpd decoding greedily inside a sampled run: the greedy τ of the same drafter on the same turns
+    (later turns continue the reference's sampled answers), which sampling's τ is measured against. Its
+    drafter is a copy with the same heads and settings, so that its calibration is greedy's own; its
+    tokens are greedy's, so it is not expected to match the sampled reference."""
+    return bpd_method(model, drafter.with_rescorer(drafter.rescorer), "hf_bpd_greedy", GREEDY)
+
+
 def learned(methods: list[Method]) -> dict:
     """What each calibrated hf_bpd method's drafter learned so far: acceptance multipliers per
     source@depth and forward-cost factors per tree-size bucket."""
@@ -587,7 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         default=["greedy", "prompt_lookup", "hf_bpd"],
         help="greedy (always run: the reference), prompt_lookup, assisted (the shipped rescorer LM as a draft "
         "model), hf_bpd (heads alone), hf_bpd+NAME with NAME a shipped rescorer (hf_bpd.packaged_rescorers()), "
-        "hf_bpd_typical (with --do-sample: Medusa's typical acceptance, lossy)",
+        "hf_bpd_typical (with --do-sample: Medusa's typical acceptance, lossy), hf_bpd_greedy (with --do-sample: "
+        "the same drafter decoding greedily on the same turns, the greedy τ that sampling's τ is compared with)",
     )
     parser.add_argument("--do-sample", action="store_true", help="sample (every method, the reference too)")
     parser.add_argument("--temperature", type=float, default=None, help="with --do-sample")
@@ -724,12 +733,18 @@ def main(argv: list[str] | None = None) -> int:
         lossy = {**decoding, "lossy_typical_acceptance": True}
         return bpd_method(model, drafter.with_rescorer(drafter.rescorer), "hf_bpd_typical", lossy)
 
+    def greedy_twin() -> Method:
+        if not args.do_sample:
+            raise SystemExit("hf_bpd_greedy is hf_bpd decoding greedily inside a sampled run: add --do-sample")
+        return greedy_bpd_method(model, drafter)
+
     available = {
         "greedy": lambda: greedy_method(model, decoding),
         "prompt_lookup": lambda: prompt_lookup_method(model, decoding=decoding),
         "assisted": assisted,
         "hf_bpd": lambda: bpd_method(model, drafter, decoding=decoding),
         "hf_bpd_typical": typical,
+        "hf_bpd_greedy": greedy_twin,
     }
     unknown = {m for m in args.methods if m not in available and not m.startswith("hf_bpd+")}
     if unknown:
