@@ -88,7 +88,19 @@ def render_bench(report: dict) -> list[str]:
         lines += ["", "| method | answers' NLL per token under the base model (T = 1) |", "| --- | --- |"]
         lines += [f"| {n} | {r['overall']['nll_per_token']:.3f} |" for n, r in methods.items()]
     sampled = bool(report.get("decoding", {}).get("do_sample"))
+    if sampled and "hf_bpd_greedy" in methods and "hf_bpd" in methods:
+        lines += ["", *_sampled_over_greedy_table(methods["hf_bpd"], methods["hf_bpd_greedy"])]
     return [*lines, "", _identical_line(methods, sampled)]
+
+
+def _sampled_over_greedy_table(sampled: dict, greedy: dict) -> list[str]:
+    """hf_bpd's sampled τ against the same drafter's greedy τ on the same turns, per category."""
+    lines = ["| category | hf_bpd sampled τ | hf_bpd greedy τ | sampled / greedy |", "| --- | --- | --- | --- |"]
+    for cat in [*sampled["categories"], "overall"]:
+        s, g = (r["overall"] if cat == "overall" else r["categories"][cat] for r in (sampled, greedy))
+        name = "**overall**" if cat == "overall" else cat
+        lines.append(f"| {name} | {s['tau']:.2f} | {g['tau']:.2f} | {s['tau'] / g['tau']:.0%} |")
+    return lines
 
 
 def render_replay(report: dict) -> list[str]:
@@ -196,6 +208,36 @@ def render_analyze(report: dict) -> list[str]:
     return lines
 
 
+def render_tau_by_predictability(report: dict) -> list[str]:
+    """`research.tau_by_predictability`: sampled and greedy τ of one drafter, by the answers' NLL per token."""
+    sampled, greedy = list(report["overall"])
+    head = f"| NLL per token | {sampled} turns | {sampled} τ | {greedy} turns | {greedy} τ |"
+    lines = [head, "| --- | --- | --- | --- | --- |"]
+
+    def cells(group: dict) -> str:
+        return f"{group['turns']} | " + (f"{group['tau']:.2f}" if group["tau"] is not None else "–")
+
+    for bucket in [*report["buckets"], {"nll_range": None, **report["overall"]}]:
+        if bucket["nll_range"] is None:
+            name = "**all**"
+        else:
+            lo, hi = bucket["nll_range"]
+            name = f"{lo:.2f}–{hi:.2f}" if hi is not None else f"≥ {lo:.2f}"
+        lines.append(f"| {name} | {cells(bucket[sampled])} | {cells(bucket[greedy])} |")
+    nll = {m: report["overall"][m]["nll_per_token"] for m in (sampled, greedy)}
+    tau = {m: report["overall"][m]["tau"] for m in (sampled, greedy)}
+    m = report["matched"]
+    covered = m["sampled_tokens_covered"] / report["overall"][sampled]["tokens"]
+    return [
+        *lines,
+        "",
+        f"Mean NLL per token: {sampled} {nll[sampled]:.3f}, {greedy} {nll[greedy]:.3f}. Overall, {sampled} τ is "
+        f"{tau[sampled] / tau[greedy]:.0%} of {greedy} τ. Weighting each NLL group by the sampled answers' tokens "
+        f"({covered:.0%} of them fall in groups both methods fill), {greedy} would reach τ "
+        f"{m['greedy_tau_at_sampled_mix']:.2f} against {sampled}'s {m['sampled_tau']:.2f} there: {m['ratio']:.0%}.",
+    ]
+
+
 RENDERERS = {
     "bench": render_bench,
     "replay": render_replay,
@@ -204,6 +246,7 @@ RENDERERS = {
     "analyze": render_analyze,
     "batch": render_batch,
     "sampling_estimates": render_sampling_estimates,
+    "tau_by_predictability": render_tau_by_predictability,
 }
 
 
