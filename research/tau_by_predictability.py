@@ -5,9 +5,9 @@ A sampled bench run with the `hf_bpd_greedy` method (`hf-bpd bench --do-sample .
 hf_bpd_greedy`) decodes every turn twice with the same drafter: once drawing as plain sampling does, once
 greedily. Its journal records each answer's negative log-likelihood under the base model (at T = 1). Two
 things can lower sampled τ: the acceptance rule (a drafted child is accepted when the draw lands on it,
-not when it is the argmax) and the text itself (greedy answers of a small model are often more
-predictable, e.g. repetitive). Grouping turns by NLL per token separates them: within one group, the
-text is about as predictable for both, so what is left is the rule.
+not when it is the argmax) and the text itself (greedy answers may be more predictable). Grouping
+turns by NLL per token separates them: within one group, the text is about as predictable for both, so
+what is left is the rule.
 
     python -m research.tau_by_predictability benchmarks/sampling/t07_dev.journal.jsonl \
         --output benchmarks/sampling/t07_dev_by_nll.json
