@@ -214,16 +214,17 @@ def render_tau_by_predictability(report: dict) -> list[str]:
     head = f"| NLL per token | {sampled} turns | {sampled} τ | {greedy} turns | {greedy} τ |"
     lines = [head, "| --- | --- | --- | --- | --- |"]
 
-    def cells(group: dict) -> str:
-        return f"{group['turns']} | " + (f"{group['tau']:.2f}" if group["tau"] is not None else "–")
+    def row(name: str, groups: dict) -> str:
+        cells = [
+            f"{g['turns']} | " + (f"{g['tau']:.2f}" if g["tau"] is not None else "–")
+            for g in (groups[sampled], groups[greedy])
+        ]
+        return f"| {name} | {cells[0]} | {cells[1]} |"
 
-    for bucket in [*report["buckets"], {"nll_range": None, **report["overall"]}]:
-        if bucket["nll_range"] is None:
-            name = "**all**"
-        else:
-            lo, hi = bucket["nll_range"]
-            name = f"{lo:.2f}–{hi:.2f}" if hi is not None else f"≥ {lo:.2f}"
-        lines.append(f"| {name} | {cells(bucket[sampled])} | {cells(bucket[greedy])} |")
+    for bucket in report["buckets"]:
+        lo, hi = bucket["nll_range"]
+        lines.append(row(f"{lo:.2f}–{hi:.2f}" if hi is not None else f"≥ {lo:.2f}", bucket))
+    lines.append(row("**all**", report["overall"]))
     nll = {m: report["overall"][m]["nll_per_token"] for m in (sampled, greedy)}
     tau = {m: report["overall"][m]["tau"] for m in (sampled, greedy)}
     m = report["matched"]

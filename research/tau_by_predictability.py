@@ -20,7 +20,7 @@ import json
 import math
 from pathlib import Path
 
-from hf_bpd.jsonl import read_jsonl
+from hf_bpd.tools.bench import load_journal, merged_environment
 
 EDGES = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, math.inf)  # NLL per token, nats
 
@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("journal", help="a sampled bench run's journal with hf_bpd and hf_bpd_greedy")
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
-    lines = read_jsonl(args.journal)
-    header, records = lines[0]["header"], lines[1:]
-    run = Path(args.journal.removesuffix(".journal.jsonl") + ".json")  # the run's report: its environment
-    environment = json.loads(run.read_text())["environment"] if run.is_file() else None
+    header, records = load_journal(Path(args.journal))
+    if header is None:
+        raise SystemExit(f"{args.journal}: no bench journal there")
+    environment = merged_environment([args.journal]).get("environment")  # from the run's report beside it
     report = {"journal": args.journal, "environment": environment, "decoding": header.get("decoding")}
     report.update(by_predictability(records))
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")

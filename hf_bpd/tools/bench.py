@@ -294,7 +294,7 @@ def run_bench(
 def read_journal(path: str | Path, header: dict) -> dict[int, list[dict]]:
     """A bench journal's records by row index ({} when there is none). Raises when it was written by a
     run with other settings (its rows would not be comparable)."""
-    old, records = _load_journal(Path(path))
+    old, records = load_journal(Path(path))
     if old is None:
         return {}
     changes = _setting_changes(old, header, RESUME_KEYS)
@@ -312,7 +312,7 @@ def merge_journals(paths: list[str | Path]) -> tuple[list[str], list[dict]]:
     when two of them hold the same turn."""
     headers, records = [], []
     for path in paths:
-        header, recs = _load_journal(Path(path))
+        header, recs = load_journal(Path(path))
         if header is None:
             raise ValueError(f"{path}: no bench journal there")
         headers.append(header)
@@ -337,7 +337,7 @@ def merged_environment(journals: list[str | Path]) -> dict:
     for journal in journals:
         report_file = Path(str(journal).removesuffix(".journal.jsonl") + ".json")
         report = json.loads(report_file.read_text()) if report_file.is_file() else {}
-        header = _load_journal(Path(journal))[0] or {}
+        header = load_journal(Path(journal))[0] or {}
         parts.append(
             {
                 "file": str(report_file),
@@ -365,7 +365,7 @@ def _with_defaults(header: dict) -> dict:
     return header
 
 
-def _load_journal(path: Path) -> tuple[dict | None, list[dict]]:
+def load_journal(path: Path) -> tuple[dict | None, list[dict]]:
     """(header, records) of a journal file; (None, []) when there is none."""
     if not path.is_file():
         return None, []
@@ -706,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.do_sample:  # journals of greedy runs keep their header
         header["decoding"] = {**decoding, "seed": args.seed}
     if drafter.max_tree_tokens == "auto":  # one forward-cost curve for every hf_bpd method of the run
-        old = _load_journal(journal)[0] if args.resume else None
+        old = load_journal(journal)[0] if args.resume else None
         if old and "forward_cost" in old:  # a resumed run keeps its curve
             drafter.forward_cost = ForwardCost(*map(tuple, old["forward_cost"]))
         else:
