@@ -6,6 +6,7 @@ from .heads import BlockDraftHeads, BlockDraftHeadsConfig
 from .joint import load_joint_model
 from .lattice import Lattice, ScoredPath
 from .packaged import load_packaged_drafter, load_packaged_model, packaged_rescorers
+from .packed_linear import fast_cpu
 from .rescoring.composed import ComposedRescorer
 from .rescoring.neural import NeuralRescorer
 from .rescoring.ngram import ContextNgram, NgramLM, NgramRescorer
@@ -27,6 +28,7 @@ __all__ = [
     "NgramRescorer",
     "Rescorer",
     "ScoredPath",
+    "fast_cpu",
     "generate",
     "load_joint_model",
     "load_packaged_drafter",

@@ -130,7 +130,6 @@ def decode_batch(
     right with the pad token, as plain batched `generate` returns them. `window`: the model's attention
     window (`support.check_call_supported` made sure every row's text fits in it). `typical`: as in
     `decoding.decode`."""
-    drafter.prepare(model)
     stats = drafter.stats
     batch_size, device = input_ids.shape[0], input_ids.device
     pad = int(generation_config._pad_token_tensor)
@@ -176,8 +175,7 @@ def decode_batch(
             trees[b] = tree
         batch = batch_trees(trees, pad_token_id=pad, device=device)
         t1 = drafter._sync(device)
-        with drafter.linear_context:
-            out = verify_tree(model, batch, cache, past_mask)
+        out = verify_tree(model, batch, cache, past_mask)
         t2 = drafter._sync(device)
         results = {
             b: accept_tree(trees[b], out.logits[b], sequences[b], processors[b], stopping_criteria, do_sample, typical)

@@ -1,5 +1,5 @@
 """Where hf_bpd keeps what it builds once per machine: the dequantised packaged model (`packaged.py`) and
-the measured forward-cost curves (`cost.py`)."""
+the measured forward-cost curves and CPU kernel plans (`cost.py`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,15 @@
-"""Tree size from the hardware.
+"""Tree size and CPU kernels from the hardware.
 
 The base model's verification cost depends on the number of tree tokens N, and how depends on the device:
-on the dev CPU (MKL on AMD) one token costs 66 ms but two cost 100-127 ms (GEMV vs small-M GEMM), then the
-curve is nearly flat up to 16; with oneDNN pre-packed weights (`packed_linear`) two to eight tokens cost
-70-95 ms; on a GPU the curve is flat far longer. `ForwardCost` holds that curve (measured by
+on a CPU a forward of a few tokens can cost far more than one (matrix-vector against small-matrix
+kernels), on a GPU the curve is flat far longer. `ForwardCost` holds that curve (measured by
 `measure_forward_cost`), and `best_tree_size` picks, per step, the N that maximises expected accepted
 tokens per second: (1 + sum of the first N-1 nodes' probabilities) / cost(N).
+
+Which CPU kernel is faster, BLAS or oneDNN with pre-packed weights (`packed_linear.py`), depends on the
+processor and the row count: `measure_kernel_plan` times both on the model itself, and the plan (cached
+per machine and model, `cached_kernel_plan`) decides for every linear call inside a packed block.
+RESULTS.md has the measured curves of the machines the project ran on.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 
 from .cache import cache_root
 from .compat import cache_argument
-from .packed_linear import linear_context, wants_packed_linear
+from .packed_linear import KernelPlan, PackedLinear, linear_context, wants_packed_linear
 from .vocab import model_vocab_size
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -63,42 +67,135 @@ def measure_forward_cost(
 ) -> ForwardCost:
     """Median time of a forward of N tokens on a `context`-token cache, with the tree-style 4D mask, run
     the way verification runs it (`packed_linear`: as the drafter's setting)."""
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    vocab = model_vocab_size(model)
     packed = linear_context(model, packed_linear)  # resolved once, outside the timed forwards
-    cache = DynamicCache(config=model.config)
-    g = torch.Generator().manual_seed(0)  # a private stream: measuring must not move a user's seeded sampling
-    prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
-    cache_kwarg = cache_argument(model)
-    model(input_ids=prompt, **{cache_kwarg: cache}, use_cache=True)
-    times = []
-    for n in sizes:
-        ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
-        mask = torch.zeros(1, 1, n, context + n, dtype=dtype, device=device)
-        pos = torch.arange(context, context + n, device=device)[None]
-        runs = []
-        for _ in range(repeats + 1):  # first run warms up
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            with packed:
-                model(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    position_ids=pos,
-                    **{cache_kwarg: cache},
-                    use_cache=True,
-                    output_hidden_states=True,
-                )
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            runs.append(time.perf_counter() - t0)
-            cache.crop(-n)
-        times.append(sorted(runs[1:])[len(runs[1:]) // 2])
+    timer = ForwardTimer(model, context)
+    times = [timer.median(n, packed, repeats) for n in sizes]
     return ForwardCost(tuple(sizes), tuple(times))
+
+
+class ForwardTimer:
+    """Times forwards of N random tokens on a `context`-token cache with the tree-style 4D mask (the cache
+    is cropped back after each), on a private random stream: measuring never moves a user's seeded
+    sampling."""
+
+    def __init__(self, model, context: int) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab = model_vocab_size(model)
+        self.context = context
+        self.cache = DynamicCache(config=model.config)
+        self.generator = torch.Generator().manual_seed(0)
+        self.cache_kwarg = cache_argument(model)
+        prompt = torch.randint(0, self.vocab, (1, context), generator=self.generator).to(self.device)
+        model(input_ids=prompt, **{self.cache_kwarg: self.cache}, use_cache=True)
+
+    def once(self, n: int, block) -> float:
+        ids = torch.randint(0, self.vocab, (1, n), generator=self.generator).to(self.device)
+        mask = torch.zeros(1, 1, n, self.context + n, dtype=self.dtype, device=self.device)
+        pos = torch.arange(self.context, self.context + n, device=self.device)[None]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        with block:
+            self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                **{self.cache_kwarg: self.cache},
+                use_cache=True,
+                output_hidden_states=True,
+            )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        self.cache.crop(-n)
+        return seconds
+
+    def median(self, n: int, block, repeats: int) -> float:
+        runs = [self.once(n, block) for _ in range(repeats + 1)][1:]  # the first run warms up
+        return sorted(runs)[len(runs) // 2]
+
+
+KERNEL_PLAN_SIZES = (1, 2, 4, 8, 16, 32, 64, 256)  # rows of one forward: tokens, trees, batches, prefills
+# packed weights must beat BLAS by this factor to be used: a tie within noise keeps BLAS, which costs no copy
+PACKED_MARGIN = 0.97
+
+
+@torch.no_grad()
+def measure_kernel_plan(model, sizes=KERNEL_PLAN_SIZES, repeats: int = 5) -> KernelPlan:
+    """For each row count in `sizes`, whether `model`'s linear layers, all of them in turn as a forward
+    runs them, are faster on oneDNN's packed weights than on BLAS (median of `repeats` passes each, the two
+    kernels alternating so that drift hits both alike). The layers are timed on their own, not through the
+    model's forward: the choice concerns them only, and any architecture (windows, recurrent state,
+    multimodal parts) is measured the same way."""
+    packed = PackedLinear(model)  # its own copies, packed at every row count: freed when this returns
+    layers = {id(layer.weight): layer for layer in packed.layers if layer.weight.dtype == torch.float32}
+    layers = [layer for layer in layers.values() if packed.packed(layer.weight) is not None]
+    if not layers:
+        return KernelPlan(tuple(sizes), (False,) * len(sizes))
+    g = torch.Generator().manual_seed(0)  # a private stream: measuring must not move a user's seeded sampling
+    faster = []
+    for n in sizes:
+        inputs = {f: torch.randn(n, f, generator=g) for f in {layer.in_features for layer in layers}}
+        runs = [
+            (_linear_pass(layers, inputs, torch.nn.functional.linear), _linear_pass(layers, inputs, packed.apply))
+            for _ in range(repeats + 1)
+        ][1:]  # the first pass warms up
+        blas, onednn = (sorted(r[k] for r in runs)[len(runs) // 2] for k in (0, 1))
+        faster.append(onednn < PACKED_MARGIN * blas)
+    return KernelPlan(tuple(sizes), tuple(faster))
+
+
+def _linear_pass(layers: list[torch.nn.Linear], inputs: dict[int, torch.Tensor], linear) -> float:
+    """Seconds to run every layer once on its input, `linear(x, weight, bias)` being the kernel."""
+    t0 = time.perf_counter()
+    for layer in layers:
+        linear(inputs[layer.in_features], layer.weight, layer.bias)
+    return time.perf_counter() - t0
+
+
+def kernel_plan_key(model) -> dict:
+    """What a kernel plan depends on: as a forward-cost curve, without the tree settings."""
+    key = forward_cost_key(model, packed_linear=False, sizes=KERNEL_PLAN_SIZES, context=0)
+    del key["packed_linear"]
+    key["what"] = "kernel plan"
+    return key
+
+
+def cached_kernel_plan(model, refresh: bool = False) -> tuple[KernelPlan, Path, bool]:
+    """`model`'s kernel plan on this machine, measured once and then read from hf_bpd's cache
+    (`cache.cache_root()/kernel_plan/`, keyed as forward-cost curves are). Returns (plan, cache file,
+    whether it was measured now)."""
+    key = kernel_plan_key(model)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_root() / "kernel_plan" / f"{digest}.json"
+    stored = None if refresh else _read_cached(path, key)
+    if stored is not None:
+        return KernelPlan(tuple(stored["sizes"]), tuple(stored["packed"])), path, False
+    plan = measure_kernel_plan(model)
+    _write_cached(path, {"key": key, "sizes": list(plan.sizes), "packed": list(plan.packed), "measured": time.time()})
+    return plan, path, True
+
+
+def _read_cached(path: Path, key: dict) -> dict | None:
+    try:
+        stored = json.loads(path.read_text())
+        return stored if stored.get("key") == key else None
+    except (OSError, ValueError, AttributeError):
+        return None  # missing, unreadable or from another format: measure again
+
+
+def _write_cached(path: Path, record: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)  # atomic: concurrent processes never read half a file
+    except OSError:
+        pass  # a read-only cache only costs a measurement next time
 
 
 def device_name(device: torch.device) -> str:
@@ -126,6 +223,7 @@ def forward_cost_key(model, packed_linear: bool | None = None, sizes=DEFAULT_SIZ
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "packed_linear": wants_packed_linear(model, packed_linear),
+        "kernels": "plan",  # curves from before the measured kernel plan are measured again
         "sizes": list(sizes),
         "context": context,
     }
@@ -151,22 +249,16 @@ def cached_forward_cost(
     `LearnedForwardCost` corrects it online with the forwards it times. `refresh` measures again."""
     key = forward_cost_key(model, packed_linear, sizes)
     path = forward_cost_cache_file(key)
-    if not refresh and path.is_file():
+    stored = None if refresh else _read_cached(path, key)
+    if stored is not None:
         try:
-            stored = json.loads(path.read_text())
-            if stored.get("key") == key:
-                return ForwardCost(tuple(stored["sizes"]), tuple(stored["seconds"])), path, False
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # unreadable or from another format: measure again
+            return ForwardCost(tuple(stored["sizes"]), tuple(stored["seconds"])), path, False
+        except (KeyError, TypeError, ValueError):
+            pass  # from another format: measure again
     curve = measure_forward_cost(model, sizes, packed_linear=packed_linear)
-    record = {"key": key, "sizes": list(curve.sizes), "seconds": list(curve.seconds), "measured": time.time()}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, path)  # atomic: concurrent processes never read half a file
-    except OSError:
-        pass  # a read-only cache only costs a measurement next time
+    _write_cached(
+        path, {"key": key, "sizes": list(curve.sizes), "seconds": list(curve.seconds), "measured": time.time()}
+    )
     return curve, path, True
 
 

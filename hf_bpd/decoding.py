@@ -230,10 +230,10 @@ def decode(
     model_kwargs: dict,
     typical: tuple[float, float] | None = None,
 ):
-    """The decoding loop of `generate`, on a call already checked: prefill, then draft, verify, accept and
-    compact until a stopping criterion holds. `window`: the model's attention window, which caps trees.
+    """The decoding loop of `generate`, on a call already checked and a drafter prepared for `model`
+    (inside its linear context: `generation._prepared`): prefill, then draft, verify, accept and compact
+    until a stopping criterion holds. `window`: the model's attention window, which caps trees.
     `typical`: Medusa's lossy typical acceptance (epsilon, delta), or None (exact)."""
-    drafter.prepare(model)
     stats = drafter.stats
     prompt_len = input_ids.shape[1]
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
@@ -267,8 +267,7 @@ def decode(
         trees = drafter.draft(hidden_last, input_ids, max_depth, max_tokens, warp=warp)
         t1 = drafter._sync(input_ids.device)
         batch = batch_trees(trees, pad_token_id=int(input_ids[0, -1]), device=input_ids.device)
-        with drafter.linear_context:  # oneDNN packed weights on a CPU (BlockDrafter's packed_linear)
-            out = verify_tree(model, batch, cache, past_mask)
+        out = verify_tree(model, batch, cache, past_mask)
         t2 = drafter._sync(input_ids.device)
         result = accept_tree(
             trees[0], out.logits[0], input_ids, logits_processor, stopping_criteria, do_sample, typical

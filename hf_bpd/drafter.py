@@ -123,11 +123,10 @@ class BlockDrafter:
                      (`lookup.py`: prompt-lookup's long copies inside the tree, competing with the heads'
                      nodes on calibrated probability); 0 turns it off. Used where trees are ordered by
                      estimates (the heads' arcs are known: "auto" trees, or calibrate=True).
-    packed_linear:   run the verification forward and the heads with oneDNN pre-packed linear weights
-                     (`packed_linear.PackedLinear`: on a CPU a tree of 2-8 tokens then costs about one
-                     token, not two; a second copy of the model's linear weights). None ("auto"): on for
-                     float32 CPU models up to 2 GiB where the torch build has oneDNN. The prefill and plain
-                     `generate` are unaffected.
+    packed_linear:   run the whole decode (prefill, heads, tree forwards) with oneDNN pre-packed linear
+                     weights (`packed_linear.py`: the kernels `hf_bpd.fast_cpu` gives plain `generate`;
+                     one packed copy of the model's linear weights, shared with `fast_cpu`). None
+                     ("auto"): on for float32 CPU models up to 2 GiB where the torch build has oneDNN.
     """
 
     def __init__(
@@ -163,7 +162,7 @@ class BlockDrafter:
         self.forward_cost = forward_cost
         self.packed_linear = packed_linear
         self.context_lookup = context_lookup
-        # the contexts verification and the heads run in (oneDNN packed weights or none): set by `prepare`
+        # the contexts the decode and the heads run in (oneDNN packed weights or none): set by `prepare`
         self.linear_context: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._heads_context: contextlib.AbstractContextManager = contextlib.nullcontext()
         self.calibration = AcceptanceCalibration() if calibrate else None

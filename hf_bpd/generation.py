@@ -8,6 +8,8 @@ through `decoding.decode` or a batch through `batch.decode_batch`.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -62,7 +64,7 @@ def generate(
         check_batch_supported(input_ids, generation_config, model_kwargs)
         if streamer is not None or caller_streamer(model) is not None:
             raise ValueError("streamers take one sequence: hf_bpd.generate streams batches of size 1 only")
-        with assistant.exclusive():
+        with assistant.exclusive(), _prepared(model, assistant):
             sequences = decode_batch(
                 model,
                 assistant,
@@ -81,7 +83,7 @@ def generate(
         streamer.put(input_ids.cpu())
     else:  # given to generate the usual way: generate put the prompt already
         streamer = caller_streamer(model)
-    with assistant.exclusive():
+    with assistant.exclusive(), _prepared(model, assistant):
         return decode(
             model,
             assistant,
@@ -94,3 +96,13 @@ def generate(
             model_kwargs,
             typical,
         )
+
+
+@contextlib.contextmanager
+def _prepared(model, drafter: BlockDrafter):
+    """The drafter bound to `model` with fresh stats, and the whole decode (prefill, heads, tree forwards)
+    inside its linear context: oneDNN packed weights on a CPU (`packed_linear.py`), the same kernels
+    `hf_bpd.fast_cpu` gives plain `generate`."""
+    drafter.prepare(model)
+    with drafter.linear_context:
+        yield

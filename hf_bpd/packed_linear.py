@@ -1,20 +1,31 @@
-"""Pre-packed oneDNN linear layers for the tree-verification forward on a CPU.
+"""Pre-packed oneDNN linear layers on a CPU: fast kernels for every forward, drafted or plain.
 
-Why: a tree forward of N > 1 tokens on a CPU costs far more than one token, not because of arithmetic but
-because of how BLAS treats skinny matrices. On the dev CPU (MKL on AMD) `F.linear` of 2 rows costs 2x one
-row for every weight, the 49152 x 576 output layer 20 ms against 9 ms, so a tree of 2 to 8 tokens costs
-about 1.7 single-token steps and blockwise decoding barely breaks even. oneDNN with the weight reordered
-once into its blocked layout (what `torch.compile` does on a CPU) runs 2 to 8 rows for about the price of
-one: the output layer 4 to 7 ms.
+Why: BLAS can treat the skinny matrices of decoding badly on a CPU. A one-token forward runs every weight
+through a matrix-vector kernel, and 2 to 16 rows through a GEMM that may re-pack each weight on every
+call. oneDNN with each weight reordered once into its blocked layout (what `torch.compile` does on a CPU)
+avoids that. Which one wins depends on the processor and the row count (on some CPUs packing wins at
+every count, on others BLAS wins for one row), so the choice is measured on the model itself, once per
+machine (`KernelPlan`, `cost.cached_kernel_plan`). `RESULTS.md` has the measured costs.
 
-Inside `with packed:` the float32 CPU `nn.Linear` layers of the wrapped modules run oneDNN's
-`_linear_pointwise` on a packed copy of their weight, made on first use. No modeling file is copied or
-changed, and outside the block the model is exactly as loaded. Only the verification forward and the heads
-run inside it. Plain `generate` and the prefill are unchanged, and the output is still checked token for
-token against plain `generate`: the packed kernel rounds differently, as any batched forward does.
+Two ways in, one packed copy per model (`fast_cpu(model)` and the drafter share it):
+- `with hf_bpd.fast_cpu(model): model.generate(...)`: any `generate` call (greedy, sampling, beams,
+  transformers' assisted and prompt-lookup decoding) runs every forward, prefill and one-token steps
+  included, on the packed weights. Plain decoding gets the same kernels the drafter uses, so hf_bpd's
+  speedups are measured against it.
+- `BlockDrafter(packed_linear=None)` ("auto", the default): hf_bpd's whole decode (prefill, heads, tree
+  forwards) runs inside that same block.
 
-The cost is memory: a second copy of every linear weight the forward uses (about the model's size).
-A weight changed in place after packing (its `_version` moves) is packed again, never used stale.
+Inside a block the float32 CPU `nn.Linear` layers of the wrapped modules run oneDNN's `_linear_pointwise`
+on a packed copy of their weight, made on first use, for every row count where the plan says it is faster
+(BLAS otherwise). No modeling file is copied or changed, and outside
+the block the model is exactly as loaded. The packed kernel rounds differently from BLAS, as any other
+kernel or batch shape does, so an output can differ from plain `generate`'s where two logits nearly tie;
+`benchmarks/speed` measures how often.
+
+The cost is memory: a second copy of every linear weight the forward uses (about the model's size), kept
+between blocks until `clear()`. The original weights stay: they serve calls outside the block, autograd,
+tied embeddings and `state_dict`. A weight changed in place after packing (its `_version` moves) is
+packed again, never used stale.
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ import contextlib
 import functools
 import threading
 import weakref
+from bisect import bisect_left
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +67,37 @@ def packed_linear_available() -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which kernel serves a linear call of a given row count (tokens x batch rows of the forward):
+    `packed[i]` says oneDNN's packed weights beat BLAS at `sizes[i]` rows, measured on the model itself
+    (`cost.measure_kernel_plan`). A call takes the decision of the smallest measured size >= its rows
+    (the largest size beyond them)."""
+
+    sizes: tuple[int, ...]
+    packed: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.packed) or not self.sizes or list(self.sizes) != sorted(self.sizes):
+            raise ValueError("KernelPlan needs increasing sizes with one decision each")
+
+    def __call__(self, rows: int) -> bool:
+        return self.packed[min(bisect_left(self.sizes, rows), len(self.sizes) - 1)]
+
+    @property
+    def description(self) -> str:
+        """e.g. "BLAS for 1-2 rows, packed for 4-256 rows"."""
+        parts, start = [], 0
+        for i in range(1, len(self.sizes) + 1):
+            if i == len(self.sizes) or self.packed[i] != self.packed[start]:
+                lo = 1 if start == 0 else self.sizes[start - 1] + 1
+                hi = self.sizes[i - 1] if i < len(self.sizes) else None
+                span = f"{lo}+" if hi is None else (f"{lo}" if lo == hi else f"{lo}-{hi}")
+                parts.append(f"{'packed' if self.packed[start] else 'BLAS'} for {span} rows")
+                start = i
+        return ", ".join(parts)
+
+
 class PackedLinear:
     """Route the `nn.Linear` layers of `modules` through oneDNN with packed weights inside `with` blocks
     (see the module docstring); outside them the layers are untouched.
@@ -61,12 +105,12 @@ class PackedLinear:
     Inside a block each layer's `forward` is an instance attribute (the way accelerate's hooks wrap a
     module), removed again on exit; a class-wide mode (`TorchFunctionMode`) would add a Python call to each
     of a forward's ~2,400 torch calls, about 10 ms, eating the gain. Reusable: the packed weights are kept
-    between blocks (`clear()` frees them). Calls it cannot serve (one row, another dtype or device,
-    autograd) run the layer's own forward. While a block is open, another thread calling the same layers
+    between blocks (`clear()` frees them). Calls it cannot serve (another dtype or device, autograd) run
+    the layer's own forward. While a block is open, another thread calling the same layers
     also gets the packed path (same numbers up to rounding).
     """
 
-    def __init__(self, *modules: torch.nn.Module) -> None:
+    def __init__(self, *modules: torch.nn.Module, plan: KernelPlan | None = None) -> None:
         if not packed_linear_available():
             raise RuntimeError("this torch build has no oneDNN packed linear ops (torch.ops.mkldnn)")
         self.layers = [m for module in modules for m in module.modules() if type(m) is torch.nn.Linear]
@@ -74,12 +118,19 @@ class PackedLinear:
         # id(weight) -> (weight, its _version when packed, packed weight or None when it cannot be served)
         self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
         self._depth = 0
+        self.plan = plan  # None: packed for every row count
 
     def __len__(self) -> int:
         """Weights packed so far."""
         return sum(entry[2] is not None for entry in self._packed.values())
 
+    @property
+    def packed_bytes(self) -> int:
+        """Memory the packed copies hold (the price of the block, on top of the model's own weights)."""
+        return sum(e[2].numel() * e[2].element_size() for e in self._packed.values() if e[2] is not None)
+
     def clear(self) -> None:
+        """Free the packed copies (the next block packs again on first use)."""
         self._packed.clear()
 
     def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
@@ -101,13 +152,13 @@ class PackedLinear:
         return entry[2]
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`F.linear(x, weight, bias)`, on the packed weight where servable: several rows (one row stays with
-        BLAS's matrix-vector kernel, faster there: 66 against 72 ms on the dev CPU), float32 on the CPU,
-        outside autograd (the packed op has no backward)."""
+        """`F.linear(x, weight, bias)`, on the packed weight where servable (float32 on the CPU, outside
+        autograd: the packed op has no backward) and where the plan says packing is faster for this many
+        rows."""
         if (
             type(x) is torch.Tensor
-            and x.dim() > 1
-            and x.numel() > x.shape[-1]
+            and x.dim() > 0
+            and (self.plan is None or self.plan(x.numel() // max(x.shape[-1], 1)))
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"))
@@ -115,7 +166,7 @@ class PackedLinear:
         ):
             packed = self.packed(weight)
             if packed is not None:
-                rows = x.reshape(-1, x.shape[-1])
+                rows = x.reshape(-1, x.shape[-1])  # a 1D input is one row
                 out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
                 return out.reshape(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
@@ -171,11 +222,38 @@ def wants_packed_linear(model, packed_linear: bool | None) -> bool:
 
 
 def linear_context(model, packed_linear: bool | None) -> contextlib.AbstractContextManager:
-    """The context the verification forward (and the heads) run in: `model`'s shared `PackedLinear`, or
-    a no-op when `packed_linear` resolves to False (`wants_packed_linear`)."""
+    """The context hf_bpd's decode runs in: `model`'s shared `PackedLinear`, or a no-op when
+    `packed_linear` resolves to False (`wants_packed_linear`)."""
     if not wants_packed_linear(model, packed_linear):
         return contextlib.nullcontext()
+    return _shared(model)
+
+
+def _shared(model) -> PackedLinear:
+    """`model`'s one `PackedLinear`, with the kernel plan measured on this machine (`cost.cached_kernel_plan`:
+    once per machine and model, then read from hf_bpd's cache)."""
     mode = _MODES.get(model)
     if mode is None:
-        mode = _MODES[model] = PackedLinear(model)
+        from .cost import cached_kernel_plan  # cost.py measures with this module's PackedLinear
+
+        mode = _MODES[model] = PackedLinear(model, plan=cached_kernel_plan(model)[0])
     return mode
+
+
+def fast_cpu(model: torch.nn.Module) -> PackedLinear:
+    """Fast CPU kernels for any `generate` call (or any forward) on `model`, inside a `with` block:
+
+        with hf_bpd.fast_cpu(model):
+            model.generate(**inputs, max_new_tokens=128)  # greedy, sampling, beams, prompt lookup ...
+
+    Every float32 `nn.Linear` of `model` runs the faster of BLAS and oneDNN on a packed copy of its
+    weight for its row count, one row and the prefill included, as measured on this machine and model at
+    first use (`.plan`; cached in hf_bpd's cache, so later processes read it; module docstring). Assisted
+    generation with a draft model: open a block for each, `with fast_cpu(model), fast_cpu(assistant_model):`.
+    Returns `model`'s shared `PackedLinear` (the one hf_bpd's drafter uses too, so there is one packed
+    copy per model): `.packed_bytes` is its memory, `.clear()` frees it. Raises, before any packing, for a
+    model that is not float32 on a CPU or a torch build without oneDNN's packed ops."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fast_cpu takes a torch model (nn.Module), got {type(model).__name__}")
+    wants_packed_linear(model, True)  # raises with the reason where it cannot work
+    return _shared(model)

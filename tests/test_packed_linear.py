@@ -9,10 +9,12 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 import hf_bpd
-from hf_bpd.cost import measure_forward_cost
+from hf_bpd.cost import KERNEL_PLAN_SIZES, cached_kernel_plan, measure_forward_cost
 from hf_bpd.packed_linear import (
+    KernelPlan,
     PackedLinear,
     active_packed_linear,
+    fast_cpu,
     linear_context,
     packed_linear_available,
     wants_packed_linear,
@@ -34,7 +36,7 @@ def test_packed_linear_matches_the_layer_for_any_row_count_and_reuses_its_packin
         assert got.shape == (*shape[:-1], 96)
         torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got_nobias, F.linear(x, plain.weight), rtol=1e-4, atol=1e-4)
-    assert len(mode) == 2  # one packed copy per weight, made on first use (one-row calls pack nothing)
+    assert len(mode) == 2  # one packed copy per weight, made on first use
 
 
 def test_packed_linear_repacks_a_weight_changed_in_place():
@@ -52,12 +54,13 @@ def test_packed_linear_leaves_what_it_cannot_serve_to_the_layer():
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 8)
     x = torch.randn(3, 16, requires_grad=True)
-    mode = PackedLinear(layer)
+    double = torch.nn.Linear(16, 8).double()
+    mode = PackedLinear(layer, double)
     with mode:
         layer(x).sum().backward()  # autograd: the packed op has no backward
-        one_row = layer(x.detach()[:1])
+        wide = double(x.detach().double())  # another dtype
     assert x.grad is not None and x.grad.shape == x.shape
-    assert one_row.shape == (1, 8)
+    torch.testing.assert_close(wide, F.linear(x.detach().double(), double.weight, double.bias))
     assert len(mode) == 0  # neither call used a packed weight
 
 
@@ -135,7 +138,6 @@ def test_generate_with_packed_linear_equals_greedy(token_input):
         assert got.tolist() == ref.tolist()
         assert token_input == "previous" or max(drafter.stats.accepted_lengths) > 1
         assert isinstance(drafter.linear_context, PackedLinear) == packed
-    assert len(linear_context(model, True)) > 0  # the verification forward ran on packed weights
 
 
 def test_forward_cost_is_measured_the_way_verification_runs():
@@ -144,5 +146,116 @@ def test_forward_cost_is_measured_the_way_verification_runs():
     mode.clear()
     measure_forward_cost(model, sizes=(1, 2), context=8, repeats=1, packed_linear=False)
     assert len(mode) == 0
+    mode.plan = None  # pack every row count, whatever this machine's measured plan says
     measure_forward_cost(model, sizes=(1, 2), context=8, repeats=1, packed_linear=True)
     assert len(mode) > 0
+
+
+class RecordingPlan:
+    """A kernel plan that packs every row count and records the row counts it was asked about."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def __call__(self, rows: int) -> bool:
+        self.rows.append(rows)
+        return True
+
+
+def test_kernel_plan_decides_by_the_smallest_measured_size_at_or_above_the_rows():
+    plan = KernelPlan((1, 2, 8, 64), (False, True, True, False))
+    assert [plan(n) for n in (1, 2, 3, 8, 9, 64, 500)] == [False, True, True, True, False, False, False]
+    assert plan.description == "BLAS for 1 rows, packed for 2-8 rows, BLAS for 9+ rows"
+    with pytest.raises(ValueError, match="increasing sizes"):
+        KernelPlan((4, 2), (True, False))
+
+
+def test_blas_rows_of_a_plan_pack_nothing():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    mode = PackedLinear(layer, plan=KernelPlan((1, 4), (False, True)))
+    with mode, torch.no_grad():
+        layer(torch.randn(1, 16))
+        assert len(mode) == 0 and mode.packed_bytes == 0  # one row: BLAS, no copy made
+        got = layer(torch.randn(2, 3, 16))  # 6 rows: packed
+    assert got.shape == (2, 3, 8)
+    assert len(mode) == 1 and mode.packed_bytes == 16 * 8 * 4
+
+
+def test_kernel_plan_is_measured_once_per_machine_and_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    plan, path, measured = cached_kernel_plan(model)
+    assert measured and path.is_file() and path.is_relative_to(tmp_path) and plan.sizes == KERNEL_PLAN_SIZES
+    again, path2, measured2 = cached_kernel_plan(tiny_model("llama", seed=5))  # same architecture
+    assert (again, path2, measured2) == (plan, path, False)
+    assert cached_kernel_plan(model, refresh=True)[2] is True
+    assert fast_cpu(model).plan == plan  # fast_cpu and the drafters use the cached plan
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"do_sample": False},
+        {"do_sample": True, "temperature": 0.8, "top_p": 0.9},
+        {"do_sample": False, "num_beams": 3},
+        {"do_sample": False, "prompt_lookup_num_tokens": 4},
+    ],
+    ids=["greedy", "sampling", "beams", "prompt_lookup"],
+)
+def test_fast_cpu_serves_every_forward_of_any_generate_with_plain_outputs(kwargs):
+    model = tiny_model("llama", eos_token_id=None)
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 8, 9]])
+    torch.manual_seed(0)
+    ref = model.generate(ids, max_new_tokens=24, **kwargs)
+    fast = fast_cpu(model)
+    fast.plan, recorded = RecordingPlan(), fast.plan  # pack every row count, and see which ran
+    try:
+        torch.manual_seed(0)
+        with fast:
+            got = model.generate(ids, max_new_tokens=24, **kwargs)
+        rows = fast.plan.rows
+    finally:
+        fast.plan = recorded
+    assert got.tolist() == ref.tolist()
+    assert 8 * kwargs.get("num_beams", 1) in rows  # the prefill (one row per beam)
+    assert 1 in rows or kwargs.get("num_beams")  # one-token steps
+    assert len(fast) > 0
+    assert all("forward" not in layer.__dict__ for layer in fast.layers)  # nothing left patched
+
+
+def test_fast_cpu_serves_batches_and_assisted_generation():
+    model, small = tiny_model("llama", eos_token_id=None), tiny_model("llama", seed=1, eos_token_id=None)
+    ids = torch.tensor([[1, 5, 6, 7], [5, 6, 7, 8]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=1)
+    with fast_cpu(model):
+        got = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=1)
+    assert got.tolist() == ref.tolist()
+    one = ids[1:]
+    ref = model.generate(one, do_sample=False, max_new_tokens=16, assistant_model=small)
+    with fast_cpu(model), fast_cpu(small):
+        got = model.generate(one, do_sample=False, max_new_tokens=16, assistant_model=small)
+    assert got.tolist() == ref.tolist()
+
+
+def test_fast_cpu_refuses_what_it_cannot_serve_before_packing():
+    with pytest.raises(ValueError, match="float32 models on a CPU; this one is torch.bfloat16"):
+        fast_cpu(tiny_model("llama").to(torch.bfloat16))
+    with pytest.raises(TypeError, match="fast_cpu takes a torch model"):
+        fast_cpu("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_hf_bpd_runs_its_prefill_and_one_token_trees_on_the_shared_packed_weights():
+    from test_decoding import copying_heads
+
+    model = tiny_model("llama", eos_token_id=None)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=20)
+    drafter = hf_bpd.BlockDrafter(copying_heads(model, 2), top_k=2, max_tree_tokens=1, packed_linear=True)
+    shared = fast_cpu(model)
+    shared.plan = RecordingPlan()
+    got = model.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert got.tolist() == ref.tolist()
+    assert drafter.linear_context is shared  # one packed copy per model
+    assert 5 in shared.plan.rows and 1 in shared.plan.rows  # the prefill and the one-token trees

@@ -2,7 +2,9 @@
 prompt so machine drift hits every method alike.
 
 Per category and overall: tau (new tokens / base-model forwards; 1.00 for greedy), tokens/s, speedup over
-greedy on the same prompts, and whether every output equals greedy's (the run exits 1 if one does not).
+the FASTEST plain `generate` of the run on the same prompts (plain greedy, or plain greedy on
+`hf_bpd.fast_cpu`'s kernels, whichever was faster in that category, or overall), and whether every output
+equals plain greedy's (the run exits 1 if one does not).
 MT-bench rows: the second turn is asked after greedy's own first answer (the same input for every
 method; a lossless method gives that answer too).
 """
@@ -29,6 +31,7 @@ from ..drafter import BlockDrafter
 from ..generation import generate as bpd_generate
 from ..jsonl import read_jsonl
 from ..models import chat_inputs
+from ..packed_linear import fast_cpu
 from .forward_counter import ForwardCounter
 
 DEFAULT_DATA = "../shared/data/spec_bench_dev.jsonl"
@@ -39,7 +42,9 @@ class MethodTotals:
     tokens: int = 0
     forwards: int = 0
     seconds: float = 0.0
-    greedy_seconds: float = 0.0  # greedy's time on the same turns
+    greedy_seconds: float = 0.0  # the reference's (plain eager greedy or sampling) time on the same turns
+    baseline_seconds: float = 0.0  # the fastest plain method's time on the same turns (`summarize`)
+    baseline: str | None = None  # its name
     identical: bool = True
     turns: int = 0
     identical_turns: int = 0  # turns whose output equals greedy's (the mismatch rate in low precision)
@@ -48,12 +53,14 @@ class MethodTotals:
     nll: float = 0.0  # sampled runs: the answers' summed negative log-likelihood under the base model
     nll_tokens: int = 0
 
-    def add(self, record: dict) -> None:
-        """One method's result on one turn (a `run_bench` record)."""
+    def add(self, record: dict, baseline_seconds: float | None = None) -> None:
+        """One method's result on one turn (a `run_bench` record); `baseline_seconds`: the baseline
+        method's time on the same turn (default: the reference's)."""
         self.tokens += record["tokens"]
         self.forwards += record["forwards"]
         self.seconds += record["seconds"]
         self.greedy_seconds += record["greedy_seconds"]
+        self.baseline_seconds += record["greedy_seconds"] if baseline_seconds is None else baseline_seconds
         self.identical &= record["identical"]
         self.turns += 1
         self.identical_turns += bool(record["identical"])
@@ -68,7 +75,9 @@ class MethodTotals:
         out = {
             "tau": self.tokens / max(self.forwards, 1),
             "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
-            "speedup": self.greedy_seconds / max(self.seconds, 1e-9),
+            "speedup": self.baseline_seconds / max(self.seconds, 1e-9),
+            "speedup_over": self.baseline,
+            "speedup_vs_reference": self.greedy_seconds / max(self.seconds, 1e-9),
             "identical": self.identical,
             "turns": self.turns,
             "identical_turns": self.identical_turns,
@@ -116,6 +125,22 @@ def greedy_method(model, decoding: dict = GREEDY) -> Method:
     return Method(
         reference_name(decoding), lambda inputs, n: (model.generate(**inputs, **decoding, max_new_tokens=n), None)
     )
+
+
+def fast_cpu_method(method: Method, model) -> Method:
+    """`method` with every forward of `model` on `hf_bpd.fast_cpu`'s kernels (named `<name>_fast`): the
+    kernels hf_bpd's own forwards use, given to the baselines too. The kernel plan is measured (or read
+    from the cache) here, before any timing."""
+    try:
+        block = fast_cpu(model)
+    except (ValueError, RuntimeError) as err:
+        raise SystemExit(f"{method.name}_fast runs on hf_bpd.fast_cpu's CPU kernels: {err}") from None
+
+    def run(inputs, n):
+        with block:
+            return method.run(inputs, n)
+
+    return Method(f"{method.name}_fast", run)
 
 
 def prompt_lookup_method(model, num_tokens: int = 10, decoding: dict = GREEDY) -> Method:
@@ -421,12 +446,38 @@ def _append(path: str | Path, records: list[dict]) -> None:
         f.writelines(json.dumps(r) + "\n" for r in records)
 
 
+PLAIN_METHODS = ("greedy", "sample", "greedy_fast", "sample_fast")  # plain `generate`, eager or fast kernels
+
+
+def _turn(record: dict) -> tuple:
+    return record.get("question_id"), record["row"], record["turn"]
+
+
+def _fastest_plain(records: list[dict], methods: list[str]) -> str:
+    """The plain method with the least total time over `records` (the reference when it is the only one)."""
+    plain = [m for m in methods if m in PLAIN_METHODS] or methods[:1]
+    return min(plain, key=lambda m: sum(r["seconds"] for r in records if r["method"] == m))
+
+
 def summarize(records: list[dict], methods: list[str]) -> dict:
-    """Per method, overall and per category summaries of `run_bench` records."""
-    totals = {m: {"overall": MethodTotals(), "categories": defaultdict(MethodTotals)} for m in methods}
+    """Per method, overall and per category summaries of `run_bench` records. Speedups divide by the
+    fastest plain method of the run (`PLAIN_METHODS`): overall, the one fastest over all turns; in a
+    category, the one fastest in that category. Each summary names it (`speedup_over`) and keeps the
+    ratio over the reference beside it (`speedup_vs_reference`)."""
+    seconds = {(r["method"], _turn(r)): r["seconds"] for r in records}
+    overall_base = _fastest_plain(records, methods)
+    category_base = {
+        cat: _fastest_plain([r for r in records if r["category"] == cat], methods)
+        for cat in {r["category"] for r in records}
+    }
+    totals = {m: {"overall": MethodTotals(baseline=overall_base), "categories": {}} for m in methods}
     for r in records:
-        totals[r["method"]]["overall"].add(r)
-        totals[r["method"]]["categories"][r["category"]].add(r)
+        cat = r["category"]
+        categories = totals[r["method"]]["categories"]
+        if cat not in categories:
+            categories[cat] = MethodTotals(baseline=category_base[cat])
+        totals[r["method"]]["overall"].add(r, seconds.get((overall_base, _turn(r))))
+        categories[cat].add(r, seconds.get((category_base[cat], _turn(r))))
     return {
         name: {
             "overall": t["overall"].summary(),
@@ -467,10 +518,26 @@ def markdown_table(results: dict) -> str:
             f"| {m} | {s['tau']:.2f} | {s['tokens_per_s']:.2f} | {s['speedup']:.2f}× | "
             f"{_identical_cell(s)} | " + " | ".join(times) + " |"
         )
+    lines += ["", baseline_line(results)]
     if all("nll_per_token" in results[m]["overall"] for m in methods):
         lines += ["", "| method | answers' NLL per token under the base model (T = 1) |", "| --- | --- |"]
         lines += [f"| {m} | {results[m]['overall']['nll_per_token']:.3f} |" for m in methods]
     return "\n".join(lines)
+
+
+def baseline_line(results: dict) -> str:
+    """What the speedups of `results` divide by, in words."""
+    first = next(iter(results.values()))
+    overall = first["overall"].get("speedup_over")
+    if overall is None:  # result files from before the fastest-plain rule: plain eager greedy
+        return "Speedup: over plain greedy `generate` (eager kernels; this run had no fast-kernel baseline)."
+    by_category = {c: s["speedup_over"] for c, s in first["categories"].items()}
+    others = sorted(c for c, b in by_category.items() if b != overall)
+    where = f"; in {', '.join(others)}: {', '.join(sorted({by_category[c] for c in others}))}" if others else ""
+    return (
+        f"Speedup: over the fastest plain `generate` of the run, per category and overall: {overall}{where} "
+        "(`_fast`: on hf_bpd.fast_cpu's kernels)."
+    )
 
 
 def _identical_cell(summary: dict) -> str:
@@ -592,8 +659,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=["greedy", "prompt_lookup", "hf_bpd"],
-        help="greedy (always run: the reference), prompt_lookup, assisted (the shipped rescorer LM as a draft "
+        default=["greedy", "greedy_fast", "prompt_lookup_fast", "hf_bpd"],
+        help="greedy (always run: the reference), greedy_fast (plain generate on hf_bpd.fast_cpu's kernels, "
+        "which hf_bpd's forwards use; speedups divide by the faster of the two), prompt_lookup, "
+        "prompt_lookup_fast, assisted (the shipped rescorer LM as a draft "
         "model), hf_bpd (heads alone), hf_bpd+NAME with NAME a shipped rescorer (hf_bpd.packaged_rescorers()), "
         "hf_bpd_typical (with --do-sample: Medusa's typical acceptance, lossy), hf_bpd_greedy (with --do-sample: "
         "the same drafter decoding greedily on the same turns, the greedy τ that sampling's τ is compared with)",
@@ -654,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
     batched = args.batch_size != [1]
     if batched:
-        unbatched = [m for m in args.methods if m in ("prompt_lookup", "assisted")]
+        unbatched = [m for m in args.methods if m.startswith(("prompt_lookup", "assisted"))]
         if unbatched or args.resume or args.do_sample:
             raise SystemExit(
                 "--batch-size > 1 measures greedy hf_bpd methods against plain batched greedy (no --resume, no "
@@ -740,7 +809,9 @@ def main(argv: list[str] | None = None) -> int:
 
     available = {
         "greedy": lambda: greedy_method(model, decoding),
+        "greedy_fast": lambda: fast_cpu_method(greedy_method(model, decoding), model),
         "prompt_lookup": lambda: prompt_lookup_method(model, decoding=decoding),
+        "prompt_lookup_fast": lambda: fast_cpu_method(prompt_lookup_method(model, decoding=decoding), model),
         "assisted": assisted,
         "hf_bpd": lambda: bpd_method(model, drafter, decoding=decoding),
         "hf_bpd_typical": typical,
