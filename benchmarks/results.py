@@ -268,6 +268,20 @@ def render_kernels(report: dict) -> list[str]:
     return lines
 
 
+def render_host_syncs(report: dict) -> list[str]:
+    """`research.host_syncs`: device-to-host synchronisations per decoding step, by phase."""
+    settings = report["settings"]
+    phases = sorted({p for s in settings.values() for p in s["per_step"]})
+    lines = ["| decoding | " + " | ".join(phases) + " | all phases | steps | identical to plain |"]
+    lines.append("|" + " --- |" * (4 + len(phases)))
+    for name, s in settings.items():
+        cells = " | ".join(f"{s['per_step'].get(p, 0):.2f}" for p in phases)
+        lines.append(
+            f"| {name} | {cells} | {s['total_per_step']:.2f} | {s['steps']} | {s['identical']} of {s['prompts']} |"
+        )
+    return lines
+
+
 RENDERERS = {
     "bench": render_bench,
     "replay": render_replay,
@@ -277,6 +291,7 @@ RENDERERS = {
     "batch": render_batch,
     "sampling_estimates": render_sampling_estimates,
     "kernels": render_kernels,
+    "host_syncs": render_host_syncs,
     "tau_by_predictability": render_tau_by_predictability,
 }
 

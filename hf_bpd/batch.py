@@ -20,7 +20,9 @@ chosen for all rows (`cost.best_batch_width`): the verification forward holds B 
 padded to the widest, finished rows included), so w maximises the batch's expected accepted tokens per
 cost(B x w), and a bigger batch, already compute-bound on a CPU, verifies smaller trees. That cost is the
 call's own (`cost.BatchForwardCost`): its first step is a plain one, and every forward is timed, because a
-batch at long contexts costs far more than the one-row start-up curve says. Below an attention
+batch at long contexts costs far more than the one-row start-up curve says. Where drafted steps yield
+fewer tokens per second than plain ones (drafting included), the call takes plain steps, the roots alone
+(`cost.StepChooser`). Below an attention
 window, trees are capped so the cache plus the tree stays within it, as for one row. Sampling works row
 by row (each row's own draws, so the random stream differs from plain batched sampling while each row's
 law is plain sampling's). Streamers and per-token scores are refused for batches.
@@ -149,15 +151,17 @@ def decode_batch(
     first = choose_tokens(scores, do_sample)
     sequences = [torch.cat([input_ids[b : b + 1], first[b].view(1, 1)], dim=-1) for b in range(batch_size)]
     finished = [bool(stopping_criteria(sequences[b], scores[b : b + 1]).any()) for b in range(batch_size)]
+    roots = first.tolist()  # each row's last token, kept on the host
     stats.time_prefill = time.perf_counter() - t0
     stats.new_tokens = batch_size
     for row in rows:
         row.new_tokens = 1
+    # plain steps where drafting does not pay ("auto" trees): a plain step's time is the batch's own
+    chooser = drafter.step_chooser(lambda: batch_cost.seconds.get(1)) if batch_cost is not None else None
 
     while not all(finished):
+        t0 = time.perf_counter()
         active = [b for b in range(batch_size) if not finished[b]]
-        length = max(s.shape[1] for s in sequences)
-        contexts = torch.stack([torch.nn.functional.pad(s[0], (length - s.shape[1], 0), value=pad) for s in sequences])
         real = past_mask.long().sum(-1)  # real tokens per row in the cache
         max_depth = None if context is None else max(int(context - real[active].max()) - 1, 0)
         share = None if drafter.max_tree_tokens != "auto" else max(1, drafter.tree_budget // len(active))
@@ -167,9 +171,17 @@ def decode_batch(
             past_mask = squeeze_holes(cache, past_mask)
         if window is not None:  # every row's text fits the window, so at least the root does
             share = min(share or drafter.tree_budget, window - 1 - past_mask.shape[1])
-        if batch_cost is not None and not batch_cost.seconds:
-            share = 1  # a plain step first, timed: the batch's own one-token cost at its contexts
-        drafted = drafter.draft(hidden_last[active], contexts[active], max_depth, share, batch_cost, warp=warp)
+        # a plain step first, timed: the batch's own one-token cost at its contexts
+        drafting = not (batch_cost is not None and not batch_cost.seconds)
+        drafting = drafting and (chooser is None or chooser.draft_next(len(active)))
+        if drafting:
+            length = max(s.shape[1] for s in sequences)
+            contexts = torch.stack(
+                [torch.nn.functional.pad(s[0], (length - s.shape[1], 0), value=pad) for s in sequences]
+            )
+            drafted = drafter.draft(hidden_last[active], contexts[active], max_depth, share, batch_cost, warp=warp)
+        else:
+            drafted = drafter.root_trees([roots[b] for b in active])
         trees: list[DraftTree] = [DraftTree.root_only(pad)] * batch_size
         for b, tree in zip(active, drafted):
             trees[b] = tree
@@ -183,6 +195,8 @@ def decode_batch(
         }
         drafter.observe([results[b].nodes for b in active], [results[b].finished for b in active], 0, None)
         t3 = time.perf_counter()
+        if chooser is not None:  # the accept read the tokens: on an accelerator too, t3 is after the step
+            chooser.observe(drafting, sum(len(r.tokens) for r in results.values()), t3 - t0)
         if batch_cost is not None:
             # on a CPU the forward's own time; on an accelerator the accept (which reads the logits on the
             # host) is the first sync after the forward, so the time up to its end
@@ -201,6 +215,7 @@ def decode_batch(
         hidden_last = out.hidden_states[-1][torch.arange(batch_size), keep[torch.arange(batch_size), last].to(device)]
         for b, result in results.items():
             sequences[b] = torch.cat([sequences[b], sequences[b].new_tensor([result.tokens])], dim=-1)
+            roots[b] = result.tokens[-1]
             finished[b] = result.finished
             rows[b].steps += 1
             rows[b].new_tokens += len(result.tokens)
@@ -211,6 +226,7 @@ def decode_batch(
         stats.time_accept += t3 - t2
         stats.time_cache += t4 - t3
         stats.steps += 1
+        stats.plain_steps += not drafting
         added = sum(len(r.tokens) for r in results.values())
         stats.new_tokens += added
         stats.accepted_lengths.append(added)

@@ -1,10 +1,16 @@
 """Where hf_bpd keeps what it builds once per machine: the dequantised packaged model (`packaged.py`) and
-the measured forward-cost curves and CPU kernel plans (`cost.py`)."""
+the measured forward-cost curves (`cost.py`) and CPU kernel plans (`packed_linear.py`), keyed by the
+machine and model they were measured on."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
 from pathlib import Path
+
+import torch
 
 
 def cache_root() -> Path:
@@ -16,3 +22,54 @@ def cache_root() -> Path:
         return Path(os.environ["HF_HOME"]) / "hf_bpd"
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "hf_bpd"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:  # the CPU model: a cached curve is only valid on the same kind of processor
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key(model) -> dict:
+    """What a measurement of `model` on this machine depends on: its architecture (config without names),
+    dtype, device kind, threads and torch version (not its weights)."""
+    param = next(model.parameters())
+    config = {k: v for k, v in model.config.to_dict().items() if "name" not in k and k != "transformers_version"}
+    return {
+        "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+        "dtype": str(param.dtype),
+        "device": f"{param.device.type}: {device_name(param.device)}",
+        "threads": torch.get_num_threads() if param.device.type == "cpu" else None,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+    }
+
+
+def cache_file(folder: str, key: dict) -> Path:
+    """`folder/<digest of key>.json` in hf_bpd's cache."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / folder / f"{digest}.json"
+
+
+def read_cached(path: Path, key: dict) -> dict | None:
+    try:
+        stored = json.loads(path.read_text())
+        return stored if stored.get("key") == key else None
+    except (OSError, ValueError, AttributeError):
+        return None  # missing, unreadable or from another format: measure again
+
+
+def write_cached(path: Path, record: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)  # atomic: concurrent processes never read half a file
+    except OSError:
+        pass  # a read-only cache only costs a measurement next time

@@ -6,10 +6,8 @@ kernels), on a GPU the curve is flat far longer. `ForwardCost` holds that curve 
 `measure_forward_cost`), and `best_tree_size` picks, per step, the N that maximises expected accepted
 tokens per second: (1 + sum of the first N-1 nodes' probabilities) / cost(N).
 
-Which CPU kernel is faster, BLAS or oneDNN with pre-packed weights (`packed_linear.py`), depends on the
-processor and the row count: `measure_kernel_plan` times both on the model itself, and the plan (cached
-per machine and model, `cached_kernel_plan`) decides for every linear call inside a packed block.
-RESULTS.md has the measured curves of the machines the project ran on.
+Which CPU kernel runs the forwards, BLAS or oneDNN with pre-packed weights, is measured apart
+(`packed_linear.cached_kernel_plan`). RESULTS.md has the measured curves of the machines the project ran on.
 """
 
 from __future__ import annotations
@@ -17,18 +15,17 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import platform
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .cache import cache_root
+from .cache import cache_root, machine_key, read_cached, write_cached
 from .compat import cache_argument
-from .packed_linear import KernelPlan, PackedLinear, linear_context, wants_packed_linear
+from .packed_linear import linear_context, wants_packed_linear
 from .vocab import model_vocab_size
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -119,109 +116,11 @@ class ForwardTimer:
         return sorted(runs)[len(runs) // 2]
 
 
-KERNEL_PLAN_SIZES = (1, 2, 4, 8, 16, 32, 64, 256)  # rows of one forward: tokens, trees, batches, prefills
-# packed weights must beat BLAS by this factor to be used: a tie within noise keeps BLAS, which costs no copy
-PACKED_MARGIN = 0.97
-
-
-@torch.no_grad()
-def measure_kernel_plan(model, sizes=KERNEL_PLAN_SIZES, repeats: int = 5) -> KernelPlan:
-    """For each row count in `sizes`, whether `model`'s linear layers, all of them in turn as a forward
-    runs them, are faster on oneDNN's packed weights than on BLAS (median of `repeats` passes each, the two
-    kernels alternating so that drift hits both alike). The layers are timed on their own, not through the
-    model's forward: the choice concerns them only, and any architecture (windows, recurrent state,
-    multimodal parts) is measured the same way."""
-    packed = PackedLinear(model)  # its own copies, packed at every row count: freed when this returns
-    layers = {id(layer.weight): layer for layer in packed.layers if layer.weight.dtype == torch.float32}
-    layers = [layer for layer in layers.values() if packed.packed(layer.weight) is not None]
-    if not layers:
-        return KernelPlan(tuple(sizes), (False,) * len(sizes))
-    g = torch.Generator().manual_seed(0)  # a private stream: measuring must not move a user's seeded sampling
-    faster = []
-    for n in sizes:
-        inputs = {f: torch.randn(n, f, generator=g) for f in {layer.in_features for layer in layers}}
-        runs = [
-            (_linear_pass(layers, inputs, torch.nn.functional.linear), _linear_pass(layers, inputs, packed.apply))
-            for _ in range(repeats + 1)
-        ][1:]  # the first pass warms up
-        blas, onednn = (sorted(r[k] for r in runs)[len(runs) // 2] for k in (0, 1))
-        faster.append(onednn < PACKED_MARGIN * blas)
-    return KernelPlan(tuple(sizes), tuple(faster))
-
-
-def _linear_pass(layers: list[torch.nn.Linear], inputs: dict[int, torch.Tensor], linear) -> float:
-    """Seconds to run every layer once on its input, `linear(x, weight, bias)` being the kernel."""
-    t0 = time.perf_counter()
-    for layer in layers:
-        linear(inputs[layer.in_features], layer.weight, layer.bias)
-    return time.perf_counter() - t0
-
-
-def kernel_plan_key(model) -> dict:
-    """What a kernel plan depends on: as a forward-cost curve, without the tree settings."""
-    key = forward_cost_key(model, packed_linear=False, sizes=KERNEL_PLAN_SIZES, context=0)
-    del key["packed_linear"]
-    key["what"] = "kernel plan"
-    return key
-
-
-def cached_kernel_plan(model, refresh: bool = False) -> tuple[KernelPlan, Path, bool]:
-    """`model`'s kernel plan on this machine, measured once and then read from hf_bpd's cache
-    (`cache.cache_root()/kernel_plan/`, keyed as forward-cost curves are). Returns (plan, cache file,
-    whether it was measured now)."""
-    key = kernel_plan_key(model)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_root() / "kernel_plan" / f"{digest}.json"
-    stored = None if refresh else _read_cached(path, key)
-    if stored is not None:
-        return KernelPlan(tuple(stored["sizes"]), tuple(stored["packed"])), path, False
-    plan = measure_kernel_plan(model)
-    _write_cached(path, {"key": key, "sizes": list(plan.sizes), "packed": list(plan.packed), "measured": time.time()})
-    return plan, path, True
-
-
-def _read_cached(path: Path, key: dict) -> dict | None:
-    try:
-        stored = json.loads(path.read_text())
-        return stored if stored.get("key") == key else None
-    except (OSError, ValueError, AttributeError):
-        return None  # missing, unreadable or from another format: measure again
-
-
-def _write_cached(path: Path, record: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, path)  # atomic: concurrent processes never read half a file
-    except OSError:
-        pass  # a read-only cache only costs a measurement next time
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:  # the CPU model: a cached curve is only valid on the same kind of processor
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def forward_cost_key(model, packed_linear: bool | None = None, sizes=DEFAULT_SIZES, context: int = 256) -> dict:
-    """Everything a measured curve depends on: the model's architecture (config without names), dtype,
-    device kind, threads, torch version and the verification setting (packed linears)."""
-    param = next(model.parameters())
-    config = {k: v for k, v in model.config.to_dict().items() if "name" not in k and k != "transformers_version"}
+    """Everything a measured curve depends on: the model's architecture and machine (`cache.machine_key`)
+    and the verification setting (packed linears)."""
     return {
-        "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
-        "dtype": str(param.dtype),
-        "device": f"{param.device.type}: {device_name(param.device)}",
-        "threads": torch.get_num_threads() if param.device.type == "cpu" else None,
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
+        **machine_key(model),
         "packed_linear": wants_packed_linear(model, packed_linear),
         "kernels": "plan",  # curves from before the measured kernel plan are measured again
         "sizes": list(sizes),
@@ -249,14 +148,14 @@ def cached_forward_cost(
     `LearnedForwardCost` corrects it online with the forwards it times. `refresh` measures again."""
     key = forward_cost_key(model, packed_linear, sizes)
     path = forward_cost_cache_file(key)
-    stored = None if refresh else _read_cached(path, key)
+    stored = None if refresh else read_cached(path, key)
     if stored is not None:
         try:
             return ForwardCost(tuple(stored["sizes"]), tuple(stored["seconds"])), path, False
         except (KeyError, TypeError, ValueError):
             pass  # from another format: measure again
     curve = measure_forward_cost(model, sizes, packed_linear=packed_linear)
-    _write_cached(
+    write_cached(
         path, {"key": key, "sizes": list(curve.sizes), "seconds": list(curve.seconds), "measured": time.time()}
     )
     return curve, path, True
@@ -380,3 +279,44 @@ class BatchForwardCost:
     def observe(self, width: int, seconds: float) -> None:
         """One timed verification forward of the batch, its trees padded to `width`."""
         self.seconds[width] = _running_mean(self.seconds.get(width), seconds, self.rate)
+
+
+@dataclass
+class StepChooser:
+    """Drafted or plain steps, by measured throughput: a drafted step pays for the heads, the tree and the
+    acceptance walk on top of a wider forward, and where drafts are rarely accepted (or a batch's forward
+    is compute-bound) that costs more than it returns. So each `generate` call measures what its drafted
+    steps yield, tokens per second of the whole step, and takes plain steps (the roots only: no heads, no
+    tree, a one-token forward per row) while those are faster; every `probe_every` plain steps a drafted
+    step checks again. Only the speed depends on it, never a token.
+
+    A plain step's seconds are measured once plain steps ran; before that `plain_estimate()` stands in
+    (for one row the forward-cost curve's one-token time, learned online; for a batch its own timed
+    one-token forward, `BatchForwardCost`; None: unknown, so draft)."""
+
+    plain_estimate: Callable[[], float | None]
+    probe_every: int = 8
+    rate: float = 0.3  # weight of the newest step in the running means
+    drafted_rate: float | None = None  # tokens per second of drafted steps
+    plain_step_seconds: float | None = None  # seconds of a plain step, measured
+    plain_run: int = 0  # plain steps since the last drafted one
+    plain_taken: int = 0  # plain steps in all
+
+    def draft_next(self, rows: int = 1) -> bool:
+        """Whether the next step drafts, for `rows` unfinished rows (a plain step makes one token each)."""
+        plain = self.plain_step_seconds if self.plain_step_seconds is not None else self.plain_estimate()
+        if self.drafted_rate is None or plain is None or self.drafted_rate >= rows / plain:
+            return True
+        if self.plain_run >= self.probe_every:
+            return True
+        self.plain_run += 1
+        self.plain_taken += 1
+        return False
+
+    def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
+        """A step's new tokens (all rows) and its seconds, from drafting to the accepted tokens."""
+        if drafted:
+            self.plain_run = 0
+            self.drafted_rate = _running_mean(self.drafted_rate, tokens / max(seconds, 1e-9), self.rate)
+        else:
+            self.plain_step_seconds = _running_mean(self.plain_step_seconds, seconds, self.rate)

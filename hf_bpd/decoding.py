@@ -42,11 +42,13 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .calibration import SamplingWarp
 from .compat import GENERATE_CACHE_FIELD, cache_argument, output_cache
 from .drafter import BlockDrafter
+from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, TreeBatch, batch_trees
 
 
@@ -160,6 +162,56 @@ def typical_child(tree: DraftTree, node: int, scores: torch.Tensor, epsilon: flo
     return children[best] if p[best] > threshold else None
 
 
+@dataclass(frozen=True)
+class HostStop:
+    """`generate`'s usual stopping criteria (max length, eos tokens) evaluated on the host from a sequence
+    length and a token: exactly what `MaxLengthCriteria` and `EosTokenCriteria` decide, without a tensor
+    per token (each would be a device-to-host synchronisation)."""
+
+    max_length: int | None
+    eos: frozenset[int]
+
+    @classmethod
+    def of(cls, stopping_criteria: StoppingCriteriaList) -> HostStop | None:
+        """The host form of `stopping_criteria`, or None when it holds any other criterion (stop strings,
+        time limits, a user's own): those run as `generate` runs them."""
+        max_length, eos = None, set()
+        for criterion in stopping_criteria:
+            if type(criterion) is MaxLengthCriteria:
+                max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+            elif type(criterion) is EosTokenCriteria:
+                eos.update(criterion.eos_token_id.view(-1).tolist())
+            else:
+                return None
+        return cls(max_length, frozenset(eos))
+
+    def __call__(self, length: int, token: int) -> bool:
+        return token in self.eos or (self.max_length is not None and length >= self.max_length)
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor, length: int, stop: HostStop) -> AcceptResult:
+    """`accept_tree` for greedy decoding without logits processors and with `HostStop` criteria: the base
+    model's token at every node in one argmax (one device-to-host copy for the whole step), then the same
+    walk on the host. `length`: the sequence's length, root included."""
+    choices = logits.argmax(dim=-1).tolist()
+    nodes, tokens = [], []
+    node = 0
+    while True:
+        nodes.append(node)
+        tokens.append(choices[node])
+        length += 1
+        if stop(length, choices[node]):
+            finished = True
+            break
+        child = tree.child(node, choices[node])
+        if child is None:
+            finished = False
+            break
+        node = child
+    raw = [logits[i].float() for i in nodes]  # views: no copy to the host (scores = raw logits: no processors)
+    return AcceptResult(nodes, tokens, raw, raw, finished)
+
+
 def accept_tree(
     tree: DraftTree,
     logits: torch.Tensor,
@@ -168,6 +220,7 @@ def accept_tree(
     stopping_criteria: StoppingCriteriaList,
     do_sample: bool = False,
     typical: tuple[float, float] | None = None,
+    stop: HostStop | None = None,
 ) -> AcceptResult:
     """Follow the base model's own choices through the tree for one row: its greedy token at each node,
     or with `do_sample` one draw from its processed distribution there (module docstring: exact).
@@ -177,8 +230,12 @@ def accept_tree(
     the one `generate` would choose (or has the law of its draw). A matching child is followed; otherwise
     the chosen token is the bonus token and the step ends. Stopping criteria are checked after every token,
     so eos or max_new_tokens inside an accepted draft stop right there. `typical` (sampling only, lossy):
-    accept children by Medusa's typical acceptance instead (`typical_child`; module docstring).
+    accept children by Medusa's typical acceptance instead (`typical_child`; module docstring). `stop`:
+    the criteria's host form where they have one (`HostStop.of`): greedy steps without processors then
+    take `accept_greedy`, same tokens with one synchronisation.
     """
+    if stop is not None and not do_sample and typical is None and len(logits_processor) == 0:
+        return accept_greedy(tree, logits, sequence.shape[1], stop)
     nodes, tokens, scores, raw = [], [], [], []
     node = 0
     while True:
@@ -241,21 +298,26 @@ def decode(
     all_scores: list[torch.Tensor] = []
     all_logits: list[torch.Tensor] = []
     context = getattr(model.config, "max_position_embeddings", None)
+    syncs = HostSyncCounter() if drafter.count_host_syncs else None  # a test's or measurement's, never timed
+    stop = HostStop.of(stopping_criteria)
     t0 = time.perf_counter()
-    past_mask = prompt_mask(input_ids, model_kwargs)
-    logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
-    do_sample = bool(generation_config.do_sample)
-    warp = SamplingWarp.from_config(generation_config)
-    scores = logits_processor(input_ids, logits)
-    first = choose_tokens(scores, do_sample)[:, None]
-    input_ids = torch.cat([input_ids, first], dim=-1)
+    with phase(syncs, "prefill"):
+        past_mask = prompt_mask(input_ids, model_kwargs)
+        logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
+        do_sample = bool(generation_config.do_sample)
+        warp = SamplingWarp.from_config(generation_config)
+        scores = logits_processor(input_ids, logits)
+        first = choose_tokens(scores, do_sample)[:, None]
+        input_ids = torch.cat([input_ids, first], dim=-1)
+        finished = bool(stopping_criteria(input_ids, scores).any())
+        root = int(first[0, 0])  # the last token, kept on the host
+    chooser = drafter.step_chooser()  # plain steps where drafting does not pay ("auto" trees)
     stats.time_prefill = time.perf_counter() - t0
     stats.new_tokens = 1
     all_scores.append(scores)
     all_logits.append(logits)
     if streamer is not None:
         streamer.put(first[0].cpu())
-    finished = bool(stopping_criteria(input_ids, scores).any())
 
     while not finished:
         past_len = past_mask.shape[1]
@@ -264,30 +326,43 @@ def decode(
         # Below an attention window every layer attends like full attention: keep context + tree there
         # (check_call_supported made sure at least the root fits).
         max_tokens = None if window is None else window - 1 - past_len
-        trees = drafter.draft(hidden_last, input_ids, max_depth, max_tokens, warp=warp)
+        t0 = time.perf_counter()
+        drafting = chooser is None or chooser.draft_next()
+        with phase(syncs, "draft"):
+            if drafting:
+                trees = drafter.draft(hidden_last, input_ids, max_depth, max_tokens, warp=warp)
+            else:
+                trees = drafter.root_trees([root])
         t1 = drafter._sync(input_ids.device)
-        batch = batch_trees(trees, pad_token_id=int(input_ids[0, -1]), device=input_ids.device)
-        out = verify_tree(model, batch, cache, past_mask)
+        with phase(syncs, "verify"):
+            batch = batch_trees(trees, pad_token_id=trees[0].tokens[0], device=input_ids.device)
+            out = verify_tree(model, batch, cache, past_mask)
         t2 = drafter._sync(input_ids.device)
-        result = accept_tree(
-            trees[0], out.logits[0], input_ids, logits_processor, stopping_criteria, do_sample, typical
-        )
-        # CPU times are exact; on an accelerator only when the drafter synchronises (profile)
-        timed = input_ids.device.type == "cpu" or drafter.profile
-        drafter.observe([result.nodes], [result.finished], batch.input_ids.shape[1], t2 - t1 if timed else None)
+        with phase(syncs, "accept"):
+            result = accept_tree(
+                trees[0], out.logits[0], input_ids, logits_processor, stopping_criteria, do_sample, typical, stop
+            )
+            # CPU times are exact; on an accelerator only when the drafter synchronises (profile)
+            timed = input_ids.device.type == "cpu" or drafter.profile
+            drafter.observe([result.nodes], [result.finished], batch.input_ids.shape[1], t2 - t1 if timed else None)
         t3 = time.perf_counter()
-        keep = torch.tensor(result.nodes, device=input_ids.device)
-        if keep.numel() < batch.input_ids.shape[1]:  # nothing to drop when every node was accepted
-            compact_cache(cache, batch.input_ids.shape[1], keep)
-        past_mask = torch.cat([past_mask, past_mask.new_ones(1, keep.numel())], dim=-1)
-        hidden_last = out.hidden_states[-1][:, result.nodes[-1]]
-        new = input_ids.new_tensor([result.tokens])
-        input_ids = torch.cat([input_ids, new], dim=-1)
+        if chooser is not None:  # the accept read the tokens: on an accelerator too, t3 is after the step
+            chooser.observe(drafting, len(result.tokens), t3 - t0)
+        root = result.tokens[-1]
+        with phase(syncs, "cache"):
+            keep = torch.tensor(result.nodes, device=input_ids.device)
+            if keep.numel() < batch.input_ids.shape[1]:  # nothing to drop when every node was accepted
+                compact_cache(cache, batch.input_ids.shape[1], keep)
+            past_mask = torch.cat([past_mask, past_mask.new_ones(1, keep.numel())], dim=-1)
+            hidden_last = out.hidden_states[-1][:, result.nodes[-1]]
+            new = input_ids.new_tensor([result.tokens])
+            input_ids = torch.cat([input_ids, new], dim=-1)
         t4 = drafter._sync(input_ids.device)
         stats.time_verify += t2 - t1
         stats.time_accept += t3 - t2
         stats.time_cache += t4 - t3
         stats.steps += 1
+        stats.plain_steps += not drafting
         stats.new_tokens += len(result.tokens)
         stats.accepted_lengths.append(len(result.tokens))
         stats.tree_sizes.append(len(trees[0]))
@@ -300,6 +375,8 @@ def decode(
                 streamer.put(torch.tensor([token]))
         finished = result.finished
 
+    if syncs is not None:
+        stats.host_syncs = dict(syncs.counts)
     if streamer is not None:
         streamer.end()
     assert input_ids.shape[1] - prompt_len == stats.new_tokens

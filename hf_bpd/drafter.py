@@ -25,6 +25,7 @@ from .cost import (
     BatchForwardCost,
     ForwardCost,
     LearnedForwardCost,
+    StepChooser,
     best_batch_width,
     best_tree_size,
     cached_forward_cost,
@@ -64,6 +65,7 @@ class DecodingStats:
     new_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
+    plain_steps: int = 0  # steps that verified the roots alone, drafting nothing (`cost.StepChooser`)
     time_prefill: float = 0.0
     time_heads: float = 0.0
     time_rescore: float = 0.0
@@ -72,6 +74,7 @@ class DecodingStats:
     time_accept: float = 0.0
     time_cache: float = 0.0
     rows: list[DecodingStats] = field(default_factory=list)  # batches: each row's own steps and tokens
+    host_syncs: dict[str, int] = field(default_factory=dict)  # by phase, when counted (count_host_syncs)
 
     @property
     def forwards(self) -> int:
@@ -88,6 +91,12 @@ class DecodingStats:
     def mean_accepted(self) -> float:
         """Mean tokens per verification step (excludes the prefill's token)."""
         return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
+
+    def host_syncs_per_step(self) -> dict[str, float]:
+        """Device-to-host synchronisations per decoding step, by phase (the prefill's are per call), when
+        the drafter counted them (`BlockDrafter.count_host_syncs`; `syncs.py`)."""
+        n = max(self.steps, 1)
+        return {k: v if k == "prefill" else v / n for k, v in self.host_syncs.items()}
 
     def time_per_step(self) -> dict[str, float]:
         n = max(self.steps, 1)
@@ -169,6 +178,9 @@ class BlockDrafter:
         self._verified: list[tuple[DraftTree, list[Arc]] | None] = []  # per row: the last tree and its arcs
         self._learned_cost: LearnedForwardCost | None = None
         self.stats = DecodingStats()
+        # count device-to-host synchronisations by phase into stats.host_syncs (a test's or measurement's
+        # setting: counting costs a Python call per torch call, so a timed run leaves it off)
+        self.count_host_syncs = False
         self._bound_to: int | None = None
         self.setup: dict = {}  # one-time start-up work of the last `prepare` that did any (forward-cost curve)
         self._recent_sizes: deque[int] = deque(maxlen=RECENT_STEPS)  # sizes of the last sized trees
@@ -355,6 +367,20 @@ class BlockDrafter:
         if self._learned_cost is None or self._learned_cost.curve is not self.forward_cost:
             self._learned_cost = LearnedForwardCost(self.forward_cost)
         return self._learned_cost
+
+    def step_chooser(self, plain_estimate=None) -> StepChooser | None:
+        """For cost-sized ("auto") trees, a `StepChooser` for one `generate` call: plain steps where drafting
+        does not pay. `plain_estimate()`: a plain step's seconds before one is timed (default: the learned
+        one-token forward cost). None for fixed tree sizes: they draft every step, as asked."""
+        if self.max_tree_tokens != "auto" or self.forward_cost is None:
+            return None
+        cost = self.step_cost
+        return StepChooser(plain_estimate or (lambda: cost(1)))
+
+    def root_trees(self, roots: list[int]) -> list[DraftTree]:
+        """A plain step's trees: the roots alone (nothing drafted, nothing for `observe` to learn)."""
+        self._verified = [None] * len(roots)
+        return [DraftTree.root_only(root) for root in roots]
 
     def rescore(self, lattice: Lattice | None, context: torch.Tensor) -> list[list[ScoredPath]] | None:
         """The rescorer's drafts per batch row (None without a rescorer or room for drafts)."""

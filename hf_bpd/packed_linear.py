@@ -5,7 +5,7 @@ through a matrix-vector kernel, and 2 to 16 rows through a GEMM that may re-pack
 call. oneDNN with each weight reordered once into its blocked layout (what `torch.compile` does on a CPU)
 avoids that. Which one wins depends on the processor and the row count (on some CPUs packing wins at
 every count, on others BLAS wins for one row), so the choice is measured on the model itself, once per
-machine (`KernelPlan`, `cost.cached_kernel_plan`). `RESULTS.md` has the measured costs.
+machine (`KernelPlan`, `cached_kernel_plan`). `RESULTS.md` has the measured costs.
 
 Two ways in, one packed copy per model (`fast_cpu(model)` and the drafter share it):
 - `with hf_bpd.fast_cpu(model): model.generate(...)`: any `generate` call (greedy, sampling, beams,
@@ -33,12 +33,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 import weakref
 from bisect import bisect_left
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .cache import cache_file, machine_key, read_cached, write_cached
 
 # the row count oneDNN packs for (any count works): the trees `auto` verifies on the dev CPU have 2-16 tokens
 PACK_ROWS = 8
@@ -71,7 +75,7 @@ def packed_linear_available() -> bool:
 class KernelPlan:
     """Which kernel serves a linear call of a given row count (tokens x batch rows of the forward):
     `packed[i]` says oneDNN's packed weights beat BLAS at `sizes[i]` rows, measured on the model itself
-    (`cost.measure_kernel_plan`). A call takes the decision of the smallest measured size >= its rows
+    (`measure_kernel_plan`). A call takes the decision of the smallest measured size >= its rows
     (the largest size beyond them)."""
 
     sizes: tuple[int, ...]
@@ -191,6 +195,63 @@ class PackedLinear:
                 layer.__dict__.pop("forward", None)
 
 
+KERNEL_PLAN_SIZES = (1, 2, 4, 8, 16, 32, 64, 256)  # rows of one forward: tokens, trees, batches, prefills
+# packed weights must beat BLAS by this factor to be used: a tie within noise keeps BLAS, which costs no copy
+PACKED_MARGIN = 0.97
+
+
+@torch.no_grad()
+def measure_kernel_plan(model, sizes=KERNEL_PLAN_SIZES, repeats: int = 5) -> KernelPlan:
+    """For each row count in `sizes`, whether `model`'s linear layers, all of them in turn as a forward
+    runs them, are faster on oneDNN's packed weights than on BLAS (median of `repeats` passes each, the two
+    kernels alternating so that drift hits both alike). The layers are timed on their own, not through the
+    model's forward: the choice concerns them only, and any architecture (windows, recurrent state,
+    multimodal parts) is measured the same way."""
+    packed = PackedLinear(model)  # its own copies, packed at every row count: freed when this returns
+    layers = {id(layer.weight): layer for layer in packed.layers if layer.weight.dtype == torch.float32}
+    layers = [layer for layer in layers.values() if packed.packed(layer.weight) is not None]
+    if not layers:
+        return KernelPlan(tuple(sizes), (False,) * len(sizes))
+    g = torch.Generator().manual_seed(0)  # a private stream: measuring must not move a user's seeded sampling
+    faster = []
+    for n in sizes:
+        inputs = {f: torch.randn(n, f, generator=g) for f in {layer.in_features for layer in layers}}
+        runs = [
+            (_linear_pass(layers, inputs, torch.nn.functional.linear), _linear_pass(layers, inputs, packed.apply))
+            for _ in range(repeats + 1)
+        ][1:]  # the first pass warms up
+        blas, onednn = (sorted(r[k] for r in runs)[len(runs) // 2] for k in (0, 1))
+        faster.append(onednn < PACKED_MARGIN * blas)
+    return KernelPlan(tuple(sizes), tuple(faster))
+
+
+def _linear_pass(layers: list[torch.nn.Linear], inputs: dict[int, torch.Tensor], linear) -> float:
+    """Seconds to run every layer once on its input, `linear(x, weight, bias)` being the kernel."""
+    t0 = time.perf_counter()
+    for layer in layers:
+        linear(inputs[layer.in_features], layer.weight, layer.bias)
+    return time.perf_counter() - t0
+
+
+def kernel_plan_key(model) -> dict:
+    """What a kernel plan depends on: the model's architecture and the machine (`cache.machine_key`)."""
+    return {**machine_key(model), "sizes": list(KERNEL_PLAN_SIZES)}
+
+
+def cached_kernel_plan(model, refresh: bool = False) -> tuple[KernelPlan, Path, bool]:
+    """`model`'s kernel plan on this machine, measured once and then read from hf_bpd's cache
+    (`cache.cache_root()/kernel_plan/`, keyed as forward-cost curves are). Returns (plan, cache file,
+    whether it was measured now)."""
+    key = kernel_plan_key(model)
+    path = cache_file("kernel_plan", key)
+    stored = None if refresh else read_cached(path, key)
+    if stored is not None:
+        return KernelPlan(tuple(stored["sizes"]), tuple(stored["packed"])), path, False
+    plan = measure_kernel_plan(model)
+    write_cached(path, {"key": key, "sizes": list(plan.sizes), "packed": list(plan.packed), "measured": time.time()})
+    return plan, path, True
+
+
 def active_packed_linear() -> PackedLinear | None:
     """The innermost `PackedLinear` block open in this thread, for linears that are not `nn.Linear`
     layers (the heads' softmax over the base LM head's rows): `packed.apply(x, weight)`."""
@@ -230,12 +291,10 @@ def linear_context(model, packed_linear: bool | None) -> contextlib.AbstractCont
 
 
 def _shared(model) -> PackedLinear:
-    """`model`'s one `PackedLinear`, with the kernel plan measured on this machine (`cost.cached_kernel_plan`:
+    """`model`'s one `PackedLinear`, with the kernel plan measured on this machine (`cached_kernel_plan`:
     once per machine and model, then read from hf_bpd's cache)."""
     mode = _MODES.get(model)
     if mode is None:
-        from .cost import cached_kernel_plan  # cost.py measures with this module's PackedLinear
-
         mode = _MODES[model] = PackedLinear(model, plan=cached_kernel_plan(model)[0])
     return mode
 

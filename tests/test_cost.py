@@ -91,3 +91,42 @@ def test_batch_cost_uses_the_calls_own_timings_and_scales_untimed_widths_by_the_
     assert batch(8 * 4) == 20.0 and batch(8 * 3) == pytest.approx(20.0 * curve(24) / curve(32))
     batch.observe(4, 10.0)  # a running mean over the call's forwards of that width
     assert 10.0 < batch(8 * 4) < 20.0
+
+
+def test_step_chooser_takes_plain_steps_while_they_are_faster_and_probes_drafting():
+    plain = {"seconds": 0.010}
+    chooser = cost.StepChooser(lambda: plain["seconds"], probe_every=3)
+    assert chooser.draft_next()  # nothing measured yet: draft
+    chooser.observe(True, tokens=1, seconds=0.020)  # 50 tok/s drafted against 100 tok/s plain
+    decisions = [chooser.draft_next() for _ in range(4)]
+    assert decisions == [False, False, False, True]  # plain, then a drafted probe after 3 plain steps
+    chooser.observe(True, tokens=5, seconds=0.020)  # the probe pays: 0.3 weight -> 50 + 0.3 * 200 = 110 tok/s
+    assert chooser.drafted_rate == pytest.approx(110.0)
+    assert chooser.draft_next() and chooser.plain_taken == 3
+    chooser.observe(False, tokens=1, seconds=0.004)  # a timed plain step replaces the estimate: 250 tok/s
+    assert chooser.plain_step_seconds == 0.004 and not chooser.draft_next()
+    assert cost.StepChooser(lambda: 0.010).draft_next()  # first step always drafts
+    assert cost.StepChooser(lambda: None, drafted_rate=1.0).draft_next()  # no plain estimate: draft
+    many = cost.StepChooser(lambda: 0.010, drafted_rate=150.0)
+    assert many.draft_next(rows=1) and not many.draft_next(rows=2)  # a batch's plain step makes a token per row
+
+
+def test_plain_steps_where_drafting_does_not_pay_keep_the_output_exact():
+    from test_decoding import copying_heads
+
+    model = tiny_model("llama", eos_token_id=None)
+    # a one-token forward that looks nearly free: drafted steps can never match it, so "auto" steps go plain
+    free = cost.ForwardCost((1, 64), (1e-7, 1e-6))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=40)
+    drafter = BlockDrafter(copying_heads(model, 4), top_k=3, max_tree_tokens="auto", forward_cost=free)
+    out = model.generate(ids, do_sample=False, max_new_tokens=40, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist()
+    assert 0 < drafter.stats.plain_steps < drafter.stats.steps  # mostly plain, with drafted probes
+    batch = torch.tensor([[1, 5, 6, 7], [5, 6, 7, 8]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    kwargs = {"attention_mask": mask, "do_sample": False, "max_new_tokens": 24, "pad_token_id": 1}
+    ref = model.generate(batch, **kwargs)
+    out = model.generate(batch, **kwargs, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist()
+    assert drafter.stats.plain_steps > 0

@@ -9,11 +9,13 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 import hf_bpd
-from hf_bpd.cost import KERNEL_PLAN_SIZES, cached_kernel_plan, measure_forward_cost
+from hf_bpd.cost import measure_forward_cost
 from hf_bpd.packed_linear import (
+    KERNEL_PLAN_SIZES,
     KernelPlan,
     PackedLinear,
     active_packed_linear,
+    cached_kernel_plan,
     fast_cpu,
     linear_context,
     packed_linear_available,

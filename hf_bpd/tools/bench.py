@@ -580,7 +580,7 @@ def environment(device: str, dtype: str) -> dict:
 
     import transformers
 
-    from ..cost import device_name
+    from ..cache import device_name
 
     try:
         commit = subprocess.run(

