@@ -72,25 +72,24 @@ def packed_linear_available() -> bool:
 
 
 @dataclass(frozen=True)
-class KernelPlan:
-    """Which kernel serves a linear call of a given row count (tokens x batch rows of the forward):
-    `packed[i]` says oneDNN's packed weights beat BLAS at `sizes[i]` rows, measured on the model itself
-    (`measure_kernel_plan`). A call takes the decision of the smallest measured size >= its rows
-    (the largest size beyond them)."""
+class RowPlan:
+    """Which kernel serves one weight shape by row count (tokens x batch rows of the forward): `packed[i]`
+    says oneDNN's packed weight beat BLAS at `sizes[i]` rows. A call takes the decision of the smallest
+    measured size >= its rows (the largest size beyond them)."""
 
     sizes: tuple[int, ...]
     packed: tuple[bool, ...]
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.packed) or not self.sizes or list(self.sizes) != sorted(self.sizes):
-            raise ValueError("KernelPlan needs increasing sizes with one decision each")
+            raise ValueError("RowPlan needs increasing sizes with one decision each")
 
     def __call__(self, rows: int) -> bool:
         return self.packed[min(bisect_left(self.sizes, rows), len(self.sizes) - 1)]
 
     @property
     def description(self) -> str:
-        """e.g. "BLAS for 1-2 rows, packed for 4-256 rows"."""
+        """e.g. "BLAS for 1-2 rows, packed for 3+ rows"."""
         parts, start = [], 0
         for i in range(1, len(self.sizes) + 1):
             if i == len(self.sizes) or self.packed[i] != self.packed[start]:
@@ -100,6 +99,29 @@ class KernelPlan:
                 parts.append(f"{'packed' if self.packed[start] else 'BLAS'} for {span} rows")
                 start = i
         return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which kernel serves each linear call: a `RowPlan` per weight shape (out, in), measured on the model
+    itself (`measure_kernel_plan`): a large output layer that streams from memory and a small layer that
+    stays in the CPU's caches can want different kernels at the same row count. A shape not measured
+    stays with BLAS."""
+
+    shapes: dict[tuple[int, int], RowPlan]
+
+    def __call__(self, rows: int, shape: tuple[int, ...]) -> bool:
+        plan = self.shapes.get(tuple(shape))
+        return plan is not None and plan(rows)
+
+    @property
+    def description(self) -> str:
+        """e.g. "49152x576: BLAS for 1 rows, packed for 2+ rows; 576x576: BLAS for 1+ rows"."""
+        return "; ".join(f"{o}x{i}: {plan.description}" for (o, i), plan in sorted(self.shapes.items(), reverse=True))
+
+    @property
+    def packs_anything(self) -> bool:
+        return any(any(plan.packed) for plan in self.shapes.values())
 
 
 class PackedLinear:
@@ -162,7 +184,7 @@ class PackedLinear:
         if (
             type(x) is torch.Tensor
             and x.dim() > 0
-            and (self.plan is None or self.plan(x.numel() // max(x.shape[-1], 1)))
+            and (self.plan is None or self.plan(x.numel() // max(x.shape[-1], 1), weight.shape))
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"))
@@ -202,40 +224,45 @@ PACKED_MARGIN = 0.97
 
 @torch.no_grad()
 def measure_kernel_plan(model, sizes=KERNEL_PLAN_SIZES, repeats: int = 5) -> KernelPlan:
-    """For each row count in `sizes`, whether `model`'s linear layers, all of them in turn as a forward
-    runs them, are faster on oneDNN's packed weights than on BLAS (median of `repeats` passes each, the two
-    kernels alternating so that drift hits both alike). The layers are timed on their own, not through the
+    """For each weight shape of `model`'s linear layers and each row count in `sizes`, whether the layers of
+    that shape, all of them in turn as a forward runs them (so weights stream from memory as they do
+    there), are faster on oneDNN's packed weights than on BLAS: medians of `repeats` passes each, the two
+    kernels alternating so that drift hits both alike. The layers are timed on their own, not through the
     model's forward: the choice concerns them only, and any architecture (windows, recurrent state,
     multimodal parts) is measured the same way."""
     packed = PackedLinear(model)  # its own copies, packed at every row count: freed when this returns
     layers = {id(layer.weight): layer for layer in packed.layers if layer.weight.dtype == torch.float32}
-    layers = [layer for layer in layers.values() if packed.packed(layer.weight) is not None]
-    if not layers:
-        return KernelPlan(tuple(sizes), (False,) * len(sizes))
+    by_shape: dict[tuple[int, int], list[torch.nn.Linear]] = {}
+    for layer in layers.values():
+        if packed.packed(layer.weight) is not None:
+            by_shape.setdefault(tuple(layer.weight.shape), []).append(layer)
     g = torch.Generator().manual_seed(0)  # a private stream: measuring must not move a user's seeded sampling
-    faster = []
-    for n in sizes:
-        inputs = {f: torch.randn(n, f, generator=g) for f in {layer.in_features for layer in layers}}
-        runs = [
-            (_linear_pass(layers, inputs, torch.nn.functional.linear), _linear_pass(layers, inputs, packed.apply))
-            for _ in range(repeats + 1)
-        ][1:]  # the first pass warms up
-        blas, onednn = (sorted(r[k] for r in runs)[len(runs) // 2] for k in (0, 1))
-        faster.append(onednn < PACKED_MARGIN * blas)
-    return KernelPlan(tuple(sizes), tuple(faster))
+    plans = {}
+    for shape, group in by_shape.items():
+        faster = []
+        for n in sizes:
+            x = torch.randn(n, shape[1], generator=g)
+            runs = [
+                (_linear_pass(group, x, torch.nn.functional.linear), _linear_pass(group, x, packed.apply))
+                for _ in range(repeats + 1)
+            ][1:]  # the first pass warms up
+            blas, onednn = (sorted(r[k] for r in runs)[len(runs) // 2] for k in (0, 1))
+            faster.append(onednn < PACKED_MARGIN * blas)
+        plans[shape] = RowPlan(tuple(sizes), tuple(faster))
+    return KernelPlan(plans)
 
 
-def _linear_pass(layers: list[torch.nn.Linear], inputs: dict[int, torch.Tensor], linear) -> float:
-    """Seconds to run every layer once on its input, `linear(x, weight, bias)` being the kernel."""
+def _linear_pass(layers: list[torch.nn.Linear], x: torch.Tensor, linear) -> float:
+    """Seconds to run every layer once on `x`, `linear(x, weight, bias)` being the kernel."""
     t0 = time.perf_counter()
     for layer in layers:
-        linear(inputs[layer.in_features], layer.weight, layer.bias)
+        linear(x, layer.weight, layer.bias)
     return time.perf_counter() - t0
 
 
 def kernel_plan_key(model) -> dict:
     """What a kernel plan depends on: the model's architecture and the machine (`cache.machine_key`)."""
-    return {**machine_key(model), "sizes": list(KERNEL_PLAN_SIZES)}
+    return {**machine_key(model), "sizes": list(KERNEL_PLAN_SIZES), "by": "weight shape"}
 
 
 def cached_kernel_plan(model, refresh: bool = False) -> tuple[KernelPlan, Path, bool]:
@@ -246,9 +273,14 @@ def cached_kernel_plan(model, refresh: bool = False) -> tuple[KernelPlan, Path, 
     path = cache_file("kernel_plan", key)
     stored = None if refresh else read_cached(path, key)
     if stored is not None:
-        return KernelPlan(tuple(stored["sizes"]), tuple(stored["packed"])), path, False
+        try:
+            shapes = {(o, i): RowPlan(tuple(stored["sizes"]), tuple(packed)) for o, i, packed in stored["shapes"]}
+            return KernelPlan(shapes), path, False
+        except (KeyError, TypeError, ValueError):
+            pass  # from another format: measure again
     plan = measure_kernel_plan(model)
-    write_cached(path, {"key": key, "sizes": list(plan.sizes), "packed": list(plan.packed), "measured": time.time()})
+    shapes = [[o, i, list(row.packed)] for (o, i), row in plan.shapes.items()]
+    write_cached(path, {"key": key, "sizes": list(KERNEL_PLAN_SIZES), "shapes": shapes, "measured": time.time()})
     return plan, path, True
 
 

@@ -14,6 +14,7 @@ from hf_bpd.packed_linear import (
     KERNEL_PLAN_SIZES,
     KernelPlan,
     PackedLinear,
+    RowPlan,
     active_packed_linear,
     cached_kernel_plan,
     fast_cpu,
@@ -159,23 +160,27 @@ class RecordingPlan:
     def __init__(self) -> None:
         self.rows: list[int] = []
 
-    def __call__(self, rows: int) -> bool:
+    def __call__(self, rows: int, shape) -> bool:
         self.rows.append(rows)
         return True
 
 
-def test_kernel_plan_decides_by_the_smallest_measured_size_at_or_above_the_rows():
-    plan = KernelPlan((1, 2, 8, 64), (False, True, True, False))
-    assert [plan(n) for n in (1, 2, 3, 8, 9, 64, 500)] == [False, True, True, True, False, False, False]
-    assert plan.description == "BLAS for 1 rows, packed for 2-8 rows, BLAS for 9+ rows"
+def test_kernel_plan_decides_per_weight_shape_by_the_smallest_measured_size_at_or_above_the_rows():
+    rows = RowPlan((1, 2, 8, 64), (False, True, True, False))
+    assert [rows(n) for n in (1, 2, 3, 8, 9, 64, 500)] == [False, True, True, True, False, False, False]
+    assert rows.description == "BLAS for 1 rows, packed for 2-8 rows, BLAS for 9+ rows"
     with pytest.raises(ValueError, match="increasing sizes"):
-        KernelPlan((4, 2), (True, False))
+        RowPlan((4, 2), (True, False))
+    plan = KernelPlan({(96, 40): rows, (8, 16): RowPlan((1,), (False,))})
+    assert plan(2, torch.Size([96, 40])) and not plan(2, (8, 16)) and not plan(2, (5, 5))  # unmeasured: BLAS
+    assert plan.packs_anything and not KernelPlan({(8, 16): RowPlan((1,), (False,))}).packs_anything
+    assert plan.description == "96x40: BLAS for 1 rows, packed for 2-8 rows, BLAS for 9+ rows; 8x16: BLAS for 1+ rows"
 
 
 def test_blas_rows_of_a_plan_pack_nothing():
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 8)
-    mode = PackedLinear(layer, plan=KernelPlan((1, 4), (False, True)))
+    mode = PackedLinear(layer, plan=KernelPlan({(8, 16): RowPlan((1, 4), (False, True))}))
     with mode, torch.no_grad():
         layer(torch.randn(1, 16))
         assert len(mode) == 0 and mode.packed_bytes == 0  # one row: BLAS, no copy made
@@ -188,7 +193,9 @@ def test_kernel_plan_is_measured_once_per_machine_and_model(tmp_path, monkeypatc
     monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path))
     model = tiny_model("llama")
     plan, path, measured = cached_kernel_plan(model)
-    assert measured and path.is_file() and path.is_relative_to(tmp_path) and plan.sizes == KERNEL_PLAN_SIZES
+    assert measured and path.is_file() and path.is_relative_to(tmp_path)
+    assert set(plan.shapes) == {tuple(layer.weight.shape) for layer in PackedLinear(model).layers}
+    assert all(rows.sizes == KERNEL_PLAN_SIZES for rows in plan.shapes.values())
     again, path2, measured2 = cached_kernel_plan(tiny_model("llama", seed=5))  # same architecture
     assert (again, path2, measured2) == (plan, path, False)
     assert cached_kernel_plan(model, refresh=True)[2] is True
