@@ -140,11 +140,28 @@ class PackedLinear:
         if not packed_linear_available():
             raise RuntimeError("this torch build has no oneDNN packed linear ops (torch.ops.mkldnn)")
         self.layers = [m for module in modules for m in module.modules() if type(m) is torch.nn.Linear]
-        self._forwards = [(layer, functools.partial(self.linear, layer)) for layer in self.layers]  # made once
+        self._all_forwards = [(layer, functools.partial(self.linear, layer)) for layer in self.layers]  # made once
         # id(weight) -> (weight, its _version when packed, packed weight or None when it cannot be served)
         self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
         self._depth = 0
-        self.plan = plan  # None: packed for every row count
+        self.plan = plan
+
+    @property
+    def plan(self) -> KernelPlan | None:
+        """Which kernel serves which call (`KernelPlan`); None: packed for every row count. Set it between
+        blocks: a block patches only the layers whose shape the plan packs at some row count, so a layer
+        that always stays with BLAS keeps its own forward and costs nothing extra."""
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: KernelPlan | None) -> None:
+        self._plan = plan
+        shapes = getattr(plan, "shapes", None)  # another callable (a test's): every layer
+        self._forwards = [
+            (layer, forward)
+            for layer, forward in self._all_forwards
+            if shapes is None or any(getattr(shapes.get(tuple(layer.weight.shape)), "packed", ()))
+        ]
 
     def __len__(self) -> int:
         """Weights packed so far."""
@@ -184,7 +201,7 @@ class PackedLinear:
         if (
             type(x) is torch.Tensor
             and x.dim() > 0
-            and (self.plan is None or self.plan(x.numel() // max(x.shape[-1], 1), weight.shape))
+            and (self._plan is None or self._plan(x.numel() // max(x.shape[-1], 1), weight.shape))
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"))
