@@ -34,7 +34,7 @@ from .expansion import chain_lattice, expand_tree
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
 from .lookup import lookup_continuation, merge_lookup
-from .packed_linear import PackedLinear, linear_context
+from .packed_linear import KernelPlan, PackedLinear, cached_kernel_plan, linear_context
 from .tree import DraftTree
 
 RECENT_STEPS = 16  # steps whose tree sizes bound how far "previous" heads grow a tree that will be cut
@@ -279,7 +279,14 @@ class BlockDrafter:
             self.heads.eval()
             self.linear_context = linear_context(model, self.packed_linear)
             packs = isinstance(self.linear_context, PackedLinear)  # the heads follow the model's setting
-            self._heads_context = PackedLinear(self.heads) if packs else contextlib.nullcontext()
+            self._heads_context = contextlib.nullcontext()
+            if packs:  # the heads' own layers measured as the model's, and the base LM head they borrow
+                shapes = getattr(self.linear_context.plan, "shapes", None)  # None: packed at every row count
+                tied = self.heads.__dict__.get("_tied_weight")  # the LM-head rows the heads borrow (`bind`)
+                extra = () if tied is None else (tied,)
+                own = None if shapes is None else cached_kernel_plan(self.heads, extra_weights=extra)[0].shapes
+                plan = None if shapes is None else KernelPlan({**shapes, **own})
+                self._heads_context = PackedLinear(self.heads, plan=plan)
             if self.max_tree_tokens == "auto" and self.forward_cost is None:
                 # measured once per machine and model, then read from the cache (`cost.cached_forward_cost`)
                 t0 = time.perf_counter()

@@ -240,19 +240,23 @@ PACKED_MARGIN = 0.97
 
 
 @torch.no_grad()
-def measure_kernel_plan(model, sizes=KERNEL_PLAN_SIZES, repeats: int = 5) -> KernelPlan:
-    """For each weight shape of `model`'s linear layers and each row count in `sizes`, whether the layers of
-    that shape, all of them in turn as a forward runs them (so weights stream from memory as they do
-    there), are faster on oneDNN's packed weights than on BLAS: medians of `repeats` passes each, the two
-    kernels alternating so that drift hits both alike. The layers are timed on their own, not through the
-    model's forward: the choice concerns them only, and any architecture (windows, recurrent state,
+def measure_kernel_plan(
+    model, sizes=KERNEL_PLAN_SIZES, repeats: int = 5, extra_weights: tuple[torch.Tensor, ...] = ()
+) -> KernelPlan:
+    """For each weight shape of `model`'s linear layers (and of `extra_weights`, linears that are no
+    `nn.Linear`, such as heads' borrowed LM-head rows) and each row count in `sizes`, whether the weights
+    of that shape, all of them in turn as a forward runs them (so they stream from memory as they do
+    there), are faster on oneDNN's packed copies than on BLAS: medians of `repeats` passes each, the two
+    kernels alternating so that drift hits both alike. The linears are timed on their own, not through
+    the model's forward: the choice concerns them only, and any architecture (windows, recurrent state,
     multimodal parts) is measured the same way."""
     packed = PackedLinear(model)  # its own copies, packed at every row count: freed when this returns
-    layers = {id(layer.weight): layer for layer in packed.layers if layer.weight.dtype == torch.float32}
-    by_shape: dict[tuple[int, int], list[torch.nn.Linear]] = {}
-    for layer in layers.values():
-        if packed.packed(layer.weight) is not None:
-            by_shape.setdefault(tuple(layer.weight.shape), []).append(layer)
+    weights = {id(layer.weight): (layer.weight, layer.bias) for layer in packed.layers}
+    weights.update({id(w): (w, None) for w in extra_weights})
+    by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+    for weight, bias in weights.values():
+        if packed.packed(weight) is not None:
+            by_shape.setdefault(tuple(weight.shape), []).append((weight, bias))
     g = torch.Generator().manual_seed(0)  # a private stream: measuring must not move a user's seeded sampling
     plans = {}
     for shape, group in by_shape.items():
@@ -269,11 +273,11 @@ def measure_kernel_plan(model, sizes=KERNEL_PLAN_SIZES, repeats: int = 5) -> Ker
     return KernelPlan(plans)
 
 
-def _linear_pass(layers: list[torch.nn.Linear], x: torch.Tensor, linear) -> float:
-    """Seconds to run every layer once on `x`, `linear(x, weight, bias)` being the kernel."""
+def _linear_pass(weights: list[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor, linear) -> float:
+    """Seconds to run every (weight, bias) once on `x`, `linear(x, weight, bias)` being the kernel."""
     t0 = time.perf_counter()
-    for layer in layers:
-        linear(x, layer.weight, layer.bias)
+    for weight, bias in weights:
+        linear(x, weight, bias)
     return time.perf_counter() - t0
 
 
@@ -282,8 +286,11 @@ def kernel_plan_key(model) -> dict:
     return {**machine_key(model), "sizes": list(KERNEL_PLAN_SIZES), "by": "weight shape"}
 
 
-def cached_kernel_plan(model, refresh: bool = False) -> tuple[KernelPlan, Path, bool]:
-    """`model`'s kernel plan on this machine, measured once and then read from hf_bpd's cache
+def cached_kernel_plan(
+    model, refresh: bool = False, extra_weights: tuple[torch.Tensor, ...] = ()
+) -> tuple[KernelPlan, Path, bool]:
+    """`model`'s kernel plan on this machine (`extra_weights`: see `measure_kernel_plan`; their shapes
+    must follow from the model's config, which keys the cache), measured once and then read from hf_bpd's cache
     (`cache.cache_root()/kernel_plan/`, keyed as forward-cost curves are). Returns (plan, cache file,
     whether it was measured now)."""
     key = kernel_plan_key(model)
@@ -295,7 +302,7 @@ def cached_kernel_plan(model, refresh: bool = False) -> tuple[KernelPlan, Path, 
             return KernelPlan(shapes), path, False
         except (KeyError, TypeError, ValueError):
             pass  # from another format: measure again
-    plan = measure_kernel_plan(model)
+    plan = measure_kernel_plan(model, extra_weights=extra_weights)
     shapes = [[o, i, list(row.packed)] for (o, i), row in plan.shapes.items()]
     write_cached(path, {"key": key, "sizes": list(KERNEL_PLAN_SIZES), "shapes": shapes, "measured": time.time()})
     return plan, path, True

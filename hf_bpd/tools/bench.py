@@ -143,6 +143,33 @@ def fast_cpu_method(method: Method, model) -> Method:
     return Method(f"{method.name}_fast", run)
 
 
+def compiled_method(method: Method, model, tokenizer) -> Method:
+    """`method` with the model's forward compiled by `torch.compile` (inductor with freezing: the weights
+    become constants, packed for the CPU; dynamic shapes), named `<name>_compiled`: the other fast plain
+    baseline. Compiled here, on two warm-up prompts of different lengths (the second compiles the dynamic
+    graph), before any timing; compilation is a one-time cost the run reports apart, not in tokens/s."""
+    import torch._inductor.config as inductor
+
+    inductor.freezing = True
+    compiled = torch.compile(model.forward, dynamic=True)
+
+    def run(inputs, n):
+        model.forward = compiled  # for this call only: an instance attribute, removed after
+        try:
+            return method.run(inputs, n)
+        finally:
+            del model.forward
+
+    t0 = time.perf_counter()
+    for text in ("Hi.", "Say hello to the world in three different languages, please."):
+        run(chat_inputs(tokenizer, [{"role": "user", "content": text}], next(model.parameters()).device), 8)
+    COMPILE_SECONDS[f"{method.name}_compiled"] = time.perf_counter() - t0
+    return Method(f"{method.name}_compiled", run)
+
+
+COMPILE_SECONDS: dict[str, float] = {}  # one-time compilation of the `_compiled` methods of this process
+
+
 def prompt_lookup_method(model, num_tokens: int = 10, decoding: dict = GREEDY) -> Method:
     """transformers' prompt-lookup decoding: drafts copied from n-gram matches in the prompt."""
 
@@ -446,7 +473,8 @@ def _append(path: str | Path, records: list[dict]) -> None:
         f.writelines(json.dumps(r) + "\n" for r in records)
 
 
-PLAIN_METHODS = ("greedy", "sample", "greedy_fast", "sample_fast")  # plain `generate`, eager or fast kernels
+# plain `generate`: eager, on fast_cpu's kernels, or compiled
+PLAIN_METHODS = ("greedy", "sample", "greedy_fast", "sample_fast", "greedy_compiled", "sample_compiled")
 
 
 def _turn(record: dict) -> tuple:
@@ -536,7 +564,7 @@ def baseline_line(results: dict) -> str:
     where = f"; in {', '.join(others)}: {', '.join(sorted({by_category[c] for c in others}))}" if others else ""
     return (
         f"Speedup: over the fastest plain `generate` of the run, per category and overall: {overall}{where} "
-        "(`_fast`: on hf_bpd.fast_cpu's kernels)."
+        "(`_fast`: on hf_bpd.fast_cpu's kernels; `_compiled`: torch.compile with inductor freezing)."
     )
 
 
@@ -661,7 +689,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=["greedy", "greedy_fast", "prompt_lookup_fast", "hf_bpd"],
         help="greedy (always run: the reference), greedy_fast (plain generate on hf_bpd.fast_cpu's kernels, "
-        "which hf_bpd's forwards use; speedups divide by the faster of the two), prompt_lookup, "
+        "which hf_bpd's forwards use), greedy_compiled (plain generate with torch.compile and inductor freezing; "
+        "speedups divide by the fastest plain method), prompt_lookup, "
         "prompt_lookup_fast, assisted (the shipped rescorer LM as a draft "
         "model), hf_bpd (heads alone), hf_bpd+NAME with NAME a shipped rescorer (hf_bpd.packaged_rescorers()), "
         "hf_bpd_typical (with --do-sample: Medusa's typical acceptance, lossy), hf_bpd_greedy (with --do-sample: "
@@ -802,6 +831,12 @@ def main(argv: list[str] | None = None) -> int:
         lossy = {**decoding, "lossy_typical_acceptance": True}
         return bpd_method(model, drafter.with_rescorer(drafter.rescorer), "hf_bpd_typical", lossy)
 
+    def unpacked(drafter: BlockDrafter) -> BlockDrafter:
+        """A copy of `drafter` (its own calibration) whose forwards leave the linears to the compiled graph."""
+        copy = drafter.with_rescorer(drafter.rescorer)
+        copy.packed_linear = False
+        return copy
+
     def greedy_twin() -> Method:
         if not args.do_sample:
             raise SystemExit("hf_bpd_greedy is hf_bpd decoding greedily inside a sampled run: add --do-sample")
@@ -810,10 +845,14 @@ def main(argv: list[str] | None = None) -> int:
     available = {
         "greedy": lambda: greedy_method(model, decoding),
         "greedy_fast": lambda: fast_cpu_method(greedy_method(model, decoding), model),
+        "greedy_compiled": lambda: compiled_method(greedy_method(model, decoding), model, tokenizer),
         "prompt_lookup": lambda: prompt_lookup_method(model, decoding=decoding),
         "prompt_lookup_fast": lambda: fast_cpu_method(prompt_lookup_method(model, decoding=decoding), model),
         "assisted": assisted,
         "hf_bpd": lambda: bpd_method(model, drafter, decoding=decoding),
+        "hf_bpd_compiled": lambda: compiled_method(
+            bpd_method(model, unpacked(drafter), decoding=decoding), model, tokenizer
+        ),
         "hf_bpd_typical": typical,
         "hf_bpd_greedy": greedy_twin,
     }
@@ -849,6 +888,7 @@ def main(argv: list[str] | None = None) -> int:
             "drafter": {"heads": args.heads, **header["drafter"]},
             "rows": len(rows),
             "learned": learned(methods),  # rows of this process only (a resumed run relearns)
+            "compile_seconds": COMPILE_SECONDS,
             "decoding": decoding,
         },
         args.output,
