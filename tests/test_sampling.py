@@ -260,7 +260,7 @@ def chi_squared_p(counts: dict, law: dict, runs: int) -> float:
     return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)).item()
 
 
-def root_only_accept(tree, logits, sequence, processors, stopping, do_sample=False, typical=None):
+def root_only_accept(tree, logits, sequence, processors, stopping, do_sample=False, typical=None, stop=None):
     """A WRONG rule (negative control): processors and warpers run at the root node only; deeper nodes
     draw from the raw distribution."""
     root = sequence.shape[1]
@@ -268,7 +268,7 @@ def root_only_accept(tree, logits, sequence, processors, stopping, do_sample=Fal
     def at_root_only(seq, scores):
         return processors(seq, scores) if seq.shape[1] == root else scores
 
-    return _real_accept_tree(tree, logits, sequence, at_root_only, stopping, do_sample, typical)
+    return _real_accept_tree(tree, logits, sequence, at_root_only, stopping, do_sample, typical, stop)
 
 
 _real_accept_tree = decoding.accept_tree
