@@ -38,6 +38,7 @@ def test_load_model_and_load_packaged_model_pass_the_name_through(monkeypatch):
 
 
 @pytest.mark.real
+@pytest.mark.slow  # needs the `gemma` extra (240 MB) and a minute's load: not in the README's test command
 def test_gemma_loads_and_continues_text():
     try:
         packaged.require_gemma_package()
