@@ -51,10 +51,14 @@ def machine_key(model) -> dict:
     }
 
 
+def key_file_name(key: dict) -> str:
+    """`<digest of key>.json`: the name a measurement keyed by `key` is cached under."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json"
+
+
 def cache_file(folder: str, key: dict) -> Path:
     """`folder/<digest of key>.json` in hf_bpd's cache."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / folder / f"{digest}.json"
+    return cache_root() / folder / key_file_name(key)
 
 
 def read_cached(path: Path, key: dict) -> dict | None:

@@ -12,8 +12,6 @@ Which CPU kernel runs the forwards, BLAS or oneDNN with pre-packed weights, is m
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 from bisect import bisect_left
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import cache_root, machine_key, read_cached, write_cached
+from .cache import cache_root, key_file_name, machine_key, read_cached, write_cached
 from .compat import cache_argument
 from .packed_linear import linear_context, wants_packed_linear
 from .vocab import model_vocab_size
@@ -135,8 +133,7 @@ def forward_cost_dir() -> Path:
 
 
 def forward_cost_cache_file(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return forward_cost_dir() / f"{digest}.json"
+    return forward_cost_dir() / key_file_name(key)
 
 
 def cached_forward_cost(
