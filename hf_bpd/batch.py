@@ -10,9 +10,10 @@ step. The design keeps that single length and lets rows differ in which cache sl
 - Each row's tree nodes attend to its real slots and to their own ancestors (the 4D mask); position ids
   are the row's real-token count plus the node's depth, which is what plain `generate` computes from the
   2D mask for left-padded rows. So a row decodes exactly as it would without the holes.
-- Holes cost attention compute but no correctness. When they pile up (a quarter of the cache, or the
-  cache nears an attention window), `squeeze_holes` gathers each row's real slots to the right end again
-  (left-padded form), one gather per layer.
+- Holes cost attention compute but no correctness (attention windows too count positions, so real
+  tokens only: `decoding.tree_attention_mask`). When they pile up (a quarter of the cache, or the cache
+  nears a window the masks cannot serve past), `squeeze_holes` gathers each row's real slots to the right
+  end again (left-padded form), one gather per layer.
 
 Tree sizes: with a fixed `max_tree_tokens` every row gets that many. With "auto" each unfinished row
 grows a tree of at most the forward-cost curve's largest size divided among them, and one width w is then
@@ -22,8 +23,9 @@ cost(B x w), and a bigger batch, already compute-bound on a CPU, verifies smalle
 call's own (`cost.BatchForwardCost`): its first step is a plain one, and every forward is timed, because a
 batch at long contexts costs far more than the one-row start-up curve says. Where drafted steps yield
 fewer tokens per second than plain ones (drafting included), the call takes plain steps, the roots alone
-(`cost.StepChooser`). Below an attention
-window, trees are capped so the cache plus the tree stays within it, as for one row. Sampling works row
+(`cost.StepChooser`). Below a window the
+masks cannot serve past (`support.AttentionWindows.cap`), trees are capped so the cache plus the tree
+stays within it, as for one row. Sampling works row
 by row (each row's own draws, so the random stream differs from plain batched sampling while each row's
 law is plain sampling's). Streamers and per-token scores are refused for batches.
 """
@@ -41,6 +43,7 @@ from .calibration import SamplingWarp
 from .cost import BatchForwardCost
 from .decoding import accept_tree, choose_tokens, prefill, prompt_mask, verify_tree
 from .drafter import BlockDrafter, DecodingStats
+from .support import AttentionWindows
 from .tree import DraftTree, batch_trees
 
 
@@ -125,13 +128,14 @@ def decode_batch(
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
     model_kwargs: dict,
-    window: int | None = None,
+    windows: AttentionWindows | None = None,
     typical: tuple[float, float] | None = None,
 ):
     """The decoding loop for B > 1 rows (module docstring). Returns the sequences [B, L] padded on the
-    right with the pad token, as plain batched `generate` returns them. `window`: the model's attention
-    window (`support.check_call_supported` made sure every row's text fits in it). `typical`: as in
-    `decoding.decode`."""
+    right with the pad token, as plain batched `generate` returns them. `windows`: the model's attention
+    windows (`support.py`; where they have a `cap`, `check_call_supported` made sure every row's text fits
+    in it). `typical`: as in `decoding.decode`."""
+    window = None if windows is None else windows.cap
     stats = drafter.stats
     batch_size, device = input_ids.shape[0], input_ids.device
     pad = int(generation_config._pad_token_tensor)
@@ -187,7 +191,7 @@ def decode_batch(
             trees[b] = tree
         batch = batch_trees(trees, pad_token_id=pad, device=device)
         t1 = drafter._sync(device)
-        out = verify_tree(model, batch, cache, past_mask)
+        out = verify_tree(model, batch, cache, past_mask, windows)
         t2 = drafter._sync(device)
         results = {
             b: accept_tree(trees[b], out.logits[b], sequences[b], processors[b], stopping_criteria, do_sample, typical)

@@ -41,13 +41,14 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .calibration import SamplingWarp
-from .compat import GENERATE_CACHE_FIELD, cache_argument, output_cache
+from .compat import CACHE_NAMES, GENERATE_CACHE_FIELD, cache_argument, output_cache
 from .drafter import BlockDrafter
+from .support import AttentionWindows
 from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, TreeBatch, batch_trees
 
@@ -69,9 +70,24 @@ def prompt_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
     return torch.ones_like(input_ids) if mask is None else mask
 
 
+def keep_every_key(model_kwargs: dict) -> None:
+    """Make the cache `generate` prepared keep every key of its windowed layers: each sliding/chunked cache
+    layer (which keeps only the last W - 1 entries, so a tree's rejected entries would evict keys a later
+    step needs) becomes a full `DynamicLayer`; the tree masks apply the windows instead (`support.py`).
+    The returned cache then holds full layers: usable as is, the models build their windows from the
+    config, not from the cache."""
+    for name in CACHE_NAMES:
+        cache = model_kwargs.get(name)
+        if isinstance(cache, DynamicCache):
+            for i, layer in enumerate(cache.layers):
+                if getattr(layer, "is_sliding", False):
+                    cache.layers[i] = DynamicLayer()
+
+
 def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, DynamicCache]:
     """Run the prompt exactly as `generate` does. Returns (raw next-token logits [B, V] float32, last
     hidden state [B, H], cache)."""
+    keep_every_key(model_kwargs)
     model_inputs = model.prepare_inputs_for_generation(input_ids, **model_kwargs)
     model_inputs["output_hidden_states"] = True
     out = model(**model_inputs, return_dict=True)
@@ -88,26 +104,54 @@ def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.T
     return logits, hidden[:, -1], cache
 
 
-def tree_attention_mask(tree: TreeBatch, past_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def tree_attention_mask(
+    tree: TreeBatch, past_mask: torch.Tensor, dtype: torch.dtype, windows: AttentionWindows | None = None
+) -> torch.Tensor | dict[str, torch.Tensor]:
     """Additive float mask [B, 1, N, P+N]: 0 where attention is allowed, dtype-min elsewhere. Additive
-    float works with both eager and sdpa attention."""
+    float works with both eager and sdpa attention.
+
+    With attention `windows` that can cut a key off at these positions, the mask of each windowed layer
+    type is narrowed to its window by position (a key at k is seen from q when q - W < k for sliding
+    layers, k // C == q // C for chunked ones; cached keys count real slots only, tree keys are at the
+    next position + depth): one mask where every attention layer has that window, else a dict
+    {layer type: mask} with the plain mask for full layers."""
     b, n = tree.input_ids.shape
     allowed = torch.cat([past_mask.bool()[:, None, :].expand(b, n, -1), tree.tree_mask], dim=-1)
+    if windows is None or not windows.binding(past_mask.shape[1] + n - 1):
+        return _additive(allowed, dtype)
+    real = past_mask.long()
+    query = real.sum(-1, keepdim=True) + tree.depths  # [B, N] positions of the nodes
+    key = torch.cat([real.cumsum(-1) - 1, query], dim=-1)[:, None, :]  # [B, 1, P+N] (holes: unused)
+    query = query[:, :, None]
+    masks = {}
+    for layer_type, (kind, size) in windows.layers.items():
+        inside = key > query - size if kind == "sliding" else key // size == query // size
+        masks[layer_type] = _additive(allowed & inside, dtype)
+    if not windows.per_type:  # every attention layer has this one window (Mistral)
+        (mask,) = masks.values()
+        return mask
+    masks["full_attention"] = _additive(allowed, dtype)
+    return masks
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
 
 
-def verify_tree(model, tree: TreeBatch, cache: DynamicCache, past_mask: torch.Tensor):
+def verify_tree(
+    model, tree: TreeBatch, cache: DynamicCache, past_mask: torch.Tensor, windows: AttentionWindows | None = None
+):
     """One base-model forward over all tree nodes. `past_mask` [B, P] is 1 for real cached positions.
-    Appends N entries to every cache layer. Returns the model output (logits and hidden states of every
-    node)."""
+    Appends N entries to every cache layer. `windows`: the model's attention windows (`support.py`).
+    Returns the model output (logits and hidden states of every node)."""
     positions = past_mask.long().sum(-1, keepdim=True) + tree.depths
     dtype = next(model.parameters()).dtype
     try:
         return model(
             input_ids=tree.input_ids,
-            attention_mask=tree_attention_mask(tree, past_mask, dtype),
+            attention_mask=tree_attention_mask(tree, past_mask, dtype, windows),
             position_ids=positions,
             **{cache_argument(model): cache},
             use_cache=True,
@@ -283,13 +327,14 @@ def decode(
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
     streamer,
-    window: int | None,
+    windows: AttentionWindows | None,
     model_kwargs: dict,
     typical: tuple[float, float] | None = None,
 ):
     """The decoding loop of `generate`, on a call already checked and a drafter prepared for `model`
     (inside its linear context: `generation._prepared`): prefill, then draft, verify, accept and compact
-    until a stopping criterion holds. `window`: the model's attention window, which caps trees.
+    until a stopping criterion holds. `windows`: the model's attention windows (`support.py`): they shape
+    the tree masks, and a `cap` among them caps trees below it.
     `typical`: Medusa's lossy typical acceptance (epsilon, delta), or None (exact)."""
     stats = drafter.stats
     prompt_len = input_ids.shape[1]
@@ -323,9 +368,10 @@ def decode(
         past_len = past_mask.shape[1]
         # Positions past the model's context would be garbage drafts: cap the tree depth.
         max_depth = None if context is None else max(context - past_len - 1, 0)
-        # Below an attention window every layer attends like full attention: keep context + tree there
-        # (check_call_supported made sure at least the root fits).
-        max_tokens = None if window is None else window - 1 - past_len
+        # A window the masks cannot serve past (GPT-Neo's local layers): below it every layer attends like
+        # full attention, so keep context + tree there (check_call_supported made sure the root fits).
+        cap = None if windows is None else windows.cap
+        max_tokens = None if cap is None else cap - 1 - past_len
         t0 = time.perf_counter()
         drafting = chooser is None or chooser.draft_next()
         with phase(syncs, "draft"):
@@ -336,7 +382,7 @@ def decode(
         t1 = drafter._sync(input_ids.device)
         with phase(syncs, "verify"):
             batch = batch_trees(trees, pad_token_id=trees[0].tokens[0], device=input_ids.device)
-            out = verify_tree(model, batch, cache, past_mask)
+            out = verify_tree(model, batch, cache, past_mask, windows)
         t2 = drafter._sync(input_ids.device)
         with phase(syncs, "accept"):
             result = accept_tree(

@@ -59,7 +59,7 @@ def generate(
     if typical is not None and not generation_config.do_sample:
         raise ValueError("lossy_typical_acceptance changes how sampled tokens are accepted: it needs do_sample=True")
     check_model_supported(model)
-    window = check_call_supported(model, input_ids, generation_config, model_kwargs)
+    windows = check_call_supported(model, input_ids, generation_config, model_kwargs)
     if input_ids.shape[0] > 1:
         check_batch_supported(input_ids, generation_config, model_kwargs)
         if streamer is not None or caller_streamer(model) is not None:
@@ -73,7 +73,7 @@ def generate(
                 stopping_criteria,
                 generation_config,
                 model_kwargs,
-                window,
+                windows,
                 typical,
             )
         return (
@@ -92,7 +92,7 @@ def generate(
             stopping_criteria,
             generation_config,
             streamer,
-            window,
+            windows,
             model_kwargs,
             typical,
         )

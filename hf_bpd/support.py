@@ -8,19 +8,33 @@ It is not for:
 - recurrent, convolutional or linear-attention state (Mamba, Jamba, Qwen3-Next, LFM2, Falcon-H1, ...):
   the forward would advance the state through siblings and rejected drafts as if they were one sequence;
 - position biases built from a 2D mask (ALiBi: Falcon-alibi, Bloom, MPT): the model cannot take ours;
-- attention windows (sliding, chunked, GPT-Neo's local layers): once context plus tree reach the window,
-  the model drops or masks keys by *index*, not by a node's depth. Below the window they attend exactly
-  like full attention, so a generation that stays below it is served and one that could reach it is
-  refused up front (rather than halfway through);
+- GPT-Neo's local layers past their window: the model masks keys by cache *index* inside its attention
+  module (a buffer the 4D mask can only narrow), not by a node's depth, so a tree node at index i > its
+  depth would lose keys it needs. Below the window they attend exactly like full attention, so a
+  generation that stays below it is served (trees capped below it) and one that could reach it is
+  refused up front (rather than halfway through). The same holds for a model mixing full and windowed
+  layers whose forward takes one mask for all of them instead of a mask per layer type;
 - inputs other than token ids and their mask (`inputs_embeds`, images, `token_type_ids`, a filled cache):
   the loop would have to extend them to every tree node.
 
 Every refusal names its reason and is raised before the prefill, so it costs no forward.
+
+Attention windows are served exactly at every length (`AttentionWindows`): sliding-window layers (Mistral,
+Qwen2 with `use_sliding_window`, Gemma-2/3, Cohere-2, gpt-oss: a key at position k is seen from position
+q when q - W < k <= q, transformers' `sliding_window_overlay`) and chunked layers (Llama-4: the same
+chunk, k // C == q // C). The decode keeps every key of every layer (its cache has only full
+`DynamicLayer`s: a sliding cache layer keeps the last W - 1 entries, so a tree's rejected entries would
+evict keys a later step needs), and each tree forward gets, per layer type, the tree mask narrowed to that
+type's window by *position* (`decoding.tree_attention_mask`): a dict `{layer type: 4D mask}` for models
+mixing types (their forward takes one), one 4D mask where every attention layer has the same window
+(Mistral). Holes and left padding of batches do not count, since positions count real tokens only.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
@@ -61,24 +75,70 @@ def layer_types(config) -> list[str]:
     return list(get_layer_types_and_kwargs(config)[0])
 
 
-def attention_window(config) -> int | None:
-    """The shortest attention window of any layer (sliding, chunked, or GPT-Neo's local layers), or None."""
-    windows = []
+@dataclass(frozen=True)
+class AttentionWindows:
+    """How a model's attention layers window their keys, for the tree masks (module docstring).
+
+    `layers`: each windowed layer type -> ("sliding", W) or ("chunked", C), the layers of every other type
+    attending to all keys; `per_type`: the forward takes a dict {layer type: mask} (needed where windowed
+    and full layers mix); `cap`: a window the tree masks cannot serve exactly past (GPT-Neo's local layers,
+    or mixed layers without `per_type`), below which the decode keeps context plus tree, else None."""
+
+    layers: dict[str, tuple[str, int]]
+    per_type: bool
+    cap: int | None
+
+    def binding(self, longest: int) -> bool:
+        """Whether any window can cut a key off when no position exceeds `longest` (else every layer
+        attends like full attention and one plain tree mask serves them all)."""
+        return any(longest >= size for _, size in self.layers.values())
+
+
+def _takes_mask_per_layer_type(model) -> bool:
+    """Whether the model's decoder forward takes `attention_mask` as a dict {layer type: mask}, as the
+    transformers 5 decoders that mix layer types do (`isinstance(attention_mask, dict)` in its modeling
+    file; read, never changed)."""
+    try:
+        source = inspect.getsource(inspect.getmodule(type(model)))
+    except (OSError, TypeError):
+        return False
+    return re.search(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)", source) is not None
+
+
+def attention_windows(model) -> AttentionWindows | None:
+    """The model's attention windows (None: it has none)."""
+    config = model.config.get_text_config(decoder=True)
+    layers: dict[str, tuple[str, int]] = {}
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
-        for kind, kwargs in zip(*get_layer_types_and_kwargs(config)):
-            if kind in WINDOWED_LAYER_TYPES:
-                windows.append(int(kwargs["sliding_window"]))
-    except ImportError:
-        if "sliding_attention" in layer_types(config) and getattr(config, "sliding_window", None):
-            windows.append(int(config.sliding_window))
-        if "chunked_attention" in layer_types(config) and getattr(config, "attention_chunk_size", None):
-            windows.append(int(config.attention_chunk_size))
+        typed = list(zip(*get_layer_types_and_kwargs(config)))
+    except ImportError:  # older transformers 5: the model-wide settings
+        typed = [
+            (kind, {"sliding_window": getattr(config, "sliding_window", None) or config.attention_chunk_size})
+            for kind in layer_types(config)
+            if kind in WINDOWED_LAYER_TYPES
+        ]
+    for kind, kwargs in typed:
+        if kind not in WINDOWED_LAYER_TYPES:
+            continue
+        window = ("sliding" if kind == "sliding_attention" else "chunked", int(kwargs["sliding_window"]))
+        if layers.setdefault(kind, window) != window:  # one mask per layer type serves one window per type
+            raise ValueError(
+                f"{type(model).__name__} has {kind} layers with different windows ({layers[kind][1]} and "
+                f"{window[1]}): hf_bpd.generate builds one mask per layer type"
+            )
+    attending = {kind for kind in layer_types(config) if kind != "dummy"}
+    per_type = _takes_mask_per_layer_type(model)
+    cap = None
+    if layers and len(attending) > 1 and not per_type:
+        cap = min(size for _, size in layers.values())
     # GPT-Neo builds its local window into the attention module, not into the cache's layer types
     if "local" in (getattr(config, "attention_layers", None) or []):
-        windows.append(int(config.window_size))
-    return min(windows, default=None)
+        cap = int(config.window_size) if cap is None else min(cap, int(config.window_size))
+    if not layers and cap is None:
+        return None
+    return AttentionWindows(layers, per_type, cap)
 
 
 def check_model_supported(model) -> None:
@@ -122,9 +182,10 @@ def check_model_supported(model) -> None:
 
 def check_call_supported(
     model, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict
-) -> int | None:
+) -> AttentionWindows | None:
     """Refuse, naming the reason, inputs and options of this `generate` call that the loop would not
-    honour. Returns the model's attention window (None: none), which caps every tree below it."""
+    honour. Returns the model's attention windows (None: none), which shape the tree masks (and, where
+    `cap` is set, cap every tree below that window)."""
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("hf_bpd.generate drafts from token ids: pass input_ids, not inputs_embeds")
     if input_ids.shape[1] == 0:
@@ -169,12 +230,17 @@ def check_call_supported(
         raise ValueError(
             f"input of {input_ids.shape[1]} tokens does not fit the model's context of {context} positions"
         )
-    window = attention_window(text_config)
-    if window is not None and (generation_config.max_length or 0) > window:
+    windows = attention_windows(model)
+    cap = None if windows is None else windows.cap
+    if cap is not None and (generation_config.max_length or 0) > cap:
+        why = (
+            "its local layers mask keys by cache index inside the attention module"
+            if "local" in (getattr(text_config, "attention_layers", None) or [])
+            else "its forward takes one mask for its full and windowed layers alike"
+        )
         raise ValueError(
             f"prompt of {input_ids.shape[1]} tokens + up to {generation_config.max_length - input_ids.shape[1]} new "
-            f"tokens can reach the model's attention window of {window} tokens, past which a tree forward would "
-            f"drop or mask keys by index: hf_bpd.generate serves this model only while prompt + max_new_tokens <= "
-            f"{window}"
+            f"tokens can reach the model's attention window of {cap} tokens, past which a tree forward would not "
+            f"be exact ({why}): hf_bpd.generate serves this model only while prompt + max_new_tokens <= {cap}"
         )
-    return window
+    return windows

@@ -58,14 +58,12 @@ def test_readme_shows_the_support_matrix():
     assert readme_block() in README.read_text(encoding="utf-8"), "run: python -m tests.support_matrix"
 
 
-def test_window_caps_trees_so_a_generation_up_to_the_window_is_exact():
-    # prompt + max_new_tokens exactly the window: every step's tree must stay below it
-    model = tiny_model("mistral", sliding_window=24, eos_token_id=None)
+def test_windowed_models_are_not_refused_for_length():
+    # a sliding window far shorter than prompt + max_new_tokens: served, token for token
+    model = tiny_model("mistral", sliding_window=6, eos_token_id=None)
     drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=4), top_k=3, max_tree_tokens=16)
     ids = torch.tensor([[5, 6, 7, 8]])
-    assert decode(model, ids, drafter, max_new_tokens=20).tolist() == decode(model, ids, max_new_tokens=20).tolist()
-    with pytest.raises(ValueError, match="attention window of 24"):
-        decode(model, ids, drafter, max_new_tokens=21)
+    assert decode(model, ids, drafter, max_new_tokens=50).tolist() == decode(model, ids, max_new_tokens=50).tolist()
 
 
 @pytest.mark.parametrize(
