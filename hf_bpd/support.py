@@ -174,9 +174,15 @@ def check_model_supported(model) -> None:
         )
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in SUPPORTED_ATTENTION:
+        why = {
+            # transformers turns a 4D tensor into a score_mod reading the captured mask; tried on torch 2.13's
+            # CPU, the compiled kernels crashed the process (heap corruption) on a tree forward
+            "flex_attention": "flex_attention takes a BlockMask; a 4D float mask becomes a score_mod, which does "
+            "not run reliably on tree forwards",
+        }.get(impl, "it cannot take the custom 4D tree-attention mask")
         raise ValueError(
-            f"attention implementation `{impl}` cannot take the custom 4D tree-attention mask; load the model "
-            f"with attn_implementation in {SUPPORTED_ATTENTION}"
+            f"attention implementation `{impl}` is not supported: {why}; load the model with attn_implementation "
+            f"in {SUPPORTED_ATTENTION}"
         )
 
 

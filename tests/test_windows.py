@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_heads
+from conftest import random_heads, tiny_model
 from support_matrix import Row, build
 from test_decoding import OracleDrafter
 from transformers.cache_utils import DynamicLayer
@@ -139,3 +139,11 @@ def test_gpt_neo_local_layers_stay_capped_below_their_window():
     assert generate(model, ids, drafter, do_sample=False, max_new_tokens=20).tolist() == ref.tolist()
     with pytest.raises(ValueError, match="attention window of 24 tokens.*cache index"):
         generate(model, ids, drafter, do_sample=False, max_new_tokens=21)
+
+
+def test_flex_attention_is_refused_with_its_reason():
+    # a 4D float mask becomes a flex score_mod, which crashed torch 2.13's compiled CPU kernels on a tree
+    model = tiny_model("mistral", attn="flex_attention", sliding_window=W)
+    drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=2), top_k=2, max_tree_tokens=4)
+    with pytest.raises(ValueError, match="flex_attention takes a BlockMask"):
+        generate(model, torch.tensor([[5, 6, 7]]), drafter, do_sample=False, max_new_tokens=4)
