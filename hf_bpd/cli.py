@@ -1,4 +1,4 @@
-"""`hf-bpd` command line: demo, distill, train-heads, ..."""
+"""`hf-bpd` command line: demo, distill, train-heads, export, ..."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
         "analyze": "hf_bpd.tools.analyze",
         "replay": "hf_bpd.tools.replay",
         "cost-model": "hf_bpd.tools.cost_model",
+        "export": "hf_bpd.export",
         "distill": "hf_bpd.training.distill",
         "train-heads": "hf_bpd.training.train_heads",
         "train-ngram": "hf_bpd.training.train_ngram",
