@@ -36,6 +36,7 @@ loop serves and refuses, and why, is in `support.py`.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -88,7 +89,9 @@ def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.T
     """Run the prompt exactly as `generate` does. Returns (raw next-token logits [B, V] float32, last
     hidden state [B, H], cache)."""
     keep_every_key(model_kwargs)
-    model_inputs = model.prepare_inputs_for_generation(input_ids, **model_kwargs)
+    # as `generate`'s first forward: with its multimodal inputs (images), which later steps drop
+    first = {"is_first_iteration": True} if _takes_first_iteration(model) else {}
+    model_inputs = model.prepare_inputs_for_generation(input_ids, **first, **model_kwargs)
     model_inputs["output_hidden_states"] = True
     out = model(**model_inputs, return_dict=True)
     cache = output_cache(out)
@@ -102,6 +105,10 @@ def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.T
         )
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
     return logits, hidden[:, -1], cache
+
+
+def _takes_first_iteration(model) -> bool:
+    return "is_first_iteration" in inspect.signature(model.prepare_inputs_for_generation).parameters
 
 
 def tree_attention_mask(

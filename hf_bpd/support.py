@@ -14,8 +14,22 @@ It is not for:
   generation that stays below it is served (trees capped below it) and one that could reach it is
   refused up front (rather than halfway through). The same holds for a model mixing full and windowed
   layers whose forward takes one mask for all of them instead of a mask per layer type;
-- inputs other than token ids and their mask (`inputs_embeds`, images, `token_type_ids`, a filled cache):
-  the loop would have to extend them to every tree node.
+- sparse attention that picks its own keys (DeepSeek-V3.2, GLM-MoE-DSA, Mistral-Large-4, ...: an indexer
+  scores the cached keys and each query attends to its top-k only; DeepSeek-V4: compressed keys): the
+  model, not the mask, decides which keys a node sees, and its indexer keys are kept per cache entry
+  beside the ones compaction drops, so a tree mask cannot be honoured exactly;
+- a model whose forward returns no KV cache (XLM): there is nothing to verify trees on;
+- images in image-text models with multimodal rotary positions (Qwen2-VL, Qwen2.5-VL, ...: 3D position
+  ids offset by `rope_deltas` after the prefill): the tree forwards pass one text position per node;
+- inputs other than token ids and their mask that the model reads on every step (`inputs_embeds`,
+  GPT-2's `token_type_ids`, a filled cache): the loop would have to extend them to every tree node.
+
+Image-text models (Gemma 3, LLaVA, ...) are served with and without images: transformers' `generate`
+encodes the images before it calls us (`mm_encoder_outputs`, empty for a text-only prompt), the prefill
+gets every multimodal input exactly as plain `generate`'s first forward does (`is_first_iteration`), and
+the tree forwards after it are text only, as plain `generate`'s decode steps are (it drops those inputs
+after the prefill: `MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL`, and Gemma 3 its `token_type_ids`). The
+heads read the language model's last hidden state and borrow its LM head (`get_output_embeddings()`).
 
 Every refusal names its reason and is raised before the prefill, so it costs no forward.
 
@@ -32,8 +46,10 @@ mixing types (their forward takes one), one 4D mask where every attention layer 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +71,23 @@ PREPARED_MODEL_KWARGS = {
     "use_cache",
     "cache_position",
     *CACHE_NAMES,
+}
+# inputs `generate` hands over for the prefill of an image-text model, which its decode steps drop
+try:
+    from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL as PREFILL_ONLY_INPUTS
+except ImportError:  # older transformers 5
+    PREFILL_ONLY_INPUTS = ("pixel_values", "pixel_values_videos", "image_sizes", "pixel_attention_mask")
+PREFILL_ONLY_INPUTS = {*PREFILL_ONLY_INPUTS, "mm_encoder_outputs"}
+# per-token type ids: prefill-only where the model's own `prepare_inputs_for_generation` drops them after it
+TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids")
+# cache layer types of sparse attention that selects its own keys (module docstring)
+SPARSE_LAYER_TYPES = {
+    "indexed_attention": "a sparse-attention indexer: each query attends only to the top-k cached keys the "
+    "indexer scores, chosen inside the model",
+    "compressed_sparse_attention": "compressed sparse attention: keys are pooled into compressed blocks and "
+    "selected inside the model",
+    "heavily_compressed_attention": "compressed sparse attention: keys are pooled into compressed blocks and "
+    "selected inside the model",
 }
 REFUSED_MODEL_TYPES = {
     "gemma3n": "AltUp keeps several hidden-state streams per token, which draft heads cannot read",
@@ -150,7 +183,15 @@ def check_model_supported(model) -> None:
     for model_type in {config.model_type, text_config.model_type}:
         if model_type in REFUSED_MODEL_TYPES:
             raise ValueError(f"hf_bpd.generate does not support {model_type}: {REFUSED_MODEL_TYPES[model_type]}")
-    stateful = [t for t in layer_types(text_config) if t not in KV_LAYER_TYPES]
+    types = layer_types(text_config)
+    sparse = sorted({t for t in types if t in SPARSE_LAYER_TYPES})
+    if sparse:
+        raise ValueError(
+            f"{type(model).__name__} has layers of type {sparse} ({SPARSE_LAYER_TYPES[sparse[0]]}): the model, not the "
+            "attention mask, decides which keys a token sees, so a tree mask (each node sees the cache and its own "
+            "ancestors) cannot be honoured exactly; use plain generate"
+        )
+    stateful = [t for t in types if t not in KV_LAYER_TYPES]
     if getattr(model, "_is_stateful", False) or stateful:
         what = f"layers of type {sorted(set(stateful))}" if stateful else "a recurrent state"
         raise ValueError(
@@ -172,6 +213,11 @@ def check_model_supported(model) -> None:
             f"{type(model).__name__}.forward has no {', '.join(missing)} argument: tree verification needs a model "
             "that accepts a 4D attention mask, position_ids and a KV cache"
         )
+    if not _returns_cache(model):
+        raise ValueError(
+            f"{type(model).__name__} returns no KV cache (its forward's output, {_output_classes(model)}, has no cache "
+            "field): tree verification decodes on a DynamicCache; use plain generate"
+        )
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in SUPPORTED_ATTENTION:
         why = {
@@ -184,6 +230,56 @@ def check_model_supported(model) -> None:
             f"attention implementation `{impl}` is not supported: {why}; load the model with attn_implementation "
             f"in {SUPPORTED_ATTENTION}"
         )
+
+
+def _output_classes(model) -> str:
+    hint = _return_hint(model)
+    return " | ".join(getattr(c, "__name__", str(c)) for c in typing.get_args(hint) or (hint,))
+
+
+def _return_hint(model):
+    try:
+        return typing.get_type_hints(type(model).forward).get("return")
+    except Exception:  # noqa: BLE001 - unresolvable annotations: unknown
+        return None
+
+
+def _returns_cache(model) -> bool:
+    """Whether the model's forward returns a KV cache, read from its annotated output class(es) (a
+    `ModelOutput` dataclass with a `cache` / `past_key_values` field); True where it is not annotated."""
+    hint = _return_hint(model)
+    outputs = [c for c in (typing.get_args(hint) or (hint,)) if isinstance(c, type) and dataclasses.is_dataclass(c)]
+    if not outputs:
+        return True
+    return any(f.name in CACHE_NAMES for c in outputs for f in dataclasses.fields(c))
+
+
+def _present(value) -> bool:
+    """Whether a model kwarg holds an input (an empty `mm_encoder_outputs` dict, None, ... do not)."""
+    if value is None:
+        return False
+    if isinstance(value, (dict, list, tuple)):
+        return any(_present(v) for v in value.values()) if isinstance(value, dict) else any(_present(v) for v in value)
+    return True
+
+
+def _drops_after_prefill(model, name: str, value, input_ids: torch.Tensor) -> bool:
+    """Whether plain `generate`'s decode steps leave out the model kwarg `name` (as they do the multimodal
+    inputs, and Gemma 3 its `token_type_ids`): then only the prefill reads it, and the prefill gets it."""
+    if name in PREFILL_ONLY_INPUTS:
+        return True
+    if name not in TOKEN_TYPE_INPUTS or not isinstance(value, torch.Tensor):
+        return False
+    params = inspect.signature(model.prepare_inputs_for_generation).parameters
+    if "is_first_iteration" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return False
+    try:  # what the model's own `prepare_inputs_for_generation` passes on a decode step (no forward)
+        step = model.prepare_inputs_for_generation(
+            input_ids[:, -1:], use_cache=True, is_first_iteration=False, **{name: value[..., -1:]}
+        )
+    except Exception:  # noqa: BLE001 - cannot tell: treat it as read on every step
+        return False
+    return step.get(name) is None
 
 
 def check_call_supported(
@@ -204,13 +300,25 @@ def check_call_supported(
             "hf_bpd.generate does not return attentions or hidden states (a tree forward's are per drafted "
             "node, not per generated token): drop output_attentions / output_hidden_states"
         )
+    positions = model_kwargs.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() > 2 and bool((positions != positions[:1]).any()):
+        raise ValueError(
+            f"{type(model).__name__} takes position ids of shape {tuple(positions.shape)} (multimodal rotary "
+            "positions, M-RoPE, offset by the `rope_deltas` the prefill computes): hf_bpd.generate's tree forwards "
+            "pass one text position per node, so it does not serve this model; use plain generate"
+        )
     quiet = ("output_attentions", "output_hidden_states")  # False: what every forward is asked anyway
     extra = sorted(
-        k for k, v in model_kwargs.items() if k not in PREPARED_MODEL_KWARGS and v is not None and k not in quiet
+        k
+        for k, v in model_kwargs.items()
+        if k not in PREPARED_MODEL_KWARGS
+        and k not in quiet
+        and _present(v)
+        and not _drops_after_prefill(model, k, v, input_ids)
     )
     if extra:
         raise ValueError(
-            f"hf_bpd.generate does not pass {extra} on to the tree forward (per-token or multimodal inputs "
+            f"hf_bpd.generate does not pass {extra} on to the tree forward (inputs the model reads on every step "
             "would have to be extended to every drafted node); use plain generate for such inputs"
         )
     implementation = generation_config.cache_implementation

@@ -159,6 +159,30 @@ ROWS = [
     Row("LFM2", "lfm2", "refused", "convolutions", r"recurrent|conv", dict(layer_types=["conv", "full_attention"])),
     Row("Falcon-H1", "falcon_h1", "refused", "hybrid", r"recurrent"),
     Row("RecurrentGemma", "recurrent_gemma", "refused", "recurrent", r"recurrent|position_ids|attention_mask"),
+    Row(
+        "DeepSeek-V3.2",
+        "deepseek_v32",
+        "refused",
+        "sparse attention indexer",
+        r"indexed_attention.*indexer.*cannot be honoured",
+        dict(
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            index_n_heads=2,
+            index_head_dim=16,
+            index_topk=8,
+            n_group=1,
+            topk_group=1,
+        ),
+    ),
+    Row("XLM", "xlm", "refused", "no KV cache", r"returns no KV cache", dict(emb_dim=32, n_layers=2, n_heads=4)),
 ]
 
 
