@@ -49,6 +49,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .calibration import SamplingWarp
 from .compat import CACHE_NAMES, GENERATE_CACHE_FIELD, cache_argument, output_cache
 from .drafter import BlockDrafter
+from .expansion import GrownTree
 from .support import AttentionWindows
 from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, TreeBatch, batch_trees
@@ -240,11 +241,15 @@ class HostStop:
         return token in self.eos or (self.max_length is not None and length >= self.max_length)
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor, length: int, stop: HostStop) -> AcceptResult:
+def accept_greedy(
+    tree: DraftTree, logits: torch.Tensor, length: int, stop: HostStop, choices: list[int] | None = None
+) -> AcceptResult:
     """`accept_tree` for greedy decoding without logits processors and with `HostStop` criteria: the base
     model's token at every node in one argmax (one device-to-host copy for the whole step), then the same
-    walk on the host. `length`: the sequence's length, root included."""
-    choices = logits.argmax(dim=-1).tolist()
+    walk on the host. `length`: the sequence's length, root included. `choices`: that argmax, where the
+    caller already read it (`accept_greedy_and_grow`)."""
+    if choices is None:
+        choices = logits.argmax(dim=-1).tolist()
     nodes, tokens = [], []
     node = 0
     while True:
@@ -261,6 +266,50 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor, length: int, stop: Host
         node = child
     raw = [logits[i].float() for i in nodes]  # views: no copy to the host (scores = raw logits: no processors)
     return AcceptResult(nodes, tokens, raw, raw, finished)
+
+
+def greedy_last_node(tree: TreeBatch, parents: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
+    """The node `accept_greedy` ends row 0's walk at, computed on the device: a node is reached when every
+    drafted token on its path is the base model's choice at the node before it, and the reached nodes
+    form one chain, so the walk ends at the deepest. `parents [N]` (the root's: -1), `choices [N]` the
+    argmax at each node. Returns `[1]` (long)."""
+    ids, depths, ancestors = tree.input_ids[0], tree.depths[0], tree.tree_mask[0]
+    matched = ids == choices[parents.clamp_min(0)]
+    matched[0] = True
+    reached = ~(ancestors & ~matched[None, :]).any(-1)
+    return (reached.long() * (depths + 1)).argmax().view(1)
+
+
+def accept_greedy_and_grow(
+    drafter: BlockDrafter,
+    tree: DraftTree,
+    batch: TreeBatch,
+    out,
+    length: int,
+    stop: HostStop,
+    max_depth: int | None,
+) -> tuple[AcceptResult, list[tuple[DraftTree, list]] | None]:
+    """`accept_greedy` fused with the next step's drafting, for one row and "previous" heads that grow on
+    the device (`BlockDrafter.grows_on_device`): the walk's last node, its bonus token and hidden state
+    are found on the device (`greedy_last_node`), the next tree is grown from them there
+    (`BlockDrafter.grow`), and ONE device-to-host copy reads the step's choices and that tree together.
+    So a greedy step synchronises once, drafting included. Returns (the step's result, the next step's
+    grown tree for `BlockDrafter.draft(grown=...)`, or None when decoding stops here). The next tree is
+    grown before this step's verification is fed back (`BlockDrafter.observe`), so its calibration lags
+    one step; `max_depth`: the next step's depth limit (a bound: the step's length is not known yet)."""
+    device = batch.input_ids.device
+    logits, hidden = out.logits[0], out.hidden_states[-1][0]
+    choices = logits.argmax(dim=-1)
+    last = greedy_last_node(batch, torch.tensor(tree.parents, device=device), choices)
+    t0 = time.perf_counter()
+    grown = drafter.grow(hidden.index_select(0, last), choices.index_select(0, last), max_depth=max_depth)
+    values = torch.cat([choices.double(), last.double(), grown.flat().to(device)]).tolist()  # the one copy
+    drafter.stats.time_heads += time.perf_counter() - t0
+    n = len(tree)
+    result = accept_greedy(tree, logits, length, stop, [int(v) for v in values[:n]])
+    if result.finished or result.nodes[-1] != int(values[n]):  # stopped (eos, length) inside the path
+        return result, None
+    return result, [GrownTree.on_host(result.tokens[-1], values[n + 1 :])]
 
 
 def accept_tree(
@@ -283,7 +332,8 @@ def accept_tree(
     so eos or max_new_tokens inside an accepted draft stop right there. `typical` (sampling only, lossy):
     accept children by Medusa's typical acceptance instead (`typical_child`; module docstring). `stop`:
     the criteria's host form where they have one (`HostStop.of`): greedy steps without processors then
-    take `accept_greedy`, same tokens with one synchronisation.
+    take `accept_greedy`, same tokens with one synchronisation, and every other walk checks it on the host
+    (one synchronisation per reached node: its token).
     """
     if stop is not None and not do_sample and typical is None and len(logits_processor) == 0:
         return accept_greedy(tree, logits, sequence.shape[1], stop)
@@ -299,7 +349,10 @@ def accept_tree(
         tokens.append(token)
         scores.append(node_scores[0])
         raw.append(node_logits[0])
-        if bool(stopping_criteria(sequence, node_scores).any()):
+        stopped = (
+            stop(sequence.shape[1], token) if stop is not None else bool(stopping_criteria(sequence, node_scores).any())
+        )
+        if stopped:
             return AcceptResult(nodes, tokens, scores, raw, finished=True)
         child = tree.child(node, token)
         if child is None:
@@ -362,8 +415,19 @@ def decode(
         first = choose_tokens(scores, do_sample)[:, None]
         input_ids = torch.cat([input_ids, first], dim=-1)
         finished = bool(stopping_criteria(input_ids, scores).any())
-        root = int(first[0, 0])  # the last token, kept on the host
+        sequence = input_ids[0].tolist()  # the row on the host, kept in step with input_ids (no copy back)
+        root = sequence[-1]
     chooser = drafter.step_chooser()  # plain steps where drafting does not pay ("auto" trees)
+    # greedy steps read their tokens and the next tree in one copy (`accept_greedy_and_grow`)
+    fuse = (
+        stop is not None
+        and not do_sample
+        and typical is None
+        and len(logits_processor) == 0
+        and drafter.grows_on_device
+        and (windows is None or windows.cap is None)
+    )
+    grown, next_drafts = None, None  # the next step's tree, grown during the last step, and its decision
     stats.time_prefill = time.perf_counter() - t0
     stats.new_tokens = 1
     all_scores.append(scores)
@@ -380,21 +444,31 @@ def decode(
         cap = None if windows is None else windows.cap
         max_tokens = None if cap is None else cap - 1 - past_len
         t0 = time.perf_counter()
-        drafting = chooser is None or chooser.draft_next()
+        drafting = chooser is None or chooser.draft_next() if next_drafts is None else next_drafts
         with phase(syncs, "draft"):
             if drafting:
-                trees = drafter.draft(hidden_last, input_ids, max_depth, max_tokens, warp=warp)
+                given = {} if grown is None else {"grown": grown}
+                trees = drafter.draft(
+                    hidden_last, input_ids, max_depth, max_tokens, warp=warp, host_context=[sequence], **given
+                )
             else:
                 trees = drafter.root_trees([root])
+        grown = next_drafts = None
         t1 = drafter._sync(input_ids.device)
         with phase(syncs, "verify"):
             batch = batch_trees(trees, pad_token_id=trees[0].tokens[0], device=input_ids.device)
             out = verify_tree(model, batch, cache, past_mask, windows)
         t2 = drafter._sync(input_ids.device)
         with phase(syncs, "accept"):
-            result = accept_tree(
-                trees[0], out.logits[0], input_ids, logits_processor, stopping_criteria, do_sample, typical, stop
-            )
+            if fuse:  # decide the next step now: its tree is grown before this copy
+                next_drafts = chooser is None or chooser.draft_next()
+            if next_drafts:
+                depth = None if context is None else max(context - past_len - len(trees[0]) - 1, 0)
+                result, grown = accept_greedy_and_grow(drafter, trees[0], batch, out, input_ids.shape[1], stop, depth)
+            else:
+                result = accept_tree(
+                    trees[0], out.logits[0], input_ids, logits_processor, stopping_criteria, do_sample, typical, stop
+                )
             # CPU times are exact; on an accelerator only when the drafter synchronises (profile)
             timed = input_ids.device.type == "cpu" or drafter.profile
             drafter.observe([result.nodes], [result.finished], batch.input_ids.shape[1], t2 - t1 if timed else None)
@@ -402,6 +476,7 @@ def decode(
         if chooser is not None:  # the accept read the tokens: on an accelerator too, t3 is after the step
             chooser.observe(drafting, len(result.tokens), t3 - t0)
         root = result.tokens[-1]
+        sequence.extend(result.tokens)
         with phase(syncs, "cache"):
             keep = torch.tensor(result.nodes, device=input_ids.device)
             if keep.numel() < batch.input_ids.shape[1]:  # nothing to drop when every node was accepted

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
-from .calibration import GREEDY, SAMPLED, AcceptanceCalibration, Arc, SamplingWarp
+from .calibration import GREEDY, HEADS, SAMPLED, AcceptanceCalibration, Arc, SamplingWarp
 from .cost import (
     BatchForwardCost,
     ForwardCost,
@@ -30,7 +31,7 @@ from .cost import (
     best_tree_size,
     cached_forward_cost,
 )
-from .expansion import chain_lattice, expand_tree
+from .expansion import GrownTree, chain_lattice, expand_tree, grow_on_device
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
 from .lookup import lookup_continuation, merge_lookup
@@ -405,6 +406,8 @@ class BlockDrafter:
         max_tokens: int | None = None,
         batch_cost: BatchForwardCost | None = None,
         warp: SamplingWarp | None = None,
+        host_context: Sequence[Sequence[int]] | None = None,
+        grown: Sequence[tuple[DraftTree, list[Arc]]] | None = None,
     ) -> list[DraftTree]:
         """One draft tree per batch row: the most probable nodes among the heads' best prefixes and the
         `rescored` drafts (drafts without estimates first); with a forward-cost curve, cut to the prefix
@@ -413,8 +416,11 @@ class BlockDrafter:
         no `lattice`. `max_tokens` caps the tree below the drafter's own budget (an attention window).
         `batch_cost`: a batch verifies these trees padded to one width, with `batch_cost.rows` rows (finished
         rows included), so one width is chosen for all of them by that cost (`cost.best_batch_width`).
-        `warp`: a sampled call's, for the heads' children that "previous" heads grow (see `draft`)."""
-        if self.heads.conditions_on_draft and hidden_last is None:
+        `warp`: a sampled call's, for the heads' children that "previous" heads grow (see `draft`).
+        `host_context`: the rows of `context` as host lists, where the caller keeps them: the root and the
+        context lookup then read them instead of copying from the device. `grown`: per row, the tree
+        "previous" heads already grew for this step (`grow`, read by the host) and its arcs."""
+        if self.heads.conditions_on_draft and hidden_last is None and grown is None:
             raise ValueError("heads that read the drafted token grow trees from the hidden state: pass hidden_last")
         if lattice is None and not self.heads.conditions_on_draft:
             raise ValueError("these heads draft from their lattice: pass it")
@@ -422,7 +428,8 @@ class BlockDrafter:
         trees, node_arcs = [], []
         self._verified = []
         for b in range(context.shape[0]):
-            root = int(context[b, -1])
+            row = None if host_context is None else host_context[b]
+            root = int(context[b, -1]) if row is None else row[-1]
             tree = DraftTree.root_only(root)
             # Rescored drafts with per-token acceptance estimates compete with the heads' prefixes on
             # estimated probability (a node's arc: the higher of the two estimates); drafts without
@@ -435,17 +442,34 @@ class BlockDrafter:
                     continue
                 for d, lp in enumerate(path.token_logprobs[: len(toks)]):
                     estimates[toks[: d + 1]] = max(lp, estimates.get(toks[: d + 1], -math.inf))
-            if self.heads.conditions_on_draft:
+            if self.heads.conditions_on_draft and grown is not None:
+                tree, arcs = grown[b]  # grown on the device during the last step, read with its tokens
+            elif self.heads.conditions_on_draft:
                 hidden = hidden_last[b : b + 1].to(self.heads.device, self.heads.dtype)
                 grow = self._growth_budget(budget, 8 if batch_cost is None else 2)
-                arcs = expand_tree(
-                    tree, self.heads, hidden, self.top_k, grow, max_depth, estimates, self.calibration, context[b], warp
-                )
+                if self.grows_on_device and len(tree) == 1 and not estimates:
+                    grown_tree = self.grow(hidden, context[b, -1:], grow, max_depth, warp)
+                    tree, arcs = GrownTree.on_host(root, grown_tree.flat().tolist())  # one copy
+                else:
+                    arcs = expand_tree(
+                        tree,
+                        self.heads,
+                        hidden,
+                        self.top_k,
+                        grow,
+                        max_depth,
+                        estimates,
+                        self.calibration,
+                        context[b],
+                        warp,
+                        before_root=None if row is None or len(row) < 2 else row[-2],
+                    )
             else:
                 arcs = self._fill_from_lattice(tree, lattice, b, budget, max_depth, estimates)
             if self.context_lookup and arcs is not None:
                 limit = self.context_lookup if max_depth is None else min(self.context_lookup, max_depth)
-                chain, ngram = lookup_continuation(context[b].cpu().numpy(), limit)
+                tokens = context[b].cpu().numpy() if row is None else np.asarray(row)
+                chain, ngram = lookup_continuation(tokens, limit)
                 tree, arcs = merge_lookup(tree, arcs, chain, ngram, self.calibration, budget)
             trees.append(tree)
             node_arcs.append(arcs)
@@ -455,6 +479,32 @@ class BlockDrafter:
             known = arcs is not None and self.calibration is not None
             self._verified.append((tree, arcs[: len(tree)]) if known else None)  # a prefix keeps node indices
         return trees
+
+    @property
+    def grows_on_device(self) -> bool:
+        """Whether "previous" heads grow their trees on the device (`expansion.grow_on_device`: one copy to
+        the host per tree): without a rescorer (whose drafts join the search) or a context-copy pointer."""
+        return self.heads.conditions_on_draft and self.rescorer is None and self.heads.context_copy is None
+
+    def grow(
+        self,
+        hidden: torch.Tensor,
+        root: torch.Tensor,
+        budget: int | None = None,
+        max_depth: int | None = None,
+        warp: SamplingWarp | None = None,
+    ) -> GrownTree:
+        """The tree "previous" heads grow from `hidden [1, H]` and `root [1]` (device tensors), on the device
+        (`grows_on_device`), not read yet. `budget`: nodes to grow (default: this step's growth budget)."""
+        if budget is None:
+            budget = self._growth_budget(self.tree_budget)
+        log_scales = [0.0] * (self.heads.num_heads + 1)
+        if self.calibration is not None:
+            self.calibration.regime = GREEDY if warp is None else SAMPLED
+            log_scales[1:] = [math.log(self.calibration.scale(HEADS, d)) for d in range(1, len(log_scales))]
+        with self._heads_context:
+            hidden = hidden.to(self.heads.device, self.heads.dtype)
+            return grow_on_device(self.heads, hidden, root, self.top_k, budget, log_scales, warp, max_depth)
 
     def _sized(self, trees: list[DraftTree], node_arcs: list, batch_cost: BatchForwardCost | None) -> list[DraftTree]:
         """Cut each tree to the prefix with the best expected tokens per second of the verification forward:
@@ -539,16 +589,19 @@ class BlockDrafter:
         max_tokens: int | None = None,
         batch_cost: BatchForwardCost | None = None,
         warp: SamplingWarp | None = None,
+        host_context: Sequence[Sequence[int]] | None = None,
+        grown: Sequence[tuple[DraftTree, list[Arc]]] | None = None,
     ) -> Sequence[DraftTree]:
         """Heads -> lattice -> trees (at most `max_tokens` nodes each, when given; `batch_cost`: see
         `tree`), timing each phase into `stats`. `warp`: the sampled call's (`SamplingWarp.from_config`;
         None when greedy): the heads' estimates are warped like the base model's draws, and calibrated
-        in the sampled regime."""
+        in the sampled regime. `host_context`, `grown`: see `tree`."""
         t0 = self._sync(hidden_last.device)
         if self.calibration is not None:
             self.calibration.regime = GREEDY if warp is None else SAMPLED
         # "previous" heads draft the tree node by node; their chain lattice only serves a rescorer
         needs_lattice = self.rescorer is not None or not self.heads.conditions_on_draft
+        needs_lattice = needs_lattice and grown is None
         lattice_warp = None if self.heads.conditions_on_draft else warp
         with self._heads_context:
             lattice = self.lattice(hidden_last, context[:, -1], context, lattice_warp) if needs_lattice else None
@@ -556,7 +609,9 @@ class BlockDrafter:
         rescored = self.rescore(lattice, context)
         t2 = time.perf_counter()
         with self._heads_context:
-            trees = self.tree(lattice, context, max_depth, rescored, hidden_last, max_tokens, batch_cost, warp)
+            trees = self.tree(
+                lattice, context, max_depth, rescored, hidden_last, max_tokens, batch_cost, warp, host_context, grown
+            )
         t3 = time.perf_counter()
         self.stats.time_heads += t1 - t0
         self.stats.time_rescore += t2 - t1

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .calibration import HEADS, RESCORER, AcceptanceCalibration, Arc, SamplingWarp, calibrated_logprob
 from .context_copy import CopyMemory
 from .heads import BlockDraftHeads
-from .lattice import Lattice
+from .lattice import Lattice, host_lists
 from .tree import DraftTree
 
 MAX_ROUNDS = 4  # head-call rounds per tree at most: each round adds a batch of the best candidates
@@ -65,7 +66,7 @@ def _top_children(
         ids, values = heads.top_tokens(torch.cat(states), top_k, head_index, before, memory)
         if warp is not None:
             values = warp(values)
-    ids_list, values_list = ids.tolist(), values.tolist()
+    ids_list, values_list = host_lists(ids, values)  # one copy per expansion round
     out, start = {}, 0
     for depth, (tokens, _) in groups.items():
         out[depth] = (ids_list[start : start + len(tokens)], values_list[start : start + len(tokens)])
@@ -105,15 +106,18 @@ def expand_tree(
     calibration: AcceptanceCalibration | None = None,
     context: torch.Tensor | None = None,
     warp: SamplingWarp | None = None,
+    before_root: int | None = None,
 ) -> list[Arc]:
     """Grow `tree` (a root, maybe with drafts already merged) in place up to `budget` nodes, best-first on
     calibrated path probability, from "previous" heads on `hidden [1, hidden]` and the rescorer's
     `estimates` ({draft prefix: log-probability of its last token}). `context [L]`: the accepted tokens,
     ending with the root, for context-copy heads (others ignore it). `warp`: a sampled call's, applied to
-    the heads' children (`calibration.SamplingWarp`). Returns every node's arc (the
+    the heads' children (`calibration.SamplingWarp`); `before_root`: `context[-2]` where the caller holds it on
+    the host. Returns every node's arc (the
     estimate that ordered it; -inf for a node merged before that the search never reached)."""
     memory = heads.copy_memory(context[None]) if context is not None else None
-    before_root = int(context[-2]) if context is not None and context.numel() > 1 else tree.tokens[0]
+    if before_root is None:  # the token before the root, read from the device unless the caller has it
+        before_root = int(context[-2]) if context is not None and context.numel() > 1 else tree.tokens[0]
     depth_limit = heads.num_heads if max_depth is None else min(max_depth, heads.num_heads)
     estimates = estimates or {}
     proposals: dict[tuple[int, ...], list[tuple[int, float]]] = {}  # draft prefix -> rescorer's next tokens
@@ -180,3 +184,112 @@ def expand_tree(
             break  # full, and no merged node left for the search to reach
         expand(added)
     return arcs
+
+
+@dataclass
+class GrownTree:
+    """A tree grown on the device (`grow_on_device`), not yet read by the host: the nodes after the root in
+    insertion order, `[n]` each: token ids, parent indices (0 = the root) and their arcs' raw
+    log-probabilities (-inf marks a node the search would not have reached: the host drops it)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    logprobs: torch.Tensor
+
+    def flat(self) -> torch.Tensor:
+        """Everything as one float64 vector: the host reads it in the same copy as other values."""
+        return torch.cat([self.tokens.double(), self.parents.double(), self.logprobs.double()])
+
+    @staticmethod
+    def on_host(root: int, values: list[float]) -> tuple[DraftTree, list[Arc]]:
+        """The tree and its arcs from `flat()`'s values (as `expand_tree` returns them)."""
+        n = len(values) // 3
+        tree, arcs = DraftTree.root_only(root), [Arc(0.0, HEADS)]
+        index = [0]  # grown index -> tree index (dropped nodes: -1)
+        for token, parent, logprob in zip(values[:n], values[n : 2 * n], values[2 * n :]):
+            parent = index[int(parent)]
+            if logprob == -math.inf or parent < 0:
+                index.append(-1)
+                continue
+            index.append(tree.add_child(parent, int(token)))
+            arcs.append(Arc(logprob, HEADS))
+        return tree, arcs
+
+
+def grow_on_device(
+    heads: BlockDraftHeads,
+    hidden: torch.Tensor,
+    root: torch.Tensor,
+    top_k: int,
+    budget: int,
+    log_scales: list[float],
+    warp: SamplingWarp | None = None,
+    depth_limit: int | None = None,
+) -> GrownTree:
+    """`expand_tree` on a root-only tree without a rescorer's estimates or a context-copy pointer, with
+    every decision on the device: the same best-first rounds (`round_size`), the same order, but no
+    value read by the host until the caller copies the result (`GrownTree.flat`), so a decoding step can
+    read it in one copy with its accepted tokens. `hidden [1, H]`, `root [1]` (device tensors);
+    `log_scales[d]`: the calibration's log multiplier of heads' arcs at depth d (index 0 unused), for d up
+    to the heads' number; `depth_limit`: the deepest node (default and at most: the heads' number).
+
+    Each round adds the `round_size` best candidates by calibrated path log-probability (`topk`), then
+    expands them: the nodes of round r sit at depths 1..r, so heads 1..r run on all of them and each node
+    keeps its own depth's state (a head's weights are read once however many rows it runs on)."""
+    device = hidden.device
+    depth_limit = heads.num_heads if depth_limit is None else min(depth_limit, heads.num_heads)
+    if depth_limit < 1 or budget < 2:
+        empty = torch.zeros(0, device=device)
+        return GrownTree(empty.long(), empty.long(), empty)
+    per_round = round_size(budget)
+    scales = torch.tensor(log_scales, device=device)
+    with torch.no_grad():
+        ids, values = heads.top_tokens(heads.step(0, hidden, root), top_k)
+        if warp is not None:
+            values = warp(values)
+        cand_tokens, cand_logprobs = ids[0], values[0]
+        cand_parents = torch.zeros(top_k, dtype=torch.long, device=device)
+        cand_depths = torch.ones(top_k, dtype=torch.long, device=device)
+        cand_keys = (values[0] + scales[1]).clamp_max(0.0)
+        taken = torch.zeros(top_k, dtype=torch.bool, device=device)
+        node_keys = [torch.zeros(1, device=device)]
+        out_tokens, out_parents, out_logprobs, size, rounds = [], [], [], 1, 0
+        while size < budget:
+            take = min(per_round, budget - size, int(cand_keys.numel()) - sum(t.numel() for t in out_tokens))
+            if take <= 0:
+                break
+            keys, pick = cand_keys.masked_fill(taken, -math.inf).topk(take)
+            taken[pick] = True
+            tokens, parents, depths = cand_tokens[pick], cand_parents[pick], cand_depths[pick]
+            logprobs = cand_logprobs[pick].masked_fill(keys == -math.inf, -math.inf)
+            out_tokens.append(tokens)
+            out_parents.append(parents)
+            out_logprobs.append(logprobs)
+            node_keys.append(keys)
+            size += take
+            rounds += 1
+            deepest = min(rounds, depth_limit - 1)  # this round's nodes are at depths 1..rounds
+            if size >= budget or deepest < 1:
+                continue
+            # expand this round's nodes: head d (0-based) reads a node at depth d
+            states = torch.stack([heads.step(d, hidden.expand(take, -1), tokens) for d in range(1, deepest + 1)])
+            which = (depths - 1).clamp_max(deepest - 1)
+            states = states[which, torch.arange(take, device=device)]
+            ids, values = heads.top_tokens(states, top_k)
+            if warp is not None:
+                values = warp(values)
+            child_keys = keys[:, None] + (
+                values + scales[(depths + 1).clamp_max(len(log_scales) - 1)][:, None]
+            ).clamp_max(0.0)
+            child_keys = child_keys.masked_fill((depths >= depth_limit)[:, None], -math.inf)
+            index = torch.arange(size - take, size, device=device)  # tree indices of this round's nodes
+            cand_tokens = torch.cat([cand_tokens, ids.flatten()])
+            cand_logprobs = torch.cat([cand_logprobs, values.flatten()])
+            cand_parents = torch.cat([cand_parents, index.repeat_interleave(top_k)])
+            cand_depths = torch.cat([cand_depths, (depths + 1).repeat_interleave(top_k)])
+            cand_keys = torch.cat([cand_keys, child_keys.flatten()])
+            taken = torch.cat([taken, torch.zeros(take * top_k, dtype=torch.bool, device=device)])
+    if not out_tokens:
+        empty = torch.zeros(0, device=device)
+        return GrownTree(empty.long(), empty.long(), empty)
+    return GrownTree(torch.cat(out_tokens), torch.cat(out_parents), torch.cat(out_logprobs))

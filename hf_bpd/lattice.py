@@ -13,6 +13,18 @@ from dataclasses import dataclass
 import torch
 
 
+def host_lists(ids: torch.Tensor, values: torch.Tensor) -> tuple[list, list]:
+    """`(ids.tolist(), values.tolist())` in ONE device-to-host copy (each `.tolist()` of a device tensor
+    makes the host wait): both go over as one float64 tensor, which holds token ids exactly (< 2**53) and
+    float32 values unchanged."""
+    both = torch.stack([ids.to(torch.float64), values.to(torch.float64)]).tolist()
+    return _as_ints(both[0]), both[1]
+
+
+def _as_ints(nested):
+    return [_as_ints(x) for x in nested] if isinstance(nested, list) else int(nested)
+
+
 @dataclass(frozen=True)
 class ScoredPath:
     """One draft through the lattice (the tokens after the root) and its score (higher is better).
@@ -69,8 +81,13 @@ class Lattice:
         return self.tokens.shape[2]
 
     def row(self, b: int) -> tuple[list[list[int]], list[list[float]]]:
-        """Python lists of one batch row (the searches below are sequential and tiny: lists beat tensors)."""
-        return self.tokens[b].tolist(), self.logprobs[b].tolist()
+        """Python lists of one batch row (the searches below are sequential and tiny: lists beat tensors).
+        Every row is read in one device-to-host copy, the first time any row is asked for."""
+        rows = self.__dict__.get("_host_rows")
+        if rows is None:
+            rows = list(zip(*host_lists(self.tokens, self.logprobs)))
+            object.__setattr__(self, "_host_rows", rows)  # a cache of the (frozen) tensors' values
+        return rows[b]
 
     def best_prefixes(self, b: int, num_nodes: int, max_depth: int | None = None) -> list[ScoredPath]:
         """The `num_nodes` most probable prefixes (paths from the root of any length 1..h) of row `b`.

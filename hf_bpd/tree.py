@@ -60,6 +60,17 @@ class DraftTree:
                 self._children[(node, token)] = nxt
             node = nxt
 
+    def add_child(self, parent: int, token: int) -> int:
+        """The child of `parent` carrying `token`, added if new; its index."""
+        child = self._children.get((parent, token))
+        if child is None:
+            child = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1)
+            self._children[(parent, token)] = child
+        return child
+
     @classmethod
     def from_paths(cls, root_token: int, paths: Iterable[Sequence[int]], max_nodes: int) -> DraftTree:
         """Merge drafts in order of preference until `max_nodes` nodes (root included)."""

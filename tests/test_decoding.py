@@ -132,9 +132,9 @@ class OracleDrafter(BlockDrafter):
                     tokens[0, i, int(torch.randint(0, lattice.top_k, (1,), generator=self.rng))] = true
         return Lattice(tokens, lattice.logprobs)
 
-    def draft(self, hidden_last, context, max_depth=None, max_tokens=None, warp=None):
+    def draft(self, hidden_last, context, max_depth=None, max_tokens=None, warp=None, **kwargs):
         self._context_len = context.shape[1]
-        return super().draft(hidden_last, context, max_depth, max_tokens, warp=warp)
+        return super().draft(hidden_last, context, max_depth, max_tokens, warp=warp, **kwargs)
 
     def _pick_true_path(self, lattice, context):
         truth = torch.tensor([self.reference[context.shape[1] : context.shape[1] + lattice.num_positions]])
@@ -432,13 +432,13 @@ def test_previous_heads_grow_little_more_than_the_cost_curve_keeps(monkeypatch):
     from hf_bpd.cost import ForwardCost
 
     grown = []
-    expand = drafter_module.expand_tree
+    grow = drafter_module.grow_on_device
 
-    def spy(tree, heads, hidden, top_k, budget, *args):
+    def spy(heads, hidden, root, top_k, budget, *args, **kwargs):
         grown.append(budget)
-        return expand(tree, heads, hidden, top_k, budget, *args)
+        return grow(heads, hidden, root, top_k, budget, *args, **kwargs)
 
-    monkeypatch.setattr(drafter_module, "expand_tree", spy)
+    monkeypatch.setattr(drafter_module, "grow_on_device", spy)
     model = tiny_model("llama", eos_token_id=None)
     costly = ForwardCost((1, 2, 64), (0.01, 0.1, 0.1))  # any tree beyond the root costs 10 plain steps
     heads = random_heads(model, num_heads=3, token_input="previous", std=0.05)

@@ -126,3 +126,33 @@ def test_a_large_budget_holds_the_whole_expansion(setup):
     expand_tree(tree, heads, hidden, top_k=2, budget=100)
     assert len(tree) == 1 + 2 + 4 + 8  # the whole 2-ary expansion of 3 heads
     assert set(tree.node_paths()[1:]) == set(all_paths(heads, hidden, 2))
+
+
+@pytest.mark.parametrize("budget", [2, 5, 8, 13, 16, 24, 40])
+@pytest.mark.parametrize("max_depth", [None, 2, 1])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_growing_on_the_device_makes_the_host_search_s_tree(setup, budget, max_depth, scaled):
+    """`grow_on_device` (every decision a tensor op, one copy at the end) grows exactly the tree and arcs of
+    `expand_tree`'s host search: same rounds, same order, same calibration scales, same depth limit."""
+    from hf_bpd.calibration import AcceptanceCalibration, Arc
+    from hf_bpd.expansion import GrownTree, grow_on_device
+
+    heads, hidden = setup
+    calibration = None
+    if scaled:  # depth-dependent multipliers that reorder depths against each other
+        calibration = AcceptanceCalibration()
+        for depth, (hits, misses) in {1: (9, 1), 2: (1, 9), 3: (3, 3)}.items():
+            for _ in range(hits):
+                calibration.observe(Arc(math.log(0.5), HEADS), depth, True)
+            for _ in range(misses):
+                calibration.observe(Arc(math.log(0.5), HEADS), depth, False)
+    host = DraftTree.root_only(ROOT)
+    host_arcs = expand_tree(host, heads, hidden, 4, budget, max_depth, calibration=calibration)
+    scales = [0.0] + [
+        0.0 if calibration is None else math.log(calibration.scale(HEADS, d)) for d in range(1, heads.num_heads + 1)
+    ]
+    grown = grow_on_device(heads, hidden, torch.tensor([ROOT]), 4, budget, scales, depth_limit=max_depth)
+    tree, arcs = GrownTree.on_host(ROOT, grown.flat().tolist())
+    assert (tree.tokens, tree.parents, tree.depths) == (host.tokens, host.parents, host.depths)
+    assert [a.logprob for a in arcs] == pytest.approx([a.logprob for a in host_arcs], abs=1e-6)
+    assert all(a.source == HEADS for a in arcs)

@@ -1,6 +1,7 @@
 """Device-to-host synchronisations per decoding step (`hf_bpd.syncs`, `stats.host_syncs`), and the greedy
 accept phase that makes one: the same tokens as the per-node walk, with eos and max length inside drafts."""
 
+import pytest
 import torch
 from conftest import tiny_model
 from test_decoding import copying_heads
@@ -45,8 +46,53 @@ def test_greedy_steps_accept_with_one_sync_and_the_counts_are_in_stats():
         assert out.tolist() == ref.tolist()
         per_step = drafter.stats.host_syncs_per_step()
         assert per_step["accept"] == 1.0, per_step  # one argmax over all nodes, one copy
-        assert per_step.get("verify", 0) == 0, per_step  # the tree forward itself waits for nothing
-        assert per_step["draft"] > 0  # reported, not yet one per step: the tree is grown on the host
+        assert per_step.get("verify", 0) == 0 and per_step.get("cache", 0) == 0, per_step
+        if kind == "previous":  # the next tree is grown on the device and read in the accept's copy
+            assert drafter.stats.host_syncs["draft"] == 1, drafter.stats.host_syncs  # the first tree only
+        else:  # lattice heads: the lattice is read in a copy of its own
+            assert per_step["draft"] == 1.0, per_step
+
+
+@pytest.mark.parametrize("max_tree_tokens", [8, 24, "auto"])
+def test_greedy_decoding_with_previous_heads_synchronises_once_per_step(max_tree_tokens):
+    """The shipped kind of heads ("previous", grown on the device): every drafted step after the first
+    makes exactly one device-to-host copy (its accepted tokens and the next tree together), drafting and
+    cache included; plain steps (the roots alone) make one too."""
+    from hf_bpd.cost import ForwardCost
+
+    model = tiny_model("llama", eos_token_id=None)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=60)
+    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3, token_input="previous")
+    flat = ForwardCost((1, 64), (0.01, 0.01)) if max_tree_tokens == "auto" else None
+    drafter = hf_bpd.BlockDrafter(heads, top_k=3, max_tree_tokens=max_tree_tokens, forward_cost=flat)
+    drafter.count_host_syncs = True
+    out = model.generate(ids, do_sample=False, max_new_tokens=60, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist()
+    syncs, steps = drafter.stats.host_syncs, drafter.stats.steps
+    per_step = sum(v for k, v in syncs.items() if k != "prefill") - 1  # less the first tree's own copy
+    assert steps > 10 and per_step <= steps, syncs
+
+
+class HostSearchDrafter(hf_bpd.BlockDrafter):
+    grows_on_device = False  # the host search (`expansion.expand_tree`) and its copies per round
+
+
+def test_trees_grown_on_the_device_are_the_host_search_s_trees():
+    """Fused drafting changes when the tree is read, not which tree: with calibration off (no lag to
+    differ by) the steps verify trees of the same sizes and accept the same lengths as the host search."""
+    model = tiny_model("llama", eos_token_id=None)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8]])
+    runs = []
+    for on_device in (True, False):
+        heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3, token_input="previous")
+        kind = hf_bpd.BlockDrafter if on_device else HostSearchDrafter
+        drafter = kind(heads, top_k=3, max_tree_tokens=10, calibrate=False)
+        out = model.generate(
+            ids, do_sample=False, max_new_tokens=50, custom_generate=hf_bpd.generate, assistant=drafter
+        )
+        runs.append((out.tolist(), drafter.stats.tree_sizes, drafter.stats.accepted_lengths))
+    assert runs[0] == runs[1]
 
 
 def test_sampling_counts_its_syncs_too():
