@@ -459,6 +459,7 @@ def decode(
             batch = batch_trees(trees, pad_token_id=trees[0].tokens[0], device=input_ids.device)
             out = verify_tree(model, batch, cache, past_mask, windows)
         t2 = drafter._sync(input_ids.device)
+        heads_before = stats.time_heads  # a fused accept grows the next tree: heads time, not accept time
         with phase(syncs, "accept"):
             if fuse:  # decide the next step now: its tree is grown before this copy
                 next_drafts = chooser is None or chooser.draft_next()
@@ -487,7 +488,7 @@ def decode(
             input_ids = torch.cat([input_ids, new], dim=-1)
         t4 = drafter._sync(input_ids.device)
         stats.time_verify += t2 - t1
-        stats.time_accept += t3 - t2
+        stats.time_accept += t3 - t2 - (stats.time_heads - heads_before)
         stats.time_cache += t4 - t3
         stats.steps += 1
         stats.plain_steps += not drafting
