@@ -15,6 +15,26 @@ Output folder:
   manifest.json                model, prompt file, arguments, library versions
   dataset/                     `datasets.Dataset.save_to_disk` of all shards (written at the end)
 Interrupt it at any time; rerunning the same command skips every prompt already in a shard.
+
+Several processes (`accelerate launch --num_processes N -m hf_bpd.training.distill ...` on GPUs; on CPUs
+`ACCELERATE_USE_CPU=true torchrun --nproc_per_node N -m hf_bpd.training.distill ...`, as accelerate launch
+starts one CPU process unless given MPI): the prompts not yet in a shard are cut into shards of
+`--shard-size` in the seeded order, exactly as one process cuts them, and shard k goes to process k mod N
+(`rank_shards`). Shard names are fixed before any process
+writes (the next free index + k), so processes never write the same file, and each shard holds the same
+prompts in the same batches as in a one-process run: the merged `dataset/` (shards in name order) is the
+one-process run's, row for row and in the same order (a batch's left padding cannot make it differ, since
+the batches are the same). Every process checks `manifest.json`; the main process alone rewrites it and,
+after every process has finished, writes `dataset/`. A killed run resumes with any number of processes:
+finished shards are skipped and the rest is cut again (a resumed run's rows, like a resumed one-process
+run's, can come in another order and batches than an uninterrupted run's; `data_digest` does not depend on
+the order). Several nodes need `--output` on a file system they share.
+
+`--fsdp` (or an accelerate config with `distributed_type: FSDP`, e.g. training/accelerate/fsdp.yaml) shards
+the frozen base model over the processes with FSDP2 (`torch.distributed.fsdp.fully_shard`, one unit per
+decoder layer) for a model that does not fit one device: every process still distils its own prompts, and
+all of them run the same number of `generate` calls (with `synced_gpus`) so that the parameter all-gathers
+stay matched.
 """
 
 from __future__ import annotations
@@ -163,17 +183,52 @@ def done_ids(shard_dir: Path) -> set[str]:
     return ids
 
 
-def write_shard(shard_dir: Path, rows: dict[str, list]) -> Path:
-    """Atomically write the next shard (tmp file + rename: an interrupted write leaves no partial shard)."""
+def next_shard_index(shard_dir: Path) -> int:
+    """One past the highest shard index in `shard_dir` (not their count: a shard deleted from the middle, or
+    one a killed process never wrote, must not make the next shard overwrite a finished one)."""
+    indices = []
+    for shard in shard_dir.glob("shard-*.parquet"):
+        try:
+            indices.append(int(shard.stem[len("shard-") :]))
+        except ValueError:
+            continue
+    return max(indices, default=-1) + 1
+
+
+def write_shard(shard_dir: Path, rows: dict[str, list], index: int | None = None) -> Path:
+    """Atomically write shard `index` (default: the next free one) as tmp file + rename: an interrupted write
+    leaves no partial shard, and processes writing other indices never touch the same file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    index = len(list(shard_dir.glob("shard-*.parquet")))
+    if index is None:
+        index = next_shard_index(shard_dir)
     path = shard_dir / f"shard-{index:05d}.parquet"
-    tmp = shard_dir / f".tmp-{os.getpid()}.parquet"
+    tmp = shard_dir / f".tmp-{index:05d}-{os.getpid()}.parquet"
     pq.write_table(pa.table(rows), tmp)
     os.replace(tmp, path)
     return path
+
+
+def rank_shards(todo: list, shard_size: int, first_index: int, rank: int = 0, num_processes: int = 1) -> list:
+    """This process's `(shard index, prompts)`: `todo` cut into shards of `shard_size` in order, shard k
+    named `first_index + k` and distilled by process k mod `num_processes`. One process gets every shard,
+    so N processes write exactly the shards one process would, each by one of them."""
+    if shard_size < 1:
+        raise ValueError(f"shard size must be >= 1, got {shard_size}")
+    shards = [todo[s : s + shard_size] for s in range(0, len(todo), shard_size)]
+    return [(first_index + k, shard) for k, shard in enumerate(shards) if k % num_processes == rank]
+
+
+def _num_batches(shards: list, batch_size: int) -> int:
+    return sum(-(-len(shard) // batch_size) for _, shard in shards)
+
+
+class _OneProcess:
+    process_index, num_processes, is_main_process = 0, 1, True
+
+    def wait_for_everyone(self) -> None:
+        pass
 
 
 def distill(
@@ -187,20 +242,35 @@ def distill(
     shard_size: int = 64,
     progress: bool = True,
     prompt_template: str = CHAT,
+    state=None,
+    lockstep: bool = False,
 ) -> Path:
     """Generate greedy responses for every prompt not yet in `output/shards`, then write `output/dataset`.
-    `prompt_template`: "chat" (the tokenizer's chat template), "plain", "qa" or a template with {prompt}."""
+    `prompt_template`: "chat" (the tokenizer's chat template), "plain", "qa" or a template with {prompt}.
+    `state`: this process's `accelerate.PartialState` when several processes distil together (each calls
+    this with the same arguments; it distils its `rank_shards`); None for one process. `lockstep`: every
+    process runs the same number of `generate` calls, each with `synced_gpus` (a model sharded with FSDP,
+    whose every forward is a collective); a process out of prompts runs dummy one-token batches."""
     import torch
     from datasets import concatenate_datasets, load_dataset
     from tqdm import tqdm
 
+    state = state if state is not None else _OneProcess()
     shard_dir = output / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
     finished = done_ids(shard_dir)
+    first_index = next_shard_index(shard_dir)
+    # every process has read the same finished shards before any of them writes one
+    state.wait_for_everyone()
     todo = [(i, p) for i, p in prompts if i not in finished]
-    encoded = []
-    for pid, prompt in todo:
-        encoded.append((pid, encode_prompt(tokenizer, prompt, prompt_template, max_prompt_tokens)))
+    mine = rank_shards(todo, shard_size, first_index, state.process_index, state.num_processes)
+    calls = _num_batches(mine, batch_size)
+    if lockstep:
+        everyone = range(state.num_processes)
+        calls = max(
+            _num_batches(rank_shards(todo, shard_size, first_index, r, state.num_processes), batch_size)
+            for r in everyone
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = set(
         model.generation_config.eos_token_id
@@ -208,24 +278,35 @@ def distill(
         else [model.generation_config.eos_token_id]
     )
     device = next(model.parameters()).device
-    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), disable=not progress, desc="distill")
-    # Shards in file order; inside a shard, batches of similar length waste less compute on padding.
-    for s in range(0, len(encoded), shard_size):
-        chunk = sorted(encoded[s : s + shard_size], key=lambda r: len(r[1]))
+    show = progress and state.is_main_process
+    desc = "distill" if state.num_processes == 1 else f"distill (process 0 of {state.num_processes})"
+    total = len(prompts) if state.num_processes == 1 else sum(len(shard) for _, shard in mine)
+    initial = total - len(todo) if state.num_processes == 1 else 0
+    bar = tqdm(total=total, initial=initial, disable=not show, desc=desc)
+
+    def greedy(input_ids, mask):
+        with torch.no_grad():
+            return model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad,
+                **({"synced_gpus": True} if lockstep else {}),
+            )
+
+    # Shards in the seeded order; inside a shard, batches of similar length waste less compute on padding.
+    for index, shard in mine:
+        encoded = [(pid, encode_prompt(tokenizer, prompt, prompt_template, max_prompt_tokens)) for pid, prompt in shard]
+        chunk = sorted(encoded, key=lambda r: len(r[1]))
         rows: dict[str, list] = {"id": [], "prompt_ids": [], "response_ids": []}
         for b in range(0, len(chunk), batch_size):
             batch = chunk[b : b + batch_size]
             width = max(len(ids) for _, ids in batch)
             input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in batch], device=device)
             mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch], device=device)
-            with torch.no_grad():
-                out = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=mask,
-                    do_sample=False,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=pad,
-                )
+            out = greedy(input_ids, mask)
+            calls -= 1
             for (pid, ids), seq in zip(batch, out[:, width:].tolist()):
                 response = []
                 for tok in seq:
@@ -236,13 +317,18 @@ def distill(
                 rows["prompt_ids"].append(ids)
                 rows["response_ids"].append(response)
             bar.update(len(batch))
-        write_shard(shard_dir, rows)
+        write_shard(shard_dir, rows, index)
+    for _ in range(calls):  # lockstep: as many generate calls as the busiest process (their output unused)
+        greedy(torch.tensor([[pad]], device=device), torch.ones(1, 1, dtype=torch.long, device=device))
     bar.close()
-    shards = sorted(str(p) for p in shard_dir.glob("shard-*.parquet"))
-    data = concatenate_datasets([load_dataset("parquet", data_files=shards, split="train")])
-    keep = {pid for pid, _ in prompts}
-    data = data.filter(lambda r: r["id"] in keep)
-    data.save_to_disk(str(output / "dataset"))
+    state.wait_for_everyone()  # every shard is written
+    if state.is_main_process:
+        shards = sorted(str(p) for p in shard_dir.glob("shard-*.parquet"))
+        data = concatenate_datasets([load_dataset("parquet", data_files=shards, split="train")])
+        keep = {pid for pid, _ in prompts}
+        data = data.filter(lambda r: r["id"] in keep)
+        data.save_to_disk(str(output / "dataset"))
+    state.wait_for_everyone()  # dataset/ is written before any process returns it
     return output / "dataset"
 
 
@@ -273,8 +359,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--shard-size", type=int, default=64)
-    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="default: this process's device under accelerate launch / torchrun (cuda:<local rank>), else cuda if "
+        "available, else cpu",
+    )
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the base model over the processes with FSDP2 (a model too large for one device; implied by "
+        "ACCELERATE_USE_FSDP=true, which `accelerate launch --config_file training/accelerate/fsdp.yaml` sets)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     try:
@@ -288,9 +385,21 @@ def main(argv: list[str] | None = None) -> int:
             "training/data/instructions.jsonl)"
         )
 
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
     from hf_bpd.models import load_model
 
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    # under accelerate launch / torchrun: one process of several (gloo on CPU with ACCELERATE_USE_CPU=true)
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    fsdp = args.fsdp or parse_flag_from_env("ACCELERATE_USE_FSDP")
+    if fsdp and state.num_processes < 2:
+        raise SystemExit("--fsdp shards the model over several processes: launch them with accelerate or torchrun")
+    device = args.device or (str(state.device) if state.num_processes > 1 else "cuda" if _cuda() else "cpu")
+    # a sharded model is loaded on the host, and each process keeps its shard of it on its device
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device="cpu" if fsdp else device)
+    if fsdp:
+        model = shard_model(model, device, state.num_processes)
     prompts = load_prompts(
         args.prompts, args.prompt_column, args.id_column, args.limit, None if args.seed < 0 else args.seed, args.offset
     )
@@ -316,12 +425,16 @@ def main(argv: list[str] | None = None) -> int:
         old.setdefault("offset", 0)  # manifests written before --offset existed
         old.setdefault("prompt_template", CHAT)  # and before --prompt-template
         changed = [k for k in manifest if k not in ("versions", "num_prompts") and old.get(k) != manifest[k]]
-        if changed:
+        if changed:  # every process checks, so every process stops
             raise SystemExit(
                 f"{output} was distilled with another recipe ({', '.join(changed)} differ): "
                 "use a new --output or the same arguments"
             )
-    previous.write_text(json.dumps(manifest, indent=2))
+    state.wait_for_everyone()  # every process has read the manifest before it is rewritten
+    if state.is_main_process:
+        tmp = output / f".manifest-{os.getpid()}.json"
+        tmp.write_text(json.dumps(manifest, indent=2))
+        os.replace(tmp, previous)
     path = distill(
         model,
         tokenizer,
@@ -333,10 +446,35 @@ def main(argv: list[str] | None = None) -> int:
         args.shard_size,
         progress=not args.no_progress,
         prompt_template=template,
+        state=state,
+        lockstep=fsdp,
     )
-    summary = data_digest(load_distilled(output))
-    print(f"distilled {len(prompts)} prompts into {path}: {json.dumps(summary)}")
+    if state.is_main_process:
+        summary = data_digest(load_distilled(output))
+        processes = f" on {state.num_processes} processes" if state.num_processes > 1 else ""
+        processes += ", the model sharded with FSDP," if fsdp else ""
+        print(f"distilled {len(prompts)} prompts{processes} into {path}: {json.dumps(summary)}")
     return 0
+
+
+def shard_model(model, device: str, num_processes: int):
+    """`model` sharded over the processes with FSDP2: one unit per decoder layer (the model's
+    `_no_split_modules`), the rest (embeddings, final norm, LM head) in the root unit. Each forward
+    all-gathers one unit at a time: a process holds its 1/N of the weights, and in full the root unit and
+    about two layers (the one running and the one prefetched)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(torch.device(device).type, (num_processes,))
+    layers = set(getattr(model, "_no_split_modules", None) or [])
+    units = [m for m in model.modules() if type(m).__name__ in layers]
+    if not units:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules) to shard by")
+    for module in units:
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def _cuda() -> bool:
