@@ -19,6 +19,8 @@ It is not for:
   model, not the mask, decides which keys a node sees, and its indexer keys are kept per cache entry
   beside the ones compaction drops, so a tree mask cannot be honoured exactly;
 - a model whose forward returns no KV cache (XLM): there is nothing to verify trees on;
+- an LM head that reads a projection of the hidden state, of another width (RemBERT): the draft heads
+  read the last hidden state and borrow the LM head;
 - images in image-text models with multimodal rotary positions (Qwen2-VL, Qwen2.5-VL, ...: 3D position
   ids offset by `rope_deltas` after the prefill): the tree forwards pass one text position per node;
 - inputs other than token ids and their mask that the model reads on every step (`inputs_embeds`,
@@ -218,6 +220,7 @@ def check_model_supported(model) -> None:
             f"{type(model).__name__} returns no KV cache (its forward's output, {_output_classes(model)}, has no cache "
             "field): tree verification decodes on a DynamicCache; use plain generate"
         )
+    _check_lm_head_reads_hidden_state(model, text_config)
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in SUPPORTED_ATTENTION:
         why = {
@@ -229,6 +232,24 @@ def check_model_supported(model) -> None:
         raise ValueError(
             f"attention implementation `{impl}` is not supported: {why}; load the model with attn_implementation "
             f"in {SUPPORTED_ATTENTION}"
+        )
+
+
+def _check_lm_head_reads_hidden_state(model, text_config) -> None:
+    """The draft heads read the last hidden state and borrow the LM head: refuse a model whose output
+    embedding takes vectors of another width, because its output head projects the hidden state first
+    (RemBERT's `output_embedding_size`). OPT's last hidden state is already projected (`project_out`
+    to `word_embed_proj_dim`), so that is its width."""
+    lm_head = model.get_output_embeddings()
+    weight = getattr(lm_head, "weight", None)
+    width = getattr(text_config, "word_embed_proj_dim", None) or getattr(text_config, "hidden_size", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not isinstance(width, int):
+        return
+    if weight.shape[1] != width:
+        raise ValueError(
+            f"{type(model).__name__}'s LM head reads vectors of width {weight.shape[1]} but its hidden states are "
+            f"{width} wide (its output head projects the hidden state first): draft heads read the last hidden "
+            "state and borrow the LM head, so hf_bpd.generate cannot draft for it; use plain generate"
         )
 
 

@@ -1,0 +1,64 @@
+"""docs/support.md (every causal-LM architecture transformers registers, `tests/all_architectures.py`) is
+current: a spread of its rows is reproduced now (all of them in the slow test), it records no failure, and
+the README's summary is rendered from it."""
+
+from __future__ import annotations
+
+import pytest
+from all_architectures import (
+    COMMAND,
+    FAILURES,
+    PAGE,
+    README,
+    REFUSED,
+    check,
+    model_types,
+    read_page,
+    readme_block,
+    spread,
+    sweep,
+    versions,
+)
+
+# refused models (recurrent state; an LM head reading a projected state) and windowed ones (sliding,
+# chunked layers) besides the spread
+CHOSEN = ("mamba", "rembert", "mistral", "gemma2", "llama4_text")
+
+
+def subset() -> list[str]:
+    registered = model_types()
+    return sorted({*spread(registered, 18), *(t for t in CHOSEN if t in registered)})
+
+
+def current(types: list[str]) -> list[str]:
+    made, page_rows = read_page()
+    return check(sweep(types), page_rows, made == versions())
+
+
+def test_page_records_no_failure_and_every_registered_type():
+    _, rows = read_page()
+    assert [r.model_type for r in rows if r.status in FAILURES] == []
+    assert {r.model_type for r in rows} == set(model_types()), f"run: {COMMAND}"
+
+
+def test_readme_summarises_the_page():
+    _, rows = read_page()
+    assert readme_block(rows) in README.read_text(encoding="utf-8"), f"run: {COMMAND}"
+
+
+def test_subset_has_a_refused_and_a_windowed_type():
+    _, rows = read_page()
+    status = {r.model_type: r.status for r in rows}
+    chosen = subset()
+    assert len(chosen) >= 20
+    assert any(status.get(t) == REFUSED for t in chosen)
+    assert "mistral" in chosen and "gemma2" in chosen  # sliding windows shorter than the text
+
+
+def test_a_spread_of_rows_is_current():
+    assert current(subset()) == [], f"run: {COMMAND} (page: {PAGE})"
+
+
+@pytest.mark.slow
+def test_every_row_is_current():
+    assert current(model_types()) == [], f"run: {COMMAND} (page: {PAGE})"
