@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing
-import os
 import re
 import sys
 import time
@@ -446,7 +445,9 @@ def _child(model_type: str, conn) -> None:
 
     logging.set_verbosity_error()
     warnings.simplefilter("ignore")
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    # one thread in a forked child, as torch's DataLoader workers do: an OpenMP pool the parent used before
+    # the fork does not exist in the child, and a parallel region waiting for it hangs
+    torch.set_num_threads(1)
     try:
         result = run_type(model_type, stage=lambda name: conn.send(("stage", name)))
     except BaseException as err:  # noqa: BLE001 - a bug of this script: reported, not hidden

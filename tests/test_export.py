@@ -127,7 +127,9 @@ def test_vllm_folder_has_the_names_and_shapes_vllm_loads(model, tmp_path, kind):
         assert torch.equal(state["token_map"], heads.draft_vocab)
     x = torch.randn(5, 32)
     with torch.no_grad():
-        assert torch.equal(vllm_logits(out, x), full_vocab_logits(heads, x))
+        # the loader's own arithmetic (other op order, other matmul blocking per thread count): equal up
+        # to float rounding; the round trip below reloads the weights and compares outputs exactly
+        torch.testing.assert_close(vllm_logits(out, x), full_vocab_logits(heads, x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", HEAD_KINDS)
@@ -182,7 +184,7 @@ def test_tensorrt_llm_folder_has_the_names_and_shapes_its_loader_reads(model, tm
         for j in range(layers):
             y = y + F.silu(F.linear(y, state[f"{i}.{j}.linear.weight"], state[f"{i}.{j}.linear.bias"]))
         with torch.no_grad():
-            assert torch.equal(F.linear(y, state[f"{i}.{layers}.weight"]), heads(x)[:, i])
+            torch.testing.assert_close(F.linear(y, state[f"{i}.{layers}.weight"]), heads(x)[:, i], rtol=1e-5, atol=1e-5)
     choices = json.loads((out / "medusa_choices.json").read_text())
     assert len(choices) == config["max_draft_len"] == 11
     assert_tree(choices, num_heads=3, top_k=10)
