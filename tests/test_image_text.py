@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY
 from test_decoding import OracleDrafter
 from test_support import copying_drafter
 
@@ -13,18 +14,7 @@ import hf_bpd
 from hf_bpd import BlockDraftHeads
 from hf_bpd.tools.forward_counter import ForwardCounter
 
-TEXT = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+TEXT = {**TINY, "vocab_size": 128}  # room for the image tokens
 VISION = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=16, patch_size=4
 )
