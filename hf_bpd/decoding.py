@@ -444,7 +444,9 @@ def decode(
         cap = None if windows is None else windows.cap
         max_tokens = None if cap is None else cap - 1 - past_len
         t0 = time.perf_counter()
-        drafting = chooser is None or chooser.draft_next() if next_drafts is None else next_drafts
+        if next_drafts is None:  # else decided by the last step's fused accept
+            next_drafts = chooser is None or chooser.draft_next()
+        drafting = next_drafts
         with phase(syncs, "draft"):
             if drafting:
                 given = {} if grown is None else {"grown": grown}

@@ -255,7 +255,7 @@ def grow_on_device(
         node_keys = [torch.zeros(1, device=device)]
         out_tokens, out_parents, out_logprobs, size, rounds = [], [], [], 1, 0
         while size < budget:
-            take = min(per_round, budget - size, int(cand_keys.numel()) - sum(t.numel() for t in out_tokens))
+            take = min(per_round, budget - size, cand_keys.numel() - (size - 1))  # untaken candidates
             if take <= 0:
                 break
             keys, pick = cand_keys.masked_fill(taken, -math.inf).topk(take)
