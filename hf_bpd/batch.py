@@ -199,8 +199,6 @@ def decode_batch(
         }
         drafter.observe([results[b].nodes for b in active], [results[b].finished for b in active], 0, None)
         t3 = time.perf_counter()
-        if chooser is not None:  # the accept read the tokens: on an accelerator too, t3 is after the step
-            chooser.observe(drafting, sum(len(r.tokens) for r in results.values()), t3 - t0)
         if batch_cost is not None:
             # on a CPU the forward's own time; on an accelerator the accept (which reads the logits on the
             # host) is the first sync after the forward, so the time up to its end
@@ -226,6 +224,8 @@ def decode_batch(
             rows[b].accepted_lengths.append(len(result.tokens))
             rows[b].tree_sizes.append(len(trees[b]))
         t4 = time.perf_counter()
+        if chooser is not None:  # the whole step (the accept read the tokens: on an accelerator too, t4 is after it)
+            chooser.observe(drafting, sum(len(r.tokens) for r in results.values()), t4 - t0)
         stats.time_verify += t2 - t1
         stats.time_accept += t3 - t2
         stats.time_cache += t4 - t3

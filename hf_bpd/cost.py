@@ -289,7 +289,10 @@ class StepChooser:
 
     A plain step's seconds are measured once plain steps ran; before that `plain_estimate()` stands in
     (for one row the forward-cost curve's one-token time, learned online; for a batch its own timed
-    one-token forward, `BatchForwardCost`; None: unknown, so draft)."""
+    one-token forward, `BatchForwardCost`; None: unknown, so draft). A call's first plain step (a batch
+    starts with one) pays for first-call work at the new shape, so its time is provisional: once drafted
+    steps were timed, one more plain step is taken and its time replaces it. Otherwise a slow first
+    measurement would keep the chooser drafting, and drafting never measures the plain step again."""
 
     plain_estimate: Callable[[], float | None]
     probe_every: int = 8
@@ -298,10 +301,15 @@ class StepChooser:
     plain_step_seconds: float | None = None  # seconds of a plain step, measured
     plain_run: int = 0  # plain steps since the last drafted one
     plain_taken: int = 0  # plain steps in all
+    plain_timed: int = 0  # plain steps measured
 
     def draft_next(self, rows: int = 1) -> bool:
         """Whether the next step drafts, for `rows` unfinished rows (a plain step makes one token each)."""
         plain = self.plain_step_seconds if self.plain_step_seconds is not None else self.plain_estimate()
+        if self.plain_timed == 1 and self.drafted_rate is not None and self.plain_run == 0:
+            self.plain_run += 1  # the provisional first plain time, measured again (class docstring)
+            self.plain_taken += 1
+            return False
         if self.drafted_rate is None or plain is None or self.drafted_rate >= rows / plain:
             return True
         if self.plain_run >= self.probe_every:
@@ -316,4 +324,6 @@ class StepChooser:
             self.plain_run = 0
             self.drafted_rate = _running_mean(self.drafted_rate, tokens / max(seconds, 1e-9), self.rate)
         else:
-            self.plain_step_seconds = _running_mean(self.plain_step_seconds, seconds, self.rate)
+            self.plain_timed += 1
+            provisional = self.plain_timed == 2  # the first plain step's time gives way to the second's
+            self.plain_step_seconds = _running_mean(None if provisional else self.plain_step_seconds, seconds, self.rate)

@@ -476,8 +476,6 @@ def decode(
             timed = input_ids.device.type == "cpu" or drafter.profile
             drafter.observe([result.nodes], [result.finished], batch.input_ids.shape[1], t2 - t1 if timed else None)
         t3 = time.perf_counter()
-        if chooser is not None:  # the accept read the tokens: on an accelerator too, t3 is after the step
-            chooser.observe(drafting, len(result.tokens), t3 - t0)
         root = result.tokens[-1]
         sequence.extend(result.tokens)
         with phase(syncs, "cache"):
@@ -489,6 +487,8 @@ def decode(
             new = input_ids.new_tensor([result.tokens])
             input_ids = torch.cat([input_ids, new], dim=-1)
         t4 = drafter._sync(input_ids.device)
+        if chooser is not None:  # the whole step: a drafted step's compaction is part of what it costs
+            chooser.observe(drafting, len(result.tokens), t4 - t0)
         stats.time_verify += t2 - t1
         stats.time_accept += t3 - t2 - (stats.time_heads - heads_before)
         stats.time_cache += t4 - t3

@@ -131,3 +131,17 @@ def test_plain_steps_where_drafting_does_not_pay_keep_the_output_exact():
     out = model.generate(batch, **kwargs, custom_generate=hf_bpd.generate, assistant=drafter)
     assert out.tolist() == ref.tolist()
     assert drafter.stats.plain_steps > 0
+
+
+def test_step_chooser_measures_a_slow_first_plain_step_again():
+    # a batch's first step is plain and pays for first-call work: 0.050 s, against 0.010 s from then on
+    chooser = cost.StepChooser(lambda: None)
+    chooser.observe(False, tokens=4, seconds=0.050)  # 80 tok/s: provisional
+    assert chooser.draft_next(rows=4)  # nothing drafted yet: draft
+    chooser.observe(True, tokens=6, seconds=0.030)  # 200 tok/s drafted beats the provisional 80 tok/s
+    assert not chooser.draft_next(rows=4)  # still, one more plain step, to measure it again
+    chooser.observe(False, tokens=4, seconds=0.010)  # 400 tok/s: it replaces the first time, not averaged
+    assert chooser.plain_step_seconds == 0.010
+    assert not chooser.draft_next(rows=4)  # and plain steps now win
+    chooser.observe(False, tokens=4, seconds=0.012)
+    assert chooser.plain_step_seconds == pytest.approx(0.7 * 0.010 + 0.3 * 0.012)  # a running mean from here
