@@ -325,5 +325,5 @@ class StepChooser:
             self.drafted_rate = _running_mean(self.drafted_rate, tokens / max(seconds, 1e-9), self.rate)
         else:
             self.plain_timed += 1
-            provisional = self.plain_timed == 2  # the first plain step's time gives way to the second's
-            self.plain_step_seconds = _running_mean(None if provisional else self.plain_step_seconds, seconds, self.rate)
+            earlier = None if self.plain_timed == 2 else self.plain_step_seconds  # the second replaces the first
+            self.plain_step_seconds = _running_mean(earlier, seconds, self.rate)

@@ -177,41 +177,48 @@ def load_packaged_model(name: str | None = None, dtype: str = "float32", attn_im
     return model, tokenizer
 
 
-SHIPPED_HEADS = "assets/smollm2/heads"
+# each packaged model's shipped assets (heads, drafter settings, rescorers), inside the package
+SHIPPED_ASSETS = {SMOLLM2: "assets/smollm2", GEMMA3_270M: "assets/gemma3_270m"}
 
 
-def packaged_heads_dir() -> Path:
-    """Folder of the trained heads shipped for SmolLM2-135M-Instruct (inside the package)."""
+def packaged_heads_dir(model: str | None = None) -> Path:
+    """Folder of the trained heads shipped for a packaged model (None: SmolLM2-135M-Instruct), inside the
+    package. Raises ValueError for a name that is not a packaged model, before any loading."""
     from importlib import resources
 
-    path = Path(str(resources.files("hf_bpd").joinpath(SHIPPED_HEADS)))
+    name = resolve_packaged_name(model)
+    if name is None:
+        raise ValueError(f"no packaged model named {model!r}; packaged: {sorted(PACKAGED_MODELS)}")
+    path = Path(str(resources.files("hf_bpd").joinpath(SHIPPED_ASSETS[name], "heads")))
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no trained heads shipped at {path}")
+        raise FileNotFoundError(f"no trained heads shipped for {name} at {path}")
     return path
 
 
-def packaged_rescorers() -> dict[str, dict]:
-    """The shipped rescorers' specs by name (`assets/smollm2/rescorers.json`; see `hf_bpd.rescoring.composed`)."""
+def packaged_rescorers(model: str | None = None) -> dict[str, dict]:
+    """The shipped rescorers' specs by name (`assets/<model>/rescorers.json`; see `hf_bpd.rescoring.composed`)."""
     import json
 
-    spec_file = packaged_heads_dir().parent / "rescorers.json"
+    spec_file = packaged_heads_dir(model).parent / "rescorers.json"
     return json.loads(spec_file.read_text()) if spec_file.is_file() else {}
 
 
-def packaged_rescorer(name: str, base_tokenizer=None):
+def packaged_rescorer(name: str, base_tokenizer=None, model: str | None = None):
     """A shipped rescorer built from its spec (raises naming the shipped ones for an unknown name)."""
     from .rescoring.composed import build_rescorer
 
-    specs = packaged_rescorers()
+    specs = packaged_rescorers(model)
     if name not in specs:
         raise ValueError(f"no shipped rescorer named {name!r}; shipped: {sorted(specs)} (or pass a Rescorer)")
-    return build_rescorer(specs[name], packaged_heads_dir().parent, base_tokenizer)
+    return build_rescorer(specs[name], packaged_heads_dir(model).parent, base_tokenizer)
 
 
-def load_packaged_drafter(rescorer=None, **drafter_kwargs):
-    """The shipped trained heads for the packaged SmolLM2 as a `BlockDrafter`, with the settings chosen by
+def load_packaged_drafter(rescorer=None, model: str | None = None, **drafter_kwargs):
+    """The shipped trained heads for a packaged model as a `BlockDrafter`, with the settings chosen by
     measurement (`drafter.json` beside the heads); keyword arguments override them.
 
+    model:        the packaged model the heads are for: None (SmolLM2-135M-Instruct, the default) or
+                  "gemma-3-270m" (`load_packaged_model("gemma-3-270m")`).
     rescorer:     None (heads alone), a `Rescorer` instance, or the name of a shipped rescorer with its tuned
                   weights: "ngram" (KenLM n-gram, 1 best path), "ngram_p4"/"ngram_p16" (p-best), "context"
                   (n-gram of the prompt and generated text), "neural" (small-LM local rescoring), "best" (the
@@ -225,9 +232,9 @@ def load_packaged_drafter(rescorer=None, **drafter_kwargs):
     from .drafter import BlockDrafter
     from .heads import BlockDraftHeads
 
-    path = packaged_heads_dir()
+    path = packaged_heads_dir(model)
     if isinstance(rescorer, str):
-        rescorer = packaged_rescorer(rescorer)
+        rescorer = packaged_rescorer(rescorer, model=model)
     settings_file = path.parent / "drafter.json"
     settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
     settings.update(drafter_kwargs)

@@ -102,3 +102,23 @@ def test_manifest_from_before_templates_resumes_as_chat(tmp_path, monkeypatch):
     assert distill.main(argv) == 0
     with pytest.raises(SystemExit, match="prompt_template"):
         distill.main(argv + ["--prompt-template", "qa"])
+
+
+class NoTemplateTokenizer(BaseTokenizer):
+    chat_template = None  # what transformers' tokenizers hold when they have none
+
+
+def test_a_base_model_s_conversation_is_framed_as_its_heads_were_distilled():
+    tok = NoTemplateTokenizer()
+    one = hf_bpd.models.chat_inputs(tok, [{"role": "user", "content": "What is 2+2?"}])
+    assert one["input_ids"][0].tolist() == distill.encode_prompt(tok, "What is 2+2?", "qa")
+    assert one["attention_mask"].tolist() == [[1] * one["input_ids"].shape[1]]
+    turns = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": " Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
+    two = hf_bpd.models.chat_inputs(tok, turns)["input_ids"][0].tolist()
+    assert two == [BOS] + ids("Question: Hi\nAnswer: Hello.\nQuestion: Bye\nAnswer:")
+    with pytest.raises(ValueError, match="ends with a user message"):
+        hf_bpd.models.chat_inputs(tok, turns[:2])

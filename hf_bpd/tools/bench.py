@@ -649,9 +649,10 @@ def check_data_file(path: str) -> None:
         )
 
 
-def load_drafter(heads: str, model, num_heads: int = 4, **kwargs) -> BlockDrafter:
-    """The drafter a benchmark runs, profiled: `heads` is a folder, "packaged" (the shipped heads and
-    their drafter.json settings, which `kwargs` override) or "untrained" (`num_heads` fresh heads)."""
+def load_drafter(heads: str, model, num_heads: int = 4, packaged_model: str | None = None, **kwargs) -> BlockDrafter:
+    """The drafter a benchmark runs, profiled: `heads` is a folder, "packaged" (the heads shipped for the
+    packaged model `packaged_model` names, None the default, with their drafter.json settings, which
+    `kwargs` override) or "untrained" (`num_heads` fresh heads)."""
     from ..heads import BlockDraftHeads
 
     if heads == "untrained":
@@ -659,7 +660,7 @@ def load_drafter(heads: str, model, num_heads: int = 4, **kwargs) -> BlockDrafte
     if heads == "packaged":
         from ..packaged import load_packaged_drafter
 
-        drafter = load_packaged_drafter(**kwargs)
+        drafter = load_packaged_drafter(model=packaged_model, **kwargs)
         drafter.profile = True
         return drafter
     return BlockDrafter.from_pretrained(heads, profile=True, **kwargs)
@@ -766,10 +767,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--temperature, --top-p and --sample-top-k shape sampling: add --do-sample")
 
     from ..models import load_model
+    from ..packaged import resolve_packaged_name
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     kwargs = {k: v for k, v in (("top_k", args.top_k), ("max_tree_tokens", args.max_tree_tokens)) if v is not None}
-    drafter = load_drafter(args.heads, model, args.num_heads, **kwargs)
+    drafter = load_drafter(args.heads, model, args.num_heads, resolve_packaged_name(args.model), **kwargs)
     drafter.packed_linear = {"auto": None, "on": True, "off": False}[args.packed_linear]
     if args.context_lookup is not None:
         drafter.context_lookup = args.context_lookup

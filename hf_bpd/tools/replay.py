@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     check_data_file(args.data)
 
     from ..models import load_model
+    from ..packaged import resolve_packaged_name
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     rows = select_rows(read_jsonl(args.data), args.categories, args.per_category, args.limit, args.spread)
@@ -288,7 +289,14 @@ def main(argv: list[str] | None = None) -> int:
                 for lookup in args.context_lookup:
                     name = f"k{k} n{size}" + (f" lookup{lookup}" if len(args.context_lookup) > 1 else "")
                     name = f"{Path(heads).name} {name}" if len(args.heads) > 1 else name
-                    drafters[name] = load_drafter(heads, model, top_k=k, max_tree_tokens=size, context_lookup=lookup)
+                    drafters[name] = load_drafter(
+                        heads,
+                        model,
+                        packaged_model=resolve_packaged_name(args.model),
+                        top_k=k,
+                        max_tree_tokens=size,
+                        context_lookup=lookup,
+                    )
     results = replay(model, tokenizer, rows, answers, drafters, not args.no_progress)
     table = markdown_table(results)
     limits = None

@@ -46,10 +46,10 @@ import sys
 from pathlib import Path
 
 from hf_bpd.jsonl import read_jsonl
+from hf_bpd.models import PROMPT_FORMATS
 
 DEFAULT_PROMPTS = "../shared/data/train_prompts.jsonl"
 CHAT = "chat"
-PROMPT_FORMATS = {"plain": "{prompt}", "qa": "Question: {prompt}\nAnswer:"}
 _CHAT_DECODING = "greedy, chat template with generation prompt"
 
 

@@ -43,14 +43,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from hf_bpd.heads import BlockDraftHeads
     from hf_bpd.models import load_model
-    from hf_bpd.packaged import packaged_heads_dir
+    from hf_bpd.packaged import packaged_heads_dir, resolve_packaged_name
     from hf_bpd.training.distill import load_distilled
 
     model, _ = load_model(args.model, with_tokenizer=False)
     data = load_distilled(args.data)
     loaded = {}
     for name in args.heads:
-        path = packaged_heads_dir() if name == "packaged" else Path(name)
+        path = packaged_heads_dir(resolve_packaged_name(args.model)) if name == "packaged" else Path(name)
         loaded[name] = BlockDraftHeads.from_pretrained(path).bind(model).float().eval()
     most_heads = max(h.num_heads for h in loaded.values())
     features = cached_features(model, data, most_heads, args.features_cache)
