@@ -9,8 +9,14 @@ setup(
     long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["hf_bpd", "hf_bpd.*"]),
-    package_data={"hf_bpd": ["custom_generate/*", "data/*", "templates/*", "assets/*/*", "assets/*/*/*"]},
+    # model_cards/ (the card template and the shipped heads' cards) lives at the repository root and is
+    # installed inside the package as hf_bpd/model_cards/ (hf_bpd.card reads the template from either place)
+    packages=[*find_packages(include=["hf_bpd", "hf_bpd.*"]), "hf_bpd.model_cards"],
+    package_dir={"hf_bpd.model_cards": "model_cards"},
+    package_data={
+        "hf_bpd": ["custom_generate/*", "data/*", "assets/*/*", "assets/*/*/*"],
+        "hf_bpd.model_cards": ["*.md"],
+    },
     include_package_data=True,
     # torch is not pinned here: a library must not dictate the user's torch build. On the CPU-only dev
     # machines install `torch==2.13.0` first (README), which satisfies this range without CUDA downloads.

@@ -1,5 +1,11 @@
-"""Model cards for draft heads: rendered from `hf_bpd/templates/draft_heads.md` with real numbers, and the
-Hub folder (weights + config + README.md) that `BlockDraftHeads.push_to_hub` uploads."""
+"""Model cards for draft heads, rendered with real numbers from the template `model_cards/template.md` at the
+repository root (`setup.py` ships it inside the wheel as `hf_bpd/model_cards/`), and the Hub folder (weights +
+config + README.md) that `BlockDrafter.save_pretrained` and `push_to_hub` write. The cards of the head sets
+shipped in the package live beside the template (`model_cards/<packaged model>.md`, written by
+`python -m hf_bpd.training.ship`).
+
+This module imports nothing of the library: `heads.py` imports it, never the other way round (the heads are
+read through `heads.config` and `heads.save_pretrained` only)."""
 
 from __future__ import annotations
 
@@ -8,10 +14,22 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # heads.py imports this module to write its Hub folder
-    from .heads import BlockDraftHeads
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
-TEMPLATE = "draft_heads.md"
+TEMPLATE = "template.md"
+CARDS_FOLDER = "model_cards"  # at the repository root; inside the installed package as hf_bpd/model_cards/
+CHECKOUT_CARDS = Path(__file__).resolve().parents[1] / CARDS_FOLDER
+
+
+def template_text() -> str:
+    """The card template: the installed package's copy (`hf_bpd/model_cards/template.md`, mapped there by
+    setup.py from the repository's `model_cards/`), or in a source checkout or an editable install, where the
+    package folder has none, `model_cards/template.md` itself."""
+    installed = resources.files("hf_bpd").joinpath(CARDS_FOLDER, TEMPLATE)
+    if installed.is_file():
+        return installed.read_text(encoding="utf-8")
+    return (CHECKOUT_CARDS / TEMPLATE).read_text(encoding="utf-8")
 
 
 def accuracy_table(training_log: dict | None) -> str:
@@ -34,7 +52,8 @@ def accuracy_table(training_log: dict | None) -> str:
 
 
 def tau_table(bench: dict | None, method: str = "hf_bpd") -> str:
-    """Markdown table of τ / speedup per category from an `hf-bpd bench --output` JSON."""
+    """Markdown table of τ / speedup per category from an `hf-bpd bench --output` JSON (or its summary,
+    `bench_summary`)."""
     if not bench or method not in bench.get("methods", {}):
         return "_not measured_"
     res = bench["methods"][method]
@@ -42,11 +61,49 @@ def tau_table(bench: dict | None, method: str = "hf_bpd") -> str:
     for cat, s in [*res["categories"].items(), ("**overall**", res["overall"])]:
         rows.append(f"| {cat} | {s['tau']:.2f} | {s['speedup']:.2f}× | {s['identical']} |")
     env = bench.get("environment", {})
+    turns = res["overall"].get("turns")
+    over = res["overall"].get("speedup_over")
     rows.append(
         f"\nMeasured {env.get('date', '?')} on {env.get('device', '?')}, "
-        f"max_new_tokens={bench.get('args', {}).get('max_new_tokens', '?')}, {bench.get('rows', '?')} prompts."
+        f"max_new_tokens={bench.get('args', {}).get('max_new_tokens', '?')}, {bench.get('rows', '?')} prompts"
+        + (f" ({turns} turns)" if turns and turns != bench.get("rows") else "")
+        + ". Speedup: tokens per second over "
+        + (
+            f"the fastest plain method of the run, per category (overall: `{over}`)."
+            if over
+            else "plain greedy `generate`."
+        )
     )
     return "\n".join(rows)
+
+
+def bench_summary(bench: dict, method: str = "hf_bpd") -> dict:
+    """What `tau_table` reads of an `hf-bpd bench` JSON, for one method: shipped beside the heads
+    (`bench.json`) so that their card is rendered from the package's assets alone. A merged report
+    (`--merge`) has no `args`: they are read from its first part's JSON where that file is at hand."""
+    args = bench.get("args")
+    if args is None and bench.get("parts") and Path(bench["parts"][0]["file"]).is_file():
+        args = json.loads(Path(bench["parts"][0]["file"]).read_text()).get("args")
+    keep = ("tau", "speedup", "speedup_over", "identical", "turns")
+    res = bench["methods"][method]
+    return {
+        "environment": {k: bench.get("environment", {}).get(k) for k in ("date", "device", "commit")},
+        "args": {"max_new_tokens": (args or {}).get("max_new_tokens", "?")},
+        "rows": bench.get("rows", bench.get("turns", "?")),
+        "methods": {
+            method: {
+                "overall": {k: v for k, v in res["overall"].items() if k in keep},
+                "categories": {c: {k: v for k, v in s.items() if k in keep} for c, s in res["categories"].items()},
+            }
+        },
+    }
+
+
+def prompt_template(manifest: dict | None) -> str:
+    """How the distilled prompts were written: "chat" (the tokenizer's chat template, also for manifests
+    written before templates were recorded) or the template with {prompt} of a base model's runs."""
+    runs = (manifest or {}).get("runs", [manifest] if manifest else [])
+    return next((r["prompt_template"] for r in runs if r.get("prompt_template", "chat") != "chat"), "chat")
 
 
 def data_recipe(manifest: dict | None) -> str:
@@ -59,17 +116,19 @@ def data_recipe(manifest: dict | None) -> str:
         count = run.get("num_samples", run.get("num_prompts", "?"))
         offset = f", from position {run['offset']}" if run.get("offset") else ""
         stage = f"{run['stage']}: " if run.get("stage") else ""
+        template = run.get("prompt_template", "chat")
+        framing = "chat template" if template == "chat" else f"prompts written as {template!r}, no chat template"
         sentences.append(
             f"{stage}Greedy answers of the base model itself to {count} prompts of "
-            f"`{Path(str(run.get('prompts', '?'))).name}` (shuffle seed {run.get('seed', '?')}{offset}), chat "
-            f"template, prompts truncated to {run.get('max_prompt_tokens', '?')} tokens, "
+            f"`{Path(str(run.get('prompts', '?'))).name}` (shuffle seed {run.get('seed', '?')}{offset}), "
+            f"{framing}, prompts truncated to {run.get('max_prompt_tokens', '?')} tokens, "
             f"max_new_tokens={run.get('max_new_tokens', '?')}; produced with `hf-bpd distill`."
         )
     return sentences[0] if len(sentences) == 1 else "\n".join(f"- {x}" for x in sentences)
 
 
 def render_card(
-    heads: BlockDraftHeads,
+    heads: PreTrainedModel | PretrainedConfig,
     repo_id: str = "<repo_id>",
     training_log: dict | None = None,
     bench: dict | None = None,
@@ -77,14 +136,17 @@ def render_card(
     top_k: int = 10,
     max_tree_tokens: int | str = 32,
     self_loading: bool = False,
+    packaged: str | None = None,
+    settings: dict | None = None,
 ) -> str:
     """The model card: metadata (`huggingface_hub.ModelCardData`) and the template filled with real numbers.
-    `self_loading`: the folder is a saved drafter (`BlockDrafter.save_pretrained`), so the card also shows
-    the Hub-style call that needs no drafter object."""
+    `heads`: the draft heads or their config. `self_loading`: the folder is a saved drafter
+    (`BlockDrafter.save_pretrained`), so the card also shows the Hub-style call that needs no drafter object.
+    `packaged`: the heads ship inside hf_bpd for this packaged model (`hf_bpd.load_packaged_model`), with
+    `settings` (their drafter.json): the card loads them from the package instead of `repo_id`."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    cfg = heads.config
-    template = resources.files("hf_bpd").joinpath("templates", TEMPLATE).read_text(encoding="utf-8")
+    cfg = getattr(heads, "config", heads)
     softmax = "tied to the base LM head" if cfg.tie_lm_head else "of its own"
     if cfg.draft_vocab_size:
         softmax += f", over a {cfg.draft_vocab_size}-token draft vocabulary"
@@ -105,17 +167,47 @@ def render_card(
         "\nThis repository is a whole drafter (heads, settings in `drafter.json`, `custom_generate/`), so it also "
         "decodes with no drafter object:\n\n```python\nout = model.generate(**inputs, max_new_tokens=128, "
         f'custom_generate="{repo_id}", trust_remote_code=True)\n```\n'
-    )
-    body = template.format(
+    )  # the template closes the usage block with "```\n{self_loading}\n"
+    base_model = cfg.base_model_name or "unknown"
+    if packaged:
+        shown = ", ".join(f"{k}={v!r}" for k, v in (settings or {}).items())
+        usage_note = (
+            f"\nThese heads ship inside hf_bpd for its packaged model `{packaged}`: both load offline, the heads "
+            f"with the drafter settings chosen by measurement (`drafter.json`: {shown}).\n"
+        )
+        load_model = f'model, tokenizer = hf_bpd.load_packaged_model("{packaged}")'
+        load_drafter = f'drafter = hf_bpd.load_packaged_drafter(model="{packaged}")'
+    else:
+        usage_note = ""
+        load_model = (
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f'model = AutoModelForCausalLM.from_pretrained("{base_model}")\n'
+            f'tokenizer = AutoTokenizer.from_pretrained("{base_model}")'
+        )
+        load_drafter = (
+            f'drafter = hf_bpd.BlockDrafter.from_pretrained("{repo_id}", top_k={top_k}, '
+            f"max_tree_tokens={max_tree_tokens!r})"
+        )
+    template = prompt_template(manifest)
+    if template == "chat":
+        prompt = (
+            "inputs = tokenizer.apply_chat_template(\n"
+            '    [{"role": "user", "content": "Hi!"}], add_generation_prompt=True, return_tensors="pt", '
+            "return_dict=True\n)"
+        )
+    else:  # a base model: the prompt format the heads were distilled on
+        prompt = f'inputs = tokenizer({template.replace("{prompt}", "Hi!")!r}, return_tensors="pt")'
+    body = template_text().format(
+        usage_note=usage_note,
+        load_model=load_model,
+        load_drafter=load_drafter,
+        prompt=prompt,
         self_loading=hub_call if self_loading else "",
-        base_model=cfg.base_model_name or "unknown",
-        repo_id=repo_id,
+        base_model=base_model,
         num_heads=cfg.num_heads,
         num_layers=cfg.num_layers,
         softmax=softmax,
         inputs=inputs,
-        top_k=top_k,
-        max_tree_tokens=max_tree_tokens,
         data_recipe=data_recipe(manifest),
         accuracy_table=accuracy_table(training_log),
         tau_table=tau_table(bench),
@@ -128,7 +220,7 @@ def render_card(
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
 
 
-def save_hub_folder(heads: BlockDraftHeads, folder: str | Path, repo_id: str = "<repo_id>", **card_kwargs) -> Path:
+def save_hub_folder(heads: PreTrainedModel, folder: str | Path, repo_id: str = "<repo_id>", **card_kwargs) -> Path:
     """Everything `push_to_hub` uploads: safetensors weights, config.json and README.md."""
     folder = Path(folder)
     heads.save_pretrained(folder)

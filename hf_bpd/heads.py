@@ -43,6 +43,7 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from .card import save_hub_folder
 from .context_copy import (
     INITIAL_SINK,
     ContextCopy,
@@ -506,8 +507,6 @@ class BlockDraftHeads(PreTrainedModel):
         import tempfile
 
         from huggingface_hub import HfApi
-
-        from .card import save_hub_folder
 
         api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True)

@@ -107,3 +107,79 @@ def test_a_model_folder_is_not_heads(tmp_path):
     tiny_model("llama").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="not a draft-heads checkpoint"):
         hf_bpd.BlockDrafter.from_pretrained(tmp_path)
+
+
+def test_shipped_cards_are_what_the_assets_give():
+    """`python -m hf_bpd.training.ship --check`: every head set shipped in the package has its card in
+    model_cards/, rendered from the template and its assets as they are now (after a change of either, write
+    them again with `python -m hf_bpd.training.ship --cards`); model_cards/ holds nothing else."""
+    from hf_bpd.card import CHECKOUT_CARDS, TEMPLATE
+    from hf_bpd.training.ship import check_cards, shipped_head_sets
+
+    shipped = shipped_head_sets()
+    assert "smollm2-135m-instruct" in shipped
+    assert check_cards() == []
+    assert sorted(p.name for p in CHECKOUT_CARDS.iterdir()) == sorted([TEMPLATE, *(f"{n}.md" for n in shipped)])
+    card = (CHECKOUT_CARDS / "smollm2-135m-instruct.md").read_text()
+    assert 'hf_bpd.load_packaged_drafter(model="smollm2-135m-instruct")' in card
+    assert "| **overall** |" in card and "apply_chat_template" in card  # τ measured; an instruct model
+
+
+def test_a_stale_card_is_reported_and_written_again(tmp_path):
+    from hf_bpd.card import CHECKOUT_CARDS
+    from hf_bpd.training.ship import check_cards, shipped_head_sets
+
+    for name in shipped_head_sets():
+        (tmp_path / f"{name}.md").write_text((CHECKOUT_CARDS / f"{name}.md").read_text() + "edited by hand\n")
+    assert check_cards(tmp_path) == list(shipped_head_sets())
+    assert check_cards(tmp_path, write=True) == list(shipped_head_sets())
+    assert check_cards(tmp_path) == []
+
+
+def template_lines() -> list[str]:
+    """The template's lines without a placeholder: a card rendered from it holds each of them."""
+    from hf_bpd.card import CHECKOUT_CARDS, TEMPLATE
+
+    text = (CHECKOUT_CARDS / TEMPLATE).read_text()
+    return [line for line in text.splitlines() if line.strip() and "{" not in line]
+
+
+def test_save_pretrained_writes_the_card_of_the_template(tmp_path, monkeypatch):
+    """`BlockDrafter.save_pretrained`'s README.md is model_cards/template.md filled in: its fixed lines all
+    there, and a change to the template shows in the card."""
+    from hf_bpd import card as card_module
+
+    heads = random_heads(tiny_model("llama"), num_heads=2)
+    drafter = hf_bpd.BlockDrafter(heads, top_k=3, max_tree_tokens=8)
+    folder = drafter.save_pretrained(tmp_path / "a", repo_id="me/drafter", training_log=LOG)
+    written = (folder / "README.md").read_text()
+    assert written == render_card(heads, "me/drafter", training_log=LOG, top_k=3, max_tree_tokens=8, self_loading=True)
+    lines = template_lines()
+    assert len(lines) > 10 and all(line in written for line in lines)
+    assert "## Usage\n\n```python\nimport hf_bpd\nfrom transformers import" in written
+    edited = card_module.template_text() + "\nA line added to the template.\n"
+    monkeypatch.setattr(card_module, "template_text", lambda: edited)
+    folder = drafter.save_pretrained(tmp_path / "b", repo_id="me/drafter")
+    assert "A line added to the template." in (folder / "README.md").read_text()
+
+
+def test_a_base_model_card_writes_its_prompt_format():
+    """Heads distilled from a base model's prompts (`hf-bpd distill --prompt-template qa`): the card's usage
+    and data recipe show that format, not a chat template."""
+    heads = random_heads(tiny_model("llama"), num_heads=2)
+    qa = {**MANIFEST, "prompt_template": "Question: {prompt}\nAnswer:"}
+    card = render_card(heads, "me/heads", manifest=qa, packaged="gemma-3-270m", settings={"top_k": 10})
+    assert "apply_chat_template" not in card and "), chat template," not in card
+    assert "inputs = tokenizer('Question: Hi!\\nAnswer:', return_tensors=\"pt\")" in card
+    assert "prompts written as 'Question: {prompt}\\nAnswer:', no chat template" in card
+    assert 'hf_bpd.load_packaged_model("gemma-3-270m")' in card and "(`drafter.json`: top_k=10)" in card
+
+
+def test_the_wheel_ships_the_template():
+    """setup.py installs the repository's model_cards/ as hf_bpd/model_cards/, where `template_text` reads
+    it in an installed package (checked by building: `pip wheel . -w /tmp/wheel --no-deps`)."""
+    from pathlib import Path
+
+    setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    assert '"hf_bpd.model_cards"' in setup and 'package_dir={"hf_bpd.model_cards": "model_cards"}' in setup
+    assert '"hf_bpd.model_cards": ["*.md"]' in setup

@@ -82,3 +82,30 @@ def test_library_does_not_import_research_tests_or_benchmarks():
             )
             for name in names:
                 assert name.split(".")[0] not in ("research", "tests", "benchmarks", "conftest"), (path, name)
+
+
+def test_card_and_heads_import_in_one_direction():
+    """heads.py imports card.py (its Hub folder's README.md); card.py imports nothing of the library, not even
+    for annotations: it reads the heads through `heads.config` and `heads.save_pretrained` only."""
+    known = {module_name(f) for f in (ROOT / "hf_bpd").rglob("*.py")}
+    card = ast.parse((ROOT / "hf_bpd" / "card.py").read_text())
+    relative = [node for node in ast.walk(card) if isinstance(node, ast.ImportFrom) and node.level]
+    absolute = [
+        alias.name
+        for node in ast.walk(card)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in ([ast.alias(node.module or "")] if isinstance(node, ast.ImportFrom) else node.names)
+    ]
+    assert not relative and not [name for name in absolute if name in known or name == "hf_bpd"]
+    assert "hf_bpd.card" in library_imports()["hf_bpd.heads"]
+
+
+def test_model_cards_layout():
+    """model_cards/ at the repository root: the card template and one card per head set shipped in the
+    package (tests/test_card.py checks each is what its assets give); nothing is left in hf_bpd/templates/."""
+    from hf_bpd.packaged import SHIPPED_ASSETS
+
+    cards = ROOT / "model_cards"
+    assert (cards / "template.md").is_file() and not list((ROOT / "hf_bpd").glob("templates/*"))
+    shipped = [n for n, f in SHIPPED_ASSETS.items() if (ROOT / "hf_bpd" / f / "heads" / "config.json").is_file()]
+    assert sorted(p.name for p in cards.iterdir()) == sorted(["template.md", *(f"{n}.md" for n in shipped)])

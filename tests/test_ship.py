@@ -37,7 +37,24 @@ def test_ship_replaces_heads_and_keeps_rescorers(tmp_path):
         "--drafter",
         str(tmp_path / "drafter.json"),
     ]
-    assert ship.main([*argv, "--to", str(dest)]) == 0
+    bench = {
+        "environment": {"date": "2026-11-25", "device": "cpu"},
+        "args": {"max_new_tokens": 64},
+        "rows": 3,
+        "methods": {
+            "greedy": {"overall": {"tau": 1.0}, "categories": {}},
+            "hf_bpd": {
+                "overall": {"tau": 2.5, "speedup": 1.4, "identical": True, "turns": 3, "tokens_per_s": 9.0},
+                "categories": {"qa": {"tau": 2.5, "speedup": 1.4, "identical": True, "turns": 3}},
+            },
+        },
+    }
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    assert ship.main([*argv, "--to", str(dest), "--bench", str(tmp_path / "bench.json")]) == 0
+    # the card: README.md beside heads that are no packaged model's (model_cards/<name>.md for those)
+    card = (dest / "README.md").read_text()
+    assert "| qa | 2.50 | 1.40× | True |" in card and "max_new_tokens=64, 3 prompts." in card
+    assert "tokens_per_s" not in (dest / "bench.json").read_text()  # what the card shows, no more
     assert (dest / "ngram" / "ngram.json").is_file() and (dest / "rescorers.json").is_file()
     assert not (dest / "heads" / "stale.bin").exists()
     assert json.loads((dest / "drafter.json").read_text()) == {"top_k": 5, "max_tree_tokens": "auto"}
@@ -78,7 +95,12 @@ def test_ship_keeps_the_earlier_heads_runs_and_records_the_pointer_stage(tmp_pat
         str(tmp_path / "drafter.json"),
     ]
     argv += ["--earlier-manifest", str(tmp_path / "earlier.json"), "--stage", "context-copy pointer", "--to", str(dest)]
-    assert ship.main(argv) == 0
+    (dest).mkdir()
+    (dest / "bench.json").write_text("{}")  # measured with the heads shipped before: no longer theirs
+    assert ship.main([*argv, "--card", str(tmp_path / "cards" / "mine.md")]) == 0
+    assert not (dest / "bench.json").exists() and not (dest / "README.md").exists()
+    card = (tmp_path / "cards" / "mine.md").read_text()
+    assert "- context-copy pointer: Greedy answers" in card and "_not measured_" in card
     manifest = json.loads((dest / "manifest.json").read_text())
     assert [(r["prompts"], r["num_samples"], r.get("stage")) for r in manifest["runs"]] == [
         ("a.jsonl", 7, None),

@@ -1,24 +1,92 @@
 """Copy trained heads into the package (`hf_bpd/assets/<name>`), with what the model card needs:
-drafter settings (drafter.json), the training log and the distillation manifests (one per distilled run the
-heads were trained on, each with the number of samples it really holds)."""
+drafter settings (drafter.json), the training log, the distillation manifests (one per distilled run the
+heads were trained on, each with the number of samples it really holds) and, with --bench, the τ measured
+with them (bench.json); then write their model card, `model_cards/<packaged model>.md`, from the template.
+
+`--cards` writes every shipped head set's card again from the assets (after a template change);
+`--check` only compares: exit status 1, naming the cards that differ, when one is not what the assets give."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import shutil
+import sys
 from pathlib import Path
 
-from hf_bpd.heads import BlockDraftHeads
+from hf_bpd.card import CHECKOUT_CARDS, bench_summary, load_json, render_card
+from hf_bpd.heads import BlockDraftHeads, BlockDraftHeadsConfig
+from hf_bpd.packaged import SHIPPED_ASSETS
+
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def shipped_card(name: str | None, assets: str | Path | None = None) -> str:
+    """The card of a shipped head set, from its assets alone (heads config, drafter.json, training_log.json,
+    manifest.json, bench.json): of packaged model `name` (its assets folder unless `assets` is given), or
+    with `name` None of heads shipped elsewhere (`assets`), loaded from a "<repo_id>" in the card."""
+    assets = Path(assets) if assets is not None else PACKAGE / SHIPPED_ASSETS[name]
+    settings = load_json(assets / "drafter.json") or {}
+    settings.pop("num_heads", None)
+    return render_card(
+        BlockDraftHeadsConfig.from_pretrained(assets / "heads"),
+        training_log=load_json(assets / "training_log.json"),
+        bench=load_json(assets / "bench.json"),
+        manifest=load_json(assets / "manifest.json"),
+        top_k=settings.get("top_k", 10),
+        max_tree_tokens=settings.get("max_tree_tokens", "auto"),
+        packaged=name,
+        settings=settings,
+    )
+
+
+def shipped_head_sets() -> dict[str, Path]:
+    """Packaged model -> its assets folder, for those that ship heads now."""
+    return {
+        name: PACKAGE / folder
+        for name, folder in SHIPPED_ASSETS.items()
+        if (PACKAGE / folder / "heads" / "config.json").is_file()
+    }
+
+
+def check_cards(cards: Path = CHECKOUT_CARDS, write: bool = False) -> list[str]:
+    """The shipped head sets whose card in `cards` is not what their assets give (missing or stale); with
+    `write`, those cards are written again."""
+    stale = []
+    for name, assets in shipped_head_sets().items():
+        card, path = shipped_card(name, assets), cards / f"{name}.md"
+        if path.is_file() and path.read_text(encoding="utf-8") == card:
+            continue
+        stale.append(name)
+        if write:
+            path.write_text(card, encoding="utf-8")
+        else:
+            old = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+            sys.stdout.writelines(
+                line + "\n"
+                for line in difflib.unified_diff(old, card.splitlines(), str(path), "from the assets", lineterm="")
+            )
+    return stale
+
+
+def write_bench(dest: Path, bench: str) -> None:
+    """Record what the card's τ table shows (`hf_bpd.card.bench_summary` of an `hf-bpd bench` JSON) beside
+    the heads, as `bench.json`."""
+    summary = bench_summary(json.loads(Path(bench).read_text()))
+    (dest / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def packaged_name(dest: Path) -> str | None:
+    """The packaged model whose assets folder `dest` is, if any."""
+    return next((n for n, f in SHIPPED_ASSETS.items() if dest.resolve() == (PACKAGE / f).resolve()), None)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_bpd.training.ship", description=__doc__.split("\n")[0])
-    parser.add_argument("--heads", required=True, help="train-heads output folder")
-    parser.add_argument(
-        "--distilled", required=True, nargs="+", help="the distill output folders the heads were trained on"
-    )
-    parser.add_argument("--drafter", required=True, help="drafter.json from tune_drafter")
+    parser.add_argument("--heads", help="train-heads output folder")
+    parser.add_argument("--distilled", nargs="+", help="the distill output folders the heads were trained on")
+    parser.add_argument("--drafter", help="drafter.json from tune_drafter")
     parser.add_argument(
         "--earlier-manifest",
         default=None,
@@ -27,7 +95,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--stage", default=None, help="what the --distilled runs trained, recorded on each of them")
     parser.add_argument("--to", default="hf_bpd/assets/smollm2")
+    parser.add_argument(
+        "--bench", default=None, help="an `hf-bpd bench --output` JSON measured with these heads: the card's τ table"
+    )
+    parser.add_argument(
+        "--card",
+        default=None,
+        help="where the model card goes (default: model_cards/<packaged model>.md where --to is a packaged "
+        "model's assets folder, else README.md in --to)",
+    )
+    parser.add_argument(
+        "--cards",
+        action="store_true",
+        help="only write every shipped head set's card again (with --bench: record it in --to first)",
+    )
+    parser.add_argument("--check", action="store_true", help="only check every shipped head set's card")
     args = parser.parse_args(argv)
+    if args.cards and args.bench:  # a measurement of heads shipped earlier, recorded before their card is written
+        write_bench(Path(args.to), args.bench)
+    if args.check or args.cards:
+        stale = check_cards(write=args.cards)
+        verb = "rewrote" if args.cards else "stale"
+        print(f"{verb}: {', '.join(stale)}" if stale else "every shipped card is what its assets give")
+        return 1 if stale and args.check else 0
+    missing = [f"--{a}" for a in ("heads", "distilled", "drafter") if not getattr(args, a)]
+    if missing:
+        parser.error(f"shipping heads needs {', '.join(missing)} (or only --check / --cards)")
 
     settings = json.loads(Path(args.drafter).read_text())
     heads = BlockDraftHeads.from_pretrained(args.heads)
@@ -46,8 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     earlier = json.loads(Path(args.earlier_manifest).read_text()) if args.earlier_manifest else None
     manifest = data_manifest(args.distilled, earlier, args.stage)
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    if args.bench:
+        write_bench(dest, args.bench)
+    elif (dest / "bench.json").exists():  # what the earlier heads measured does not describe these
+        (dest / "bench.json").unlink()
+    name = packaged_name(dest)
+    card = Path(args.card) if args.card else CHECKOUT_CARDS / f"{name}.md" if name else dest / "README.md"
+    card.parent.mkdir(parents=True, exist_ok=True)
+    card.write_text(shipped_card(name, dest), encoding="utf-8")
     size = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
-    print(f"shipped {num_heads} heads to {dest} ({size / 1e6:.1f} MB)")
+    print(f"shipped {num_heads} heads to {dest} ({size / 1e6:.1f} MB); model card {card}")
     return 0
 
 
