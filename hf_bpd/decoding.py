@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionAndFullAttentionLayer
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -77,13 +77,16 @@ def keep_every_key(model_kwargs: dict) -> None:
     layer (which keeps only the last W - 1 entries, so a tree's rejected entries would evict keys a later
     step needs) becomes a full `DynamicLayer`; the tree masks apply the windows instead (`support.py`).
     The returned cache then holds full layers: usable as is, the models build their windows from the
-    config, not from the cache."""
+    config, not from the cache. A sliding layer that also keeps recurrent state (`hybrid_sliding`) becomes
+    the full layer of the same kind, keeping its number of states."""
     for name in CACHE_NAMES:
         cache = model_kwargs.get(name)
         if isinstance(cache, DynamicCache):
             for i, layer in enumerate(cache.layers):
                 if getattr(layer, "is_sliding", False):
-                    cache.layers[i] = DynamicLayer()
+                    states = getattr(layer, "number_of_states", None)
+                    full = DynamicLayer() if states is None else LinearAttentionAndFullAttentionLayer(states)
+                    cache.layers[i] = full
 
 
 def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, DynamicCache]:

@@ -76,6 +76,7 @@ class DecodingStats:
     time_cache: float = 0.0
     rows: list[DecodingStats] = field(default_factory=list)  # batches: each row's own steps and tokens
     host_syncs: dict[str, int] = field(default_factory=dict)  # by phase, when counted (count_host_syncs)
+    replayed: int = 0  # tokens re-read after a recurrent state was restored (`recurrent.py`)
 
     @property
     def forwards(self) -> int:
@@ -390,6 +391,22 @@ class BlockDrafter:
         self._verified = [None] * len(roots)
         return [DraftTree.root_only(root) for root in roots]
 
+    def chains(self, trees: Sequence[DraftTree], room: Sequence[int]) -> list[DraftTree]:
+        """Each tree reduced to one root-to-leaf path of at most `room[b]` nodes, for models verified one chain
+        at a time (`recurrent.py`): where the tree's arcs are known, the path with the most expected accepted
+        tokens (the sum of its nodes' path probabilities), else each node's first child (trees add children
+        best first). `observe` then learns from that chain alone, its siblings never having been verified."""
+        out = []
+        for b, tree in enumerate(trees):
+            known = self._verified[b] if b < len(self._verified) else None
+            path = _best_path(tree, None if known is None else tree.path_logprobs(known[1], self.calibration))
+            path = path[: room[b]]
+            chain = tree.reordered(path)
+            out.append(chain)
+            if known is not None:
+                self._verified[b] = (chain, [known[1][i] for i in path])
+        return out
+
     def rescore(self, lattice: Lattice | None, context: torch.Tensor) -> list[list[ScoredPath]] | None:
         """The rescorer's drafts per batch row (None without a rescorer or room for drafts)."""
         if self.rescorer is None or lattice is None or self.tree_budget <= 1:
@@ -617,6 +634,22 @@ class BlockDrafter:
         self.stats.time_rescore += t2 - t1
         self.stats.time_tree += t3 - t2
         return trees
+
+
+def _best_path(tree: DraftTree, logprobs: list[float] | None) -> list[int]:
+    """Node indices from the root to the leaf whose path has the most expected accepted tokens (the sum of
+    exp(path log-probability) over its nodes), or, without `logprobs`, following each node's first child."""
+    if logprobs is None:
+        path = [0]
+        while (
+            child := next((i for i in range(path[-1] + 1, len(tree)) if tree.parents[i] == path[-1]), None)
+        ) is not None:
+            path.append(child)
+        return path
+    gain = [0.0] * len(tree)
+    for i in range(1, len(tree)):
+        gain[i] = gain[tree.parents[i]] + math.exp(logprobs[i])
+    return tree.path_to(max(range(len(tree)), key=lambda i: (gain[i], -i)))
 
 
 def _by_estimated_probability(

@@ -18,7 +18,8 @@ from .batch import check_batch_supported, decode_batch
 from .compat import caller_streamer
 from .decoding import decode, typical_acceptance
 from .drafter import BlockDrafter
-from .support import check_call_supported, check_model_supported
+from .recurrent import decode_recurrent
+from .support import check_call_supported, check_model_supported, has_recurrent_state
 
 
 def generate(
@@ -60,6 +61,19 @@ def generate(
         raise ValueError("lossy_typical_acceptance changes how sampled tokens are accepted: it needs do_sample=True")
     check_model_supported(model)
     windows = check_call_supported(model, input_ids, generation_config, model_kwargs)
+    if has_recurrent_state(model):  # one chain per step, the state restored where a draft fails
+        return _decode_recurrent(
+            model,
+            assistant,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            streamer,
+            windows,
+            model_kwargs,
+            typical,
+        )
     if input_ids.shape[0] > 1:
         check_batch_supported(input_ids, generation_config, model_kwargs)
         if streamer is not None or caller_streamer(model) is not None:
@@ -96,6 +110,46 @@ def generate(
             model_kwargs,
             typical,
         )
+
+
+def _decode_recurrent(
+    model,
+    drafter,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    streamer,
+    windows,
+    model_kwargs,
+    typical,
+):
+    """`recurrent.decode_recurrent` for one row or a batch, with the same checks and streamer handling as the
+    tree loops."""
+    if input_ids.shape[0] > 1:
+        check_batch_supported(input_ids, generation_config, model_kwargs)
+        if streamer is not None or caller_streamer(model) is not None:
+            raise ValueError("streamers take one sequence: hf_bpd.generate streams batches of size 1 only")
+    elif streamer is not None:  # bound with functools.partial: the prompt is ours to put
+        streamer.put(input_ids.cpu())
+    else:  # given to generate the usual way: generate put the prompt already
+        streamer = caller_streamer(model)
+    with drafter.exclusive(), _prepared(model, drafter):
+        out = decode_recurrent(
+            model,
+            drafter,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            streamer,
+            windows,
+            model_kwargs,
+            typical,
+        )
+    if input_ids.shape[0] > 1 and generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=out)
+    return out
 
 
 @contextlib.contextmanager

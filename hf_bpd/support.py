@@ -176,6 +176,17 @@ def attention_windows(model) -> AttentionWindows | None:
     return AttentionWindows(layers, per_type, cap)
 
 
+def recurrent_state_types(model) -> list[str]:
+    """The model's cache layer types that keep per-sequence state instead of per-token keys and values
+    (recurrent, convolutional or linear attention), sorted."""
+    return sorted({t for t in layer_types(model.config.get_text_config(decoder=True)) if t not in KV_LAYER_TYPES})
+
+
+def has_recurrent_state(model) -> bool:
+    """Whether the model keeps recurrent, convolutional or linear-attention state (`recurrent.py` decodes it)."""
+    return bool(getattr(model, "_is_stateful", False) or recurrent_state_types(model))
+
+
 def check_model_supported(model) -> None:
     """Refuse, naming the reason, a model the tree-attention loop cannot decode exactly."""
     config = model.config
@@ -193,21 +204,21 @@ def check_model_supported(model) -> None:
             "attention mask, decides which keys a token sees, so a tree mask (each node sees the cache and its own "
             "ancestors) cannot be honoured exactly; use plain generate"
         )
-    stateful = [t for t in types if t not in KV_LAYER_TYPES]
-    if getattr(model, "_is_stateful", False) or stateful:
-        what = f"layers of type {sorted(set(stateful))}" if stateful else "a recurrent state"
-        raise ValueError(
-            f"{type(model).__name__} keeps {what} (recurrent, convolutional or linear attention): a tree forward "
-            "would advance it through sibling and rejected drafts, so hf_bpd.generate cannot verify trees exactly "
-            "on it; use plain generate"
-        )
+    recurrent = has_recurrent_state(model)
+    if recurrent:  # served one chain at a time, or refused by name (`recurrent.py`)
+        from .recurrent import check_recurrent_supported
+
+        check_recurrent_supported(model)
     if getattr(text_config, "alibi", False):
         raise ValueError(
             f"{type(model).__name__} uses ALiBi position biases, which it builds from a 2D attention mask: it "
             "cannot take the 4D tree-attention mask"
         )
     params = inspect.signature(model.forward).parameters
-    missing = [f"`{name}`" for name in ("attention_mask", "position_ids") if name not in params]
+    # the chain forwards of recurrent models pass a mask and positions only where the model takes them, as
+    # plain `generate` does; tree forwards need both
+    needed = () if recurrent else ("attention_mask", "position_ids")
+    missing = [f"`{name}`" for name in needed if name not in params]
     if cache_argument(model) is None:
         missing.append(" or ".join(f"`{name}`" for name in CACHE_NAMES))
     if missing:
@@ -303,6 +314,16 @@ def _drops_after_prefill(model, name: str, value, input_ids: torch.Tensor) -> bo
     return step.get(name) is None
 
 
+def _filled(cache: DynamicCache) -> bool:
+    """Whether the cache holds anything: keys and values, or conv / recurrent state (a cache of state layers
+    alone has no sequence length to ask)."""
+    return any(
+        any(getattr(layer, "has_previous_state", {}).values())
+        or (getattr(layer, "keys", None) is not None and layer.keys.numel() > 0)
+        for layer in cache.layers
+    )
+
+
 def check_call_supported(
     model, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict
 ) -> AttentionWindows | None:
@@ -354,7 +375,7 @@ def check_call_supported(
             continue
         if not isinstance(cache, DynamicCache):
             raise ValueError(f"hf_bpd.generate needs a DynamicCache, got {type(cache).__name__}")
-        if cache.get_seq_length() > 0:
+        if _filled(cache):
             raise ValueError(
                 "hf_bpd.generate starts from an empty cache: continuing from a filled one is not supported; "
                 "pass the whole conversation as input_ids instead"
@@ -366,7 +387,8 @@ def check_call_supported(
             f"input of {input_ids.shape[1]} tokens does not fit the model's context of {context} positions"
         )
     windows = attention_windows(model)
-    cap = None if windows is None else windows.cap
+    # recurrent models: their own masks window by cache index, which their chain loop keeps free of holes
+    cap = None if windows is None or has_recurrent_state(model) else windows.cap
     if cap is not None and (generation_config.max_length or 0) > cap:
         why = (
             "its local layers mask keys by cache index inside the attention module"

@@ -1,0 +1,378 @@
+"""Drafted decoding for hybrid and recurrent models (Mamba-2, Qwen3-Next, LFM2, Falcon-H1, ...): one chain of
+drafts per step, verified by a plain causal forward, with the recurrent state restored where a draft fails.
+
+A tree forward cannot serve a recurrent or convolutional layer: it reads its tokens in order, so siblings
+and rejected drafts would all flow into one state. So each step verifies ONE chain, the draft tree reduced to
+its most promising root-to-leaf path (`BlockDrafter.chains`), through the model's own causal forward, the
+inputs prepared by its `prepare_inputs_for_generation` exactly as plain `generate` prepares a step's:
+
+  snapshot   copy every conv / recurrent state of the cache (`LinearAttentionCacheLayerMixin` layers)
+  verify     ONE forward of [replay..., root, chain...] on the cache
+  accept     the base model's own choices along the chain (`decoding.accept_tree`: greedy or sampled)
+  commit     every token of the row accepted: keep the state (the forward left it right)
+  restore    otherwise copy the snapshot back, drop the forward's attention entries, and make the row's
+             accepted tokens (root included) its *replay*: they lead the NEXT step's forward, whose outputs
+             for them are already known, so no forward is spent on them
+
+The replay rides along in a forward that is made anyway; it is capped so that replay plus chain stays within
+the drafter's tree budget (a row with a long replay drafts a short chain, down to none, which always commits).
+The tokens each step emits are exactly those a tree step would emit along that chain, and every forward
+starts from a state plain decoding also had, so greedy output is plain greedy's and sampled output plain
+sampling's, seed for seed (one draw per emitted token, in order), up to the rounding difference between a
+several-token forward and one-token forwards.
+
+Batches (B > 1): every row's input has one width (replay + root + chain, then filler tokens). A row commits
+only when its whole input was accepted, so a filler (never accepted) makes it restore; a row that restores
+turns its attention entries into holes of the shared cache (`batch.py`'s past mask), squeezed out before a
+forward where windowed layers would count them. Rows restore independently (state tensors by row).
+
+What is served is decided up front by name (`check_recurrent_supported`): families whose transformers torch
+path continues a cached state over a several-token forward exactly as one token at a time (checked for each by
+tests/test_hybrid.py), keeping that state in the cache's linear-attention layers. Refused by name: Mamba,
+Falcon-Mamba and Jamba (their torch scan starts several-token forwards from a zero state), and models keeping
+state outside the cache layers (MiniMax, RWKV, xLSTM, RecurrentGemma).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .batch import row_processors, squeeze_holes
+from .calibration import SamplingWarp
+from .compat import GENERATE_CACHE_FIELD
+from .decoding import HostStop, accept_tree, choose_tokens, prefill, prompt_mask
+from .drafter import BlockDrafter, DecodingStats
+from .support import AttentionWindows, recurrent_state_types
+from .tree import DraftTree
+
+# cache layer types whose layers keep conv / recurrent state (transformers' LinearAttention cache layers)
+STATE_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}
+
+# model types checked to continue a cached state over a several-token forward exactly (tests/test_hybrid.py)
+SERVED = {
+    "bamba",
+    "falcon_h1",
+    "granitemoehybrid",
+    "inkling_text",
+    "inkling2_text",
+    "inkling2_loop_text",
+    "lara_mini",
+    "lfm2",
+    "lfm2_moe",
+    "lfm3",
+    "mamba2",
+    "nemotron_h",
+    "olmo_hybrid",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+    "zaya",
+}
+_ZERO_STATE_SCAN = (
+    "transformers' torch selective scan starts a forward of several tokens from a zero recurrent state (it reads "
+    "the cached state only in one-token steps), so a chain of drafts cannot be verified in one forward exactly"
+)
+_OUTSIDE_CACHE = "outside the cache layers hf_bpd snapshots and restores, so a rejected draft's state cannot be undone"
+REFUSED = {
+    "mamba": _ZERO_STATE_SCAN,
+    "falcon_mamba": _ZERO_STATE_SCAN,
+    "jamba": _ZERO_STATE_SCAN,
+    "minimax": f"it keeps its lightning-attention state in its own MiniMaxCache.linear_cache, {_OUTSIDE_CACHE}",
+    "rwkv": f"it keeps its recurrent state in the `state` tensors its forward returns, {_OUTSIDE_CACHE}",
+    "xlstm": f"it keeps its recurrent state in its own xLSTMCache, {_OUTSIDE_CACHE}",
+    "recurrent_gemma": f"it keeps its recurrent state inside its modules (no cache object), {_OUTSIDE_CACHE}",
+}
+
+
+def check_recurrent_supported(model) -> None:
+    """Refuse, by name and reason, a model with recurrent state that the chain loop cannot decode exactly;
+    return for a served family (module docstring)."""
+    config = model.config
+    names = {config.model_type, config.get_text_config(decoder=True).model_type}
+    what = f"{type(model).__name__} keeps recurrent, convolutional or linear-attention state"
+    types = recurrent_state_types(model)
+    if types:
+        what += f" (layers of type {types})"
+    refused = sorted(names & REFUSED.keys())
+    if refused:
+        raise ValueError(f"{what}, and {REFUSED[refused[0]]}; use plain generate")
+    if not names & SERVED:
+        raise ValueError(
+            f"{what}: hf_bpd.generate verifies such models one chain at a time, restoring the state a rejected "
+            f"draft changed, and serves only the families checked to continue a cached state over a "
+            f"several-token forward exactly ({', '.join(sorted(SERVED))}); model type {config.model_type!r} is "
+            "not one of them; use plain generate"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# state snapshots
+
+
+def state_tensors(cache) -> list[tuple[dict, int]]:
+    """Every conv / recurrent state of the cache, as (the layer's dict, state index)."""
+    found = []
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for states in (layer.conv_states, layer.recurrent_states):
+                found += [(states, i) for i, t in states.items() if t is not None]
+    return found
+
+
+def snapshot(cache) -> list[torch.Tensor]:
+    """Copies of every state (`state_tensors` order): what a restore puts back."""
+    return [states[i].clone() for states, i in state_tensors(cache)]
+
+
+def restore(cache, saved: list[torch.Tensor], rows: list[int] | None = None) -> None:
+    """Put the snapshot back, in place (the layers keep their tensors' addresses): all rows, or `rows`."""
+    for (states, i), old in zip(state_tensors(cache), saved):
+        if rows is None:
+            states[i].copy_(old)
+        else:
+            index = torch.tensor(rows, device=old.device)
+            states[i].index_copy_(0, index, old.index_select(0, index))
+
+
+def drop_last(cache, n: int) -> None:
+    """Drop the last `n` attention entries of every layer holding keys and values (the state layers' conv
+    and recurrent states are restored separately)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys[..., : layer.keys.shape[-2] - n, :]
+            layer.values = layer.values[..., : layer.values.shape[-2] - n, :]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one step
+
+
+def verify_chain(model, ids: torch.Tensor, cache, past_mask: torch.Tensor):
+    """One causal forward of `ids [B, W]` after the cache, prepared as plain `generate` prepares a step
+    (the model's `prepare_inputs_for_generation`: a 2D mask, position ids where the model takes them),
+    with every position's logits and the last hidden states. `past_mask [B, S]`: 1 for real cache slots."""
+    width = ids.shape[1]
+    mask = torch.cat([past_mask, past_mask.new_ones(ids.shape[0], width)], dim=-1)
+    extra = {}
+    if "position_ids" in _forward_parameters(model):
+        extra["position_ids"] = past_mask.long().sum(-1, keepdim=True) + torch.arange(width, device=ids.device)
+    inputs = model.prepare_inputs_for_generation(
+        ids, next_sequence_length=width, cache=cache, attention_mask=mask, use_cache=True, **extra
+    )
+    if "logits_to_keep" in inputs:  # some prepare only the last position's logits (Bamba): every one is needed
+        inputs["logits_to_keep"] = 0
+    inputs["output_hidden_states"] = True
+    return model(**inputs, return_dict=True)
+
+
+def _forward_parameters(model) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)
+
+
+def row_inputs(replays: list[list[int]], chains: list[DraftTree | None], pad: int) -> list[list[int]]:
+    """Each row's forward input, all of one width: its replay, root and chain, then its last token again as
+    filler (finished rows: pad tokens only)."""
+    rows = [None if c is None else r + c.tokens for r, c in zip(replays, chains)]
+    width = max(len(r) for r in rows if r is not None)
+    return [[pad] * width if r is None else r + [r[-1]] * (width - len(r)) for r in rows]
+
+
+def chain_room(drafter: BlockDrafter, replays: list[list[int]], active: list[int]) -> list[int]:
+    """Chain tokens (root included) each active row may verify: replay + chain within the tree budget, at
+    least the root (a step of the root alone always commits, so replays stay below the budget)."""
+    budget = drafter.tree_budget
+    return [max(1, budget - len(replays[b])) for b in active]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the loop
+
+
+def decode_recurrent(
+    model,
+    drafter: BlockDrafter,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    streamer,
+    windows: AttentionWindows | None,
+    model_kwargs: dict,
+    typical: tuple[float, float] | None = None,
+):
+    """The chain loop (module docstring) for one row or a batch, on a call already checked and a drafter
+    prepared for `model`. Returns what `generate` returns: one row as `decoding.decode` does, a batch padded
+    on the right with the pad token as `batch.decode_batch` does."""
+    stats = drafter.stats
+    batch_size, device = input_ids.shape[0], input_ids.device
+    prompt_len = input_ids.shape[1]
+    pad = 0 if generation_config._pad_token_tensor is None else int(generation_config._pad_token_tensor)
+    do_sample = bool(generation_config.do_sample)
+    warp = SamplingWarp.from_config(generation_config)
+    want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    all_scores: list[torch.Tensor] = []
+    all_logits: list[torch.Tensor] = []
+    context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    stop = HostStop.of(stopping_criteria)
+    processors = (
+        [logits_processor] if batch_size == 1 else [row_processors(logits_processor, b) for b in range(batch_size)]
+    )
+    rows = [DecodingStats() for _ in range(batch_size)] if batch_size > 1 else []
+    stats.rows = rows
+
+    t0 = time.perf_counter()
+    past_mask = prompt_mask(input_ids, model_kwargs)
+    logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
+    _check_state_in_cache(model, cache)
+    scores = logits_processor(input_ids, logits)
+    first = choose_tokens(scores, do_sample)
+    sequences = [torch.cat([input_ids[b : b + 1], first[b].view(1, 1)], dim=-1) for b in range(batch_size)]
+    finished = [bool(stopping_criteria(sequences[b], scores[b : b + 1]).any()) for b in range(batch_size)]
+    replays: list[list[int]] = [[] for _ in range(batch_size)]
+    stats.time_prefill = time.perf_counter() - t0
+    stats.new_tokens = batch_size
+    for row in rows:
+        row.new_tokens = 1
+    all_scores.append(scores)
+    all_logits.append(logits)
+    if streamer is not None:
+        streamer.put(first.cpu())
+    chooser = drafter.step_chooser() if batch_size == 1 else None  # plain steps where drafting does not pay
+
+    while not all(finished):
+        t0 = time.perf_counter()
+        active = [b for b in range(batch_size) if not finished[b]]
+        real = past_mask.long().sum(-1)
+        holes = past_mask.shape[1] - int(real.max())
+        # the model windows its layers by cache index: holes would count as tokens there
+        if holes and (windows is not None or holes > max(64, past_mask.shape[1] // 4)):
+            past_mask = squeeze_holes(cache, past_mask)
+        room = chain_room(drafter, replays, active)
+        drafting = (chooser is None or chooser.draft_next()) and max(room) > 1
+        if drafting:
+            longest = int(real[active].max()) + max(len(replays[b]) for b in active)
+            max_depth = None if context is None else max(context - longest - 1, 0)
+            contexts = [sequences[b][0] for b in active]
+            length = max(len(c) for c in contexts)
+            padded = torch.stack([torch.nn.functional.pad(c, (length - len(c), 0), value=pad) for c in contexts])
+            trees = drafter.draft(
+                hidden_last[active],
+                padded,
+                max_depth,
+                max(room),
+                warp=warp,
+                host_context=[c.tolist() for c in contexts],
+            )
+            drafted = drafter.chains(trees, room)
+        else:
+            drafted = drafter.root_trees([int(sequences[b][0, -1]) for b in active])
+        chains: list[DraftTree | None] = [None] * batch_size
+        for b, chain in zip(active, drafted):
+            chains[b] = chain
+        ids = torch.tensor(row_inputs(replays, chains, pad), device=device)
+        width = ids.shape[1]
+        t1 = drafter._sync(device)
+        saved = snapshot(cache)
+        out = verify_chain(model, ids, cache, past_mask)
+        t2 = drafter._sync(device)
+        results = {}
+        for b in active:
+            start = len(replays[b])
+            results[b] = accept_tree(
+                chains[b],
+                out.logits[b, start : start + len(chains[b])],
+                sequences[b],
+                processors[b],
+                stopping_criteria,
+                do_sample,
+                typical,
+                stop,
+            )
+        timed = device.type == "cpu" or drafter.profile
+        drafter.observe(
+            [results[b].nodes for b in active], [results[b].finished for b in active], width, t2 - t1 if timed else None
+        )
+        t3 = time.perf_counter()
+        if chooser is not None:
+            chooser.observe(drafting, len(results[active[0]].tokens), t3 - t0)
+        # a row commits when the forward read nothing of it that was not accepted
+        committed = [b in results and len(replays[b]) + len(results[b].nodes) == width for b in range(batch_size)]
+        restored = [b for b in range(batch_size) if not committed[b]]
+        if len(restored) == batch_size:  # no row keeps this forward: drop its entries, not make holes
+            restore(cache, saved)
+            drop_last(cache, width)
+        else:
+            if restored:
+                restore(cache, saved, restored)
+            slots = torch.tensor([[int(c)] * width for c in committed], dtype=past_mask.dtype, device=device)
+            past_mask = torch.cat([past_mask, slots], dim=-1)
+        last = [len(replays[b]) + results[b].nodes[-1] if b in results else 0 for b in range(batch_size)]
+        hidden_last = out.hidden_states[-1][torch.arange(batch_size, device=device), torch.tensor(last, device=device)]
+        for b, result in results.items():
+            chain = chains[b]
+            stats.replayed += len(replays[b])
+            replays[b] = [] if committed[b] else replays[b] + [chain.tokens[i] for i in result.nodes]
+            sequences[b] = torch.cat([sequences[b], sequences[b].new_tensor([result.tokens])], dim=-1)
+            finished[b] = result.finished
+            if rows:
+                rows[b].steps += 1
+                rows[b].new_tokens += len(result.tokens)
+                rows[b].accepted_lengths.append(len(result.tokens))
+                rows[b].tree_sizes.append(len(chain))
+        t4 = time.perf_counter()
+        stats.time_verify += t2 - t1
+        stats.time_accept += t3 - t2
+        stats.time_cache += t4 - t3
+        stats.steps += 1
+        stats.plain_steps += not drafting
+        added = sum(len(r.tokens) for r in results.values())
+        stats.new_tokens += added
+        stats.accepted_lengths.append(added)
+        stats.tree_sizes.append(sum(len(chains[b]) for b in active))
+        if batch_size == 1:
+            result = results[0]
+            if want_scores:
+                all_scores.extend(s[None] for s in result.scores)
+            if want_logits:
+                all_logits.extend(x[None] for x in result.logits)
+            if streamer is not None:
+                for token in result.tokens:
+                    streamer.put(torch.tensor([token]))
+
+    if streamer is not None:
+        streamer.end()
+    if batch_size > 1:
+        length = max(s.shape[1] for s in sequences)
+        return torch.cat([torch.nn.functional.pad(s, (0, length - s.shape[1]), value=pad) for s in sequences])
+    sequence = sequences[0]
+    assert sequence.shape[1] - prompt_len == stats.new_tokens
+    if generation_config.return_dict_in_generate:
+        # a cache behind the text (a replay pending) is not handed out as if it held it
+        kept = cache if generation_config.use_cache and not replays[0] else None
+        return GenerateDecoderOnlyOutput(
+            sequences=sequence,
+            scores=tuple(all_scores) if want_scores else None,
+            logits=tuple(all_logits) if want_logits else None,
+            **{GENERATE_CACHE_FIELD: kept},
+        )
+    return sequence
+
+
+def _check_state_in_cache(model, cache) -> None:
+    """The served families keep their state in the cache's linear-attention layers (a guard: a model
+    that kept it elsewhere would decode wrongly, so stop rather than answer)."""
+    if not isinstance(cache, DynamicCache) or not state_tensors(cache):
+        raise RuntimeError(
+            f"{type(model).__name__} keeps no conv or recurrent state in its cache's layers after the prefill, so "
+            "hf_bpd cannot restore it after a rejected draft (please report this model type)"
+        )
