@@ -395,11 +395,13 @@ class BlockDrafter:
         """Each tree reduced to one root-to-leaf path of at most `room[b]` nodes, for models verified one chain
         at a time (`recurrent.py`): where the tree's arcs are known, the path with the most expected accepted
         tokens (the sum of its nodes' path probabilities), else each node's first child (trees add children
-        best first). `observe` then learns from that chain alone, its siblings never having been verified."""
+        best first; a rescorer's drafts come first, as they are verified first in a tree, so its trees take
+        that path too). `observe` then learns from that chain alone, its siblings never having been verified."""
         out = []
         for b, tree in enumerate(trees):
             known = self._verified[b] if b < len(self._verified) else None
-            path = _best_path(tree, None if known is None else tree.path_logprobs(known[1], self.calibration))
+            scored = known is not None and self.rescorer is None
+            path = _best_path(tree, tree.path_logprobs(known[1], self.calibration) if scored else None)
             path = path[: room[b]]
             chain = tree.reordered(path)
             out.append(chain)

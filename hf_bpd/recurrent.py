@@ -63,7 +63,6 @@ SERVED = {
     "inkling2_loop_text",
     "lara_mini",
     "lfm2",
-    "lfm2_moe",
     "lfm3",
     "mamba2",
     "nemotron_h",

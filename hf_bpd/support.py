@@ -5,8 +5,9 @@ to the cache and its own ancestors (a 4D mask), and rejected nodes are dropped f
 afterwards. That is exact for attention layers that honour the mask and keep per-token keys and values.
 It is not for:
 
-- recurrent, convolutional or linear-attention state (Mamba, Jamba, Qwen3-Next, LFM2, Falcon-H1, ...):
-  the forward would advance the state through siblings and rejected drafts as if they were one sequence;
+- recurrent, convolutional or linear-attention state (Qwen3-Next, LFM2, Falcon-H1, Mamba-2, ...): the
+  forward would advance the state through siblings and rejected drafts as if they were one sequence. These
+  models are decoded one chain per step instead (`recurrent.py`, which also names the families refused);
 - position biases built from a 2D mask (ALiBi: Falcon-alibi, Bloom, MPT): the model cannot take ours;
 - GPT-Neo's local layers past their window: the model masks keys by cache *index* inside its attention
   module (a buffer the 4D mask can only narrow), not by a node's depth, so a tree node at index i > its
