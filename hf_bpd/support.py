@@ -207,8 +207,6 @@ def check_model_supported(model) -> None:
         )
     recurrent = has_recurrent_state(model)
     if recurrent:  # served one chain at a time, or refused by name (`recurrent.py`)
-        from .recurrent import check_recurrent_supported
-
         check_recurrent_supported(model)
     if getattr(text_config, "alibi", False):
         raise ValueError(
@@ -402,3 +400,61 @@ def check_call_supported(
             f"be exact ({why}): hf_bpd.generate serves this model only while prompt + max_new_tokens <= {cap}"
         )
     return windows
+
+
+# model types checked to continue a cached state over a several-token forward exactly (tests/test_hybrid.py)
+RECURRENT_SERVED = {
+    "bamba",
+    "falcon_h1",
+    "granitemoehybrid",
+    "inkling_text",
+    "inkling2_text",
+    "inkling2_loop_text",
+    "lara_mini",
+    "lfm2",
+    "lfm3",
+    "mamba2",
+    "nemotron_h",
+    "olmo_hybrid",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+    "zaya",
+}
+_ZERO_STATE_SCAN = (
+    "transformers' torch selective scan starts a forward of several tokens from a zero recurrent state (it reads "
+    "the cached state only in one-token steps), so a chain of drafts cannot be verified in one forward exactly"
+)
+_OUTSIDE_CACHE = "outside the cache layers hf_bpd snapshots and restores, so a rejected draft's state cannot be undone"
+RECURRENT_REFUSED = {
+    "mamba": _ZERO_STATE_SCAN,
+    "falcon_mamba": _ZERO_STATE_SCAN,
+    "jamba": _ZERO_STATE_SCAN,
+    "minimax": f"it keeps its lightning-attention state in its own MiniMaxCache.linear_cache, {_OUTSIDE_CACHE}",
+    "rwkv": f"it keeps its recurrent state in the `state` tensors its forward returns, {_OUTSIDE_CACHE}",
+    "xlstm": f"it keeps its recurrent state in its own xLSTMCache, {_OUTSIDE_CACHE}",
+    "recurrent_gemma": f"it keeps its recurrent state inside its modules (no cache object), {_OUTSIDE_CACHE}",
+}
+
+
+def check_recurrent_supported(model) -> None:
+    """Refuse, by name and reason, a model with recurrent state that the chain loop (`recurrent.py`) cannot
+    decode exactly; return for a served family."""
+    config = model.config
+    names = {config.model_type, config.get_text_config(decoder=True).model_type}
+    what = f"{type(model).__name__} keeps recurrent, convolutional or linear-attention state"
+    types = recurrent_state_types(model)
+    if types:
+        what += f" (layers of type {types})"
+    refused = sorted(names & RECURRENT_REFUSED.keys())
+    if refused:
+        raise ValueError(f"{what}, and {RECURRENT_REFUSED[refused[0]]}; use plain generate")
+    if not names & RECURRENT_SERVED:
+        raise ValueError(
+            f"{what}: hf_bpd.generate verifies such models one chain at a time, restoring the state a rejected "
+            f"draft changed, and serves only the families checked to continue a cached state over a "
+            f"several-token forward exactly ({', '.join(sorted(RECURRENT_SERVED))}); model type "
+            f"{config.model_type!r} is not one of them; use plain generate"
+        )

@@ -20,7 +20,8 @@ import hf_bpd
 from hf_bpd import BlockDrafter, BlockDraftHeads, ScoredPath
 from hf_bpd.compat import cache_argument
 from hf_bpd.decoding import prefill, prompt_mask
-from hf_bpd.recurrent import SERVED, verify_chain
+from hf_bpd.recurrent import verify_chain
+from hf_bpd.support import RECURRENT_SERVED as SERVED
 from hf_bpd.tools.forward_counter import ForwardCounter
 
 # family -> (model type, overrides of the shared tiny sizes), or None: transformers' own default config
@@ -212,7 +213,7 @@ def test_other_stateful_families_are_refused_by_name_before_any_forward(family):
 
 
 def test_an_unchecked_stateful_family_is_refused_by_name(monkeypatch):
-    monkeypatch.setattr("hf_bpd.recurrent.SERVED", SERVED - {"mamba2"})
+    monkeypatch.setattr("hf_bpd.support.RECURRENT_SERVED", SERVED - {"mamba2"})
     model = build("Mamba-2")
     drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=2), top_k=2, max_tree_tokens=4)
     with ForwardCounter(model) as counter, pytest.raises(ValueError, match="'mamba2' is not one of them"):
