@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import hf_bpd
 import hf_bpd.models
@@ -52,3 +53,50 @@ def test_gemma_loads_and_continues_text():
     assert enc["input_ids"][0, 0].item() == tokenizer.bos_token_id
     out = model.generate(**enc, do_sample=False, max_new_tokens=8)
     assert " France" in tokenizer.decode(out[0, enc["input_ids"].shape[1] :])
+
+
+def test_gemma_heads_ship_in_the_package_and_load_offline():
+    # the heads and their settings come from the package itself (no Gemma weights needed to load them)
+    drafter = hf_bpd.load_packaged_drafter(model="gemma-3-270m")
+    cfg = drafter.heads.config
+    assert cfg.base_model_name == "google/gemma-3-270m"
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.token_input) == (640, 262144, "previous")
+    assert drafter.top_k == 10 and drafter.max_tree_tokens == "auto"
+    default = hf_bpd.load_packaged_drafter()
+    assert default.heads.config.base_model_name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with pytest.raises(ValueError, match="no packaged model named 'gemma-2'"):
+        hf_bpd.load_packaged_drafter(model="gemma-2")
+
+
+def test_gemma_heads_refuse_another_base_model_before_any_forward():
+    from conftest import tiny_model
+
+    from hf_bpd.tools.forward_counter import ForwardCounter
+
+    model = tiny_model("llama")  # hidden size 32, vocabulary 100: not Gemma-3-270M
+    drafter = hf_bpd.load_packaged_drafter(model="gemma-3-270m")
+    ids = torch.tensor([[5, 6, 7]])
+    with ForwardCounter(model) as counter, pytest.raises(ValueError, match="hidden"):
+        model.generate(ids, max_new_tokens=4, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert counter.count == 0
+
+
+@pytest.mark.real
+@pytest.mark.slow  # the `gemma` extra and minutes of CPU
+def test_gemma_with_its_shipped_heads_decodes_past_its_512_token_window_exactly():
+    try:
+        packaged.require_gemma_package()
+    except ModuleNotFoundError as err:
+        if not (packaged.cache_root() / "gemma-3-270m-v1" / "config.json").is_file():
+            pytest.skip(str(err))
+    model, tokenizer = hf_bpd.load_packaged_model("gemma-3-270m")
+    assert model.config.sliding_window == 512
+    colors = ["red", "blue", "green"]
+    text = " ".join(f"Item {i}: the {colors[i % 3]} box holds {i * 7 % 11} stones." for i in range(45))
+    enc = tokenizer(f"Question: {text} Which boxes hold 3 stones?\nAnswer:", return_tensors="pt")
+    assert enc["input_ids"].shape[1] > 512  # the prompt alone outgrows the sliding layers' window
+    ref = model.generate(**enc, do_sample=False, max_new_tokens=48)
+    drafter = hf_bpd.load_packaged_drafter(model="gemma-3-270m")
+    out = model.generate(**enc, do_sample=False, max_new_tokens=48, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist()
+    assert drafter.stats.block_efficiency > 1.0  # the shipped heads draft for this model: some drafts accepted

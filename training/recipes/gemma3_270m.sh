@@ -21,3 +21,17 @@ OMP_NUM_THREADS=1 nice -n 10 nohup hf-bpd distill --model gemma-3-270m --prompt-
 echo $! > /tmp/gemma_distill.pid
 # Progress: ls training/data/distilled_gemma3_270m/shards | wc -l (64 prompts a shard); tail /tmp/gemma_distill.log.
 # Stop it with: kill "$(cat /tmp/gemma_distill.pid)". When it finishes it writes .../dataset (all shards).
+
+# 2. heads v1, trained on the first 16 shards (1,024 prompts; the distillation above was stopped there to
+#    time things, and continues in later sessions): the SmolLM2 recipe's shape and objective ("previous"
+#    token input, 5 heads of 1 layer, a draft vocabulary of the 8,192 most frequent distilled tokens,
+#    teacher weight 0.5), 4 epochs. Hidden states cached in runs/gemma_heads1/features (~175 MB).
+#    Measured on the 2-core dev machine (1 thread, shared): ~25 min of features, ~12 min an epoch.
+# hf-bpd train-heads --model gemma-3-270m --data training/data/distilled_gemma3_270m --output runs/gemma_heads1 \
+#   --num-heads 5 --num-layers 1 --draft-vocab-size 8192 --loss-decay 0.8 --epochs 4 --lr 2e-3 --batch-size 256 \
+#   --top-k 5 --token-input previous --teacher-weight 0.5
+# 3. ship them into the package, with the SmolLM2 drafter's settings (top-k 10, `auto` trees, context lookup 10)
+#    and the card model_cards/gemma-3-270m.md
+# echo '{"top_k": 10, "max_tree_tokens": "auto", "context_lookup": 10}' > runs/gemma_drafter1.json
+# python -m hf_bpd.training.ship --heads runs/gemma_heads1 --distilled training/data/distilled_gemma3_270m \
+#   --drafter runs/gemma_drafter1.json --to hf_bpd/assets/gemma3_270m
