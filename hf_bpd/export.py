@@ -373,12 +373,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hf-bpd export", description="Export plain draft heads as Medusa heads for vLLM or TensorRT-LLM."
     )
-    parser.add_argument("heads", help="saved draft heads (a folder of BlockDraftHeads)")
+    parser.add_argument(
+        "heads",
+        help="saved draft heads (a folder of BlockDraftHeads), or 'packaged-medusa': the hidden-state-only heads "
+        "shipped for the packaged SmolLM2",
+    )
     parser.add_argument("--format", required=True, choices=FORMATS)
     parser.add_argument("--output", required=True, help="new folder to write")
     parser.add_argument(
         "--base-model",
-        help="the base model (path or hub id): needed for heads tied to its LM head, and to estimate the "
+        help="the base model ('packaged', another packaged model's name, a path or a Hub id): needed for heads "
+        "tied to its LM head, and to estimate the "
         "TensorRT-LLM tree's rank probabilities without --rank-accuracy",
     )
     parser.add_argument(
@@ -394,15 +399,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="ranks per head the tree may use")
     args = parser.parse_args(argv)
 
+    if args.heads == "packaged-medusa":
+        from .packaged import packaged_heads_dir
+
+        args.heads = str(packaged_heads_dir(kind="medusa"))
     heads = BlockDraftHeads.from_pretrained(args.heads).eval()
     try:
         check_exportable(heads, args.format)  # before loading a base model or writing anything
         _fresh_output(args.output)
         base_model = None
-        if args.base_model:
-            from transformers import AutoModelForCausalLM
+        if args.base_model:  # a packaged model's name, a folder or a Hub id
+            from .models import load_model
 
-            base_model = AutoModelForCausalLM.from_pretrained(args.base_model).eval()
+            base_model, _ = load_model(args.base_model, with_tokenizer=False)
         kwargs = {}
         if args.format == "tensorrt-llm-medusa":
             rank_probs = None

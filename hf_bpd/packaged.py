@@ -181,17 +181,26 @@ def load_packaged_model(name: str | None = None, dtype: str = "float32", attn_im
 SHIPPED_ASSETS = {SMOLLM2: "assets/smollm2", GEMMA3_270M: "assets/gemma3_270m"}
 
 
-def packaged_heads_dir(model: str | None = None) -> Path:
-    """Folder of the trained heads shipped for a packaged model (None: SmolLM2-135M-Instruct), inside the
-    package. Raises ValueError for a name that is not a packaged model, before any loading."""
+# the kinds of heads shipped for a packaged model, by folder inside its assets: "default" is what
+# `load_packaged_drafter` drafts with; "medusa" are hidden-state-only heads (no token input, no pointer), the
+# kind vLLM's and TensorRT-LLM's Medusa loaders run (`hf-bpd export`), shipped where they were trained
+HEAD_KINDS = {"default": "heads", "medusa": "medusa_heads"}
+
+
+def packaged_heads_dir(model: str | None = None, kind: str = "default") -> Path:
+    """Folder of the trained heads of `kind` (`HEAD_KINDS`) shipped for a packaged model (None:
+    SmolLM2-135M-Instruct), inside the package. Raises ValueError for a name that is not a packaged model or
+    a kind that is not one, before any loading."""
     from importlib import resources
 
     name = resolve_packaged_name(model)
     if name is None:
         raise ValueError(f"no packaged model named {model!r}; packaged: {sorted(PACKAGED_MODELS)}")
-    path = Path(str(resources.files("hf_bpd").joinpath(SHIPPED_ASSETS[name], "heads")))
+    if kind not in HEAD_KINDS:
+        raise ValueError(f"no kind of packaged heads named {kind!r}; kinds: {sorted(HEAD_KINDS)}")
+    path = Path(str(resources.files("hf_bpd").joinpath(SHIPPED_ASSETS[name], HEAD_KINDS[kind])))
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no trained heads shipped for {name} at {path}")
+        raise FileNotFoundError(f"no {kind} heads shipped for {name} at {path}")
     return path
 
 
@@ -213,12 +222,14 @@ def packaged_rescorer(name: str, base_tokenizer=None, model: str | None = None):
     return build_rescorer(specs[name], packaged_heads_dir(model).parent, base_tokenizer)
 
 
-def load_packaged_drafter(rescorer=None, model: str | None = None, **drafter_kwargs):
+def load_packaged_drafter(rescorer=None, model: str | None = None, heads: str = "default", **drafter_kwargs):
     """The shipped trained heads for a packaged model as a `BlockDrafter`, with the settings chosen by
     measurement (`drafter.json` beside the heads); keyword arguments override them.
 
     model:        the packaged model the heads are for: None (SmolLM2-135M-Instruct, the default) or
                   "gemma-3-270m" (`load_packaged_model("gemma-3-270m")`).
+    heads:        "default", or "medusa": SmolLM2's hidden-state-only heads, the kind `hf-bpd export` writes
+                  for vLLM and TensorRT-LLM (lower τ than the default's, RESULTS.md), with the same settings.
     rescorer:     None (heads alone), a `Rescorer` instance, or the name of a shipped rescorer with its tuned
                   weights: "ngram" (KenLM n-gram, 1 best path), "ngram_p4"/"ngram_p16" (p-best), "context"
                   (n-gram of the prompt and generated text), "neural" (small-LM local rescoring), "best" (the
@@ -232,14 +243,14 @@ def load_packaged_drafter(rescorer=None, model: str | None = None, **drafter_kwa
     from .drafter import BlockDrafter
     from .heads import BlockDraftHeads
 
-    path = packaged_heads_dir(model)
+    path = packaged_heads_dir(model, heads)
     if isinstance(rescorer, str):
         rescorer = packaged_rescorer(rescorer, model=model)
     settings_file = path.parent / "drafter.json"
     settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
     settings.update(drafter_kwargs)
     context_copy = settings.pop("context_copy", True)
-    heads = BlockDraftHeads.from_pretrained(path)
-    if not context_copy and heads.context_copy is not None:
-        heads = heads.without_context_copy()
-    return BlockDrafter(heads, rescorer=rescorer, **settings)
+    loaded = BlockDraftHeads.from_pretrained(path)
+    if not context_copy and loaded.context_copy is not None:
+        loaded = loaded.without_context_copy()
+    return BlockDrafter(loaded, rescorer=rescorer, **settings)
