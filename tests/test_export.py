@@ -277,3 +277,25 @@ def test_cli_exports_both_formats(model, tmp_path, capsys):
     args = ["export", str(tmp_path / "previous"), "--format", "vllm-medusa", "--output", str(tmp_path / "p"), *base]
     assert cli_main(args) == 2
     assert "token_input='previous'" in capsys.readouterr().out and not (tmp_path / "p").exists()
+
+
+@pytest.mark.real
+def test_the_shipped_medusa_heads_export_for_vllm_and_decode_identically_after_import(tmp_path, capsys):
+    drafter = hf_bpd.load_packaged_drafter(heads="medusa")
+    cfg = drafter.heads.config
+    assert (cfg.token_input, cfg.copy_dim, cfg.base_model_name) == ("", 0, "HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ValueError, match="kinds: \\['default', 'medusa'\\]"):
+        hf_bpd.load_packaged_drafter(heads="eagle")
+    out = tmp_path / "vllm"
+    args = ["export", "packaged-medusa", "--format", "vllm-medusa", "--base-model", "packaged", "--output", str(out)]
+    assert cli_main(args) == 0 and "vllm serve" in capsys.readouterr().out
+    model, tokenizer = hf_bpd.load_packaged_model()
+    imported = BlockDrafter(import_medusa(out).bind(model), top_k=10, max_tree_tokens=16, context_lookup=0)
+    shipped = hf_bpd.load_packaged_drafter(heads="medusa", max_tree_tokens=16, context_lookup=0)
+    inputs = hf_bpd.models.chat_inputs(tokenizer, [{"role": "user", "content": "Name three colours."}])
+    outs = [
+        model.generate(**inputs, max_new_tokens=24, custom_generate=hf_bpd.generate, assistant=d)
+        for d in (shipped, imported)
+    ]
+    assert outs[0].tolist() == outs[1].tolist() == model.generate(**inputs, max_new_tokens=24, do_sample=False).tolist()
+    assert shipped.stats.accepted_lengths == imported.stats.accepted_lengths  # the same drafts, step for step
