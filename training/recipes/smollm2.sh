@@ -106,3 +106,14 @@ python -m research.ablate_calibration --max-new-tokens 64 --output benchmarks/ca
 # 8. tau of heads on all of Spec-Bench dev without tree forwards (session 10): greedy's answers are cached once
 hf-bpd replay --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl --heads packaged --top-k 10 \
   --max-tree-tokens 32 64 128 256 --output benchmarks/replay/v5_tree_sizes.json
+# 7. hidden-state-only (Medusa-kind) heads, the kind `hf-bpd export` writes for vLLM / TensorRT-LLM: no token
+#    input, no pointer; on the committed distilled shards (2,304 prompts), 2 epochs; shipped beside v7
+hf-bpd train-heads --data training/data/distilled/distill2 --output "$RUNS/medusa1" --num-heads 5 --num-layers 1 \
+  --draft-vocab-size 8192 --loss-decay 0.8 --epochs 2 --lr 2e-3 --batch-size 256 --top-k 5 --token-input none \
+  --teacher-weight 0.5
+python -c "import hf_bpd, shutil; h = hf_bpd.BlockDraftHeads.from_pretrained('$RUNS/medusa1'); \
+h.save_pretrained('hf_bpd/assets/smollm2/medusa_heads'); \
+shutil.copy('$RUNS/medusa1/training_log.json', 'hf_bpd/assets/smollm2/medusa_heads/')"
+hf-bpd replay --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl --heads packaged \
+  hf_bpd/assets/smollm2/medusa_heads --top-k 10 --max-tree-tokens 8 32 --context-lookup 0 10 \
+  --output benchmarks/replay/medusa_vs_v7_dev.json
