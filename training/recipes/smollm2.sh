@@ -106,7 +106,7 @@ python -m research.ablate_calibration --max-new-tokens 64 --output benchmarks/ca
 # 8. tau of heads on all of Spec-Bench dev without tree forwards (session 10): greedy's answers are cached once
 hf-bpd replay --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl --heads packaged --top-k 10 \
   --max-tree-tokens 32 64 128 256 --output benchmarks/replay/v5_tree_sizes.json
-# 7. hidden-state-only (Medusa-kind) heads, the kind `hf-bpd export` writes for vLLM / TensorRT-LLM: no token
+# 9. hidden-state-only (Medusa-kind) heads, the kind `hf-bpd export` writes for vLLM / TensorRT-LLM: no token
 #    input, no pointer; on the committed distilled shards (2,304 prompts), 2 epochs; shipped beside v7
 hf-bpd train-heads --data training/data/distilled/distill2 --output "$RUNS/medusa1" --num-heads 5 --num-layers 1 \
   --draft-vocab-size 8192 --loss-decay 0.8 --epochs 2 --lr 2e-3 --batch-size 256 --top-k 5 --token-input none \
