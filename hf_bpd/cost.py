@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .cache import cache_root, key_file_name, machine_key, read_cached, write_cached
+from .chain import drop_last, restore, snapshot, state_tensors, verify_chain
 from .compat import cache_argument
 from .packed_linear import linear_context, wants_packed_linear
 from .vocab import model_vocab_size
@@ -71,7 +72,9 @@ def measure_forward_cost(
 class ForwardTimer:
     """Times forwards of N random tokens on a `context`-token cache with the tree-style 4D mask (the cache
     is cropped back after each), on a private random stream: measuring never moves a user's seeded
-    sampling."""
+    sampling. A model with recurrent state is timed on the forward its decoding verifies, a chain
+    (`chain.verify_chain`), and its cache is put back by a state snapshot, since such a state cannot be
+    cropped."""
 
     def __init__(self, model, context: int) -> None:
         from transformers import DynamicCache
@@ -86,27 +89,34 @@ class ForwardTimer:
         self.cache_kwarg = cache_argument(model)
         prompt = torch.randint(0, self.vocab, (1, context), generator=self.generator).to(self.device)
         model(input_ids=prompt, **{self.cache_kwarg: self.cache}, use_cache=True)
+        self.stateful = bool(state_tensors(self.cache))
 
     def once(self, n: int, block) -> float:
         ids = torch.randint(0, self.vocab, (1, n), generator=self.generator).to(self.device)
-        mask = torch.zeros(1, 1, n, self.context + n, dtype=self.dtype, device=self.device)
-        pos = torch.arange(self.context, self.context + n, device=self.device)[None]
+        saved = snapshot(self.cache) if self.stateful else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         with block:
-            self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos,
-                **{self.cache_kwarg: self.cache},
-                use_cache=True,
-                output_hidden_states=True,
-            )
+            if self.stateful:
+                verify_chain(self.model, ids, self.cache, torch.ones(1, self.context, device=self.device))
+            else:
+                self.model(
+                    input_ids=ids,
+                    attention_mask=torch.zeros(1, 1, n, self.context + n, dtype=self.dtype, device=self.device),
+                    position_ids=torch.arange(self.context, self.context + n, device=self.device)[None],
+                    **{self.cache_kwarg: self.cache},
+                    use_cache=True,
+                    output_hidden_states=True,
+                )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        self.cache.crop(-n)
+        if self.stateful:
+            restore(self.cache, saved)
+            drop_last(self.cache, n)
+        else:
+            self.cache.crop(-n)
         return seconds
 
     def median(self, n: int, block, repeats: int) -> float:

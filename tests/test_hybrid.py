@@ -18,9 +18,9 @@ from transformers import DynamicCache
 
 import hf_bpd
 from hf_bpd import BlockDrafter, BlockDraftHeads, ScoredPath
+from hf_bpd.chain import verify_chain
 from hf_bpd.compat import cache_argument
 from hf_bpd.decoding import prefill, prompt_mask
-from hf_bpd.recurrent import verify_chain
 from hf_bpd.support import RECURRENT_SERVED as SERVED
 from hf_bpd.tools.forward_counter import ForwardCounter
 
@@ -201,6 +201,33 @@ def test_copying_heads_with_auto_trees_and_lookup_are_exact():
     ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
     ref = plain(model, ids, do_sample=False, max_new_tokens=40)
     assert ours(model, ids, drafter, do_sample=False, max_new_tokens=40).tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("family", ["Qwen3-Next", "Mamba-2"])
+def test_auto_trees_measure_a_stateful_model_s_forward_cost_and_leave_its_state_alone(family, monkeypatch, tmp_path):
+    """ "auto" with no curve given times the model's chain forwards at first use (as the shipped drafter
+    does): a recurrent state cannot be cropped, so each timed forward is undone from a snapshot."""
+    from hf_bpd.chain import state_tensors
+    from hf_bpd.cost import ForwardTimer
+
+    monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path))
+    model = build(family)
+    timer = ForwardTimer(model, context=12)
+
+    def cache_contents():
+        states = [states[i].clone() for states, i in state_tensors(timer.cache)]
+        keys = [layer.keys.shape[-2] for layer in timer.cache.layers if getattr(layer, "keys", None) is not None]
+        return states, keys
+
+    states, keys = cache_contents()
+    assert states and timer.median(4, torch.no_grad(), repeats=2) > 0
+    after, after_keys = cache_contents()
+    assert after_keys == keys and all(torch.equal(a, b) for a, b in zip(after, states))
+    drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=3), max_tree_tokens="auto")
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    ref = plain(model, ids, do_sample=False, max_new_tokens=24)
+    assert ours(model, ids, drafter, do_sample=False, max_new_tokens=24).tolist() == ref.tolist()
+    assert drafter.forward_cost is not None  # measured on this model, not given
 
 
 @pytest.mark.parametrize("family", REFUSED)
