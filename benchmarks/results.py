@@ -282,7 +282,35 @@ def render_host_syncs(report: dict) -> list[str]:
     return lines
 
 
+def render_hybrid(report: dict) -> list[str]:
+    """`research.hybrid_speed`: a hybrid model's τ and tokens/s against the fastest plain greedy, per prompt."""
+    drafters = ("hf_bpd_copying_heads", "hf_bpd_oracle_wrong_half")
+    lines = ["| prompt | new tokens | greedy tok/s | greedy_fast tok/s | "]
+    lines[0] += " | ".join(f"{d} τ | {d} tok/s | {d} replayed/step" for d in drafters) + " |"
+    lines.append("|" + " --- |" * (4 + 3 * len(drafters)))
+    for r in report["rows"]:
+        cells = " | ".join(
+            f"{r[f'{d}_tau']:.2f} | {r[f'{d}_tok_s']:.1f} | {r[f'{d}_replayed_per_step']:.2f}" for d in drafters
+        )
+        lines.append(
+            f"| {r['prompt']} | {r['new_tokens']} | {r['greedy_tok_s']:.1f} | {r['greedy_fast_tok_s']:.1f} | {cells} |"
+        )
+    s = report["summary"]
+    lines += [
+        "",
+        "| drafter | τ | speedup over the fastest plain greedy | identical to greedy |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [f"| {d} | {s[f'{d}_tau']:.2f} | {s[f'{d}_speedup']:.2f}× | {s[f'{d}_identical']} |" for d in drafters]
+    lines += [
+        "",
+        f"Fastest plain greedy (per prompt, the faster of eager and `fast_cpu`): {s['fastest_plain_tok_s']:.1f} tok/s.",
+    ]
+    return lines
+
+
 RENDERERS = {
+    "hybrid": render_hybrid,
     "bench": render_bench,
     "replay": render_replay,
     "fuzz": render_fuzz,
