@@ -196,7 +196,7 @@ def render_card(
             "return_dict=True\n)"
         )
     else:  # a base model: the prompt format the heads were distilled on
-        prompt = f'inputs = tokenizer({template.replace("{prompt}", "Hi!")!r}, return_tensors="pt")'
+        prompt = f'inputs = tokenizer({json.dumps(template.replace("{prompt}", "Hi!"))}, return_tensors="pt")'
     body = template_text().format(
         usage_note=usage_note,
         load_model=load_model,

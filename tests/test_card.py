@@ -156,7 +156,7 @@ def test_save_pretrained_writes_the_card_of_the_template(tmp_path, monkeypatch):
     assert written == render_card(heads, "me/drafter", training_log=LOG, top_k=3, max_tree_tokens=8, self_loading=True)
     lines = template_lines()
     assert len(lines) > 10 and all(line in written for line in lines)
-    assert "## Usage\n\n```python\nimport hf_bpd\nfrom transformers import" in written
+    assert "## Usage\n\n```python\nimport hf_bpd\n\nfrom transformers import" in written
     edited = card_module.template_text() + "\nA line added to the template.\n"
     monkeypatch.setattr(card_module, "template_text", lambda: edited)
     folder = drafter.save_pretrained(tmp_path / "b", repo_id="me/drafter")
@@ -170,7 +170,7 @@ def test_a_base_model_card_writes_its_prompt_format():
     qa = {**MANIFEST, "prompt_template": "Question: {prompt}\nAnswer:"}
     card = render_card(heads, "me/heads", manifest=qa, packaged="gemma-3-270m", settings={"top_k": 10})
     assert "apply_chat_template" not in card and "), chat template," not in card
-    assert "inputs = tokenizer('Question: Hi!\\nAnswer:', return_tensors=\"pt\")" in card
+    assert 'inputs = tokenizer("Question: Hi!\\nAnswer:", return_tensors="pt")' in card
     assert "prompts written as 'Question: {prompt}\\nAnswer:', no chat template" in card
     assert 'hf_bpd.load_packaged_model("gemma-3-270m")' in card and "(`drafter.json`: top_k=10)" in card
 
