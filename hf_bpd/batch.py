@@ -226,15 +226,8 @@ def decode_batch(
         t4 = time.perf_counter()
         if chooser is not None:  # the whole step (the accept read the tokens: on an accelerator too, t4 is after it)
             chooser.observe(drafting, sum(len(r.tokens) for r in results.values()), t4 - t0)
-        stats.time_verify += t2 - t1
-        stats.time_accept += t3 - t2
-        stats.time_cache += t4 - t3
-        stats.steps += 1
-        stats.plain_steps += not drafting
         added = sum(len(r.tokens) for r in results.values())
-        stats.new_tokens += added
-        stats.accepted_lengths.append(added)
-        stats.tree_sizes.append(sum(len(trees[b]) for b in active))
+        stats.record_batch_step((t1, t2, t3, t4), drafting, added, sum(len(trees[b]) for b in active))
 
     length = max(s.shape[1] for s in sequences)
     return torch.cat([torch.nn.functional.pad(s, (0, length - s.shape[1]), value=pad) for s in sequences])

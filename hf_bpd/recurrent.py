@@ -207,15 +207,8 @@ def decode_recurrent(
                 rows[b].accepted_lengths.append(len(result.tokens))
                 rows[b].tree_sizes.append(len(chain))
         t4 = time.perf_counter()
-        stats.time_verify += t2 - t1
-        stats.time_accept += t3 - t2
-        stats.time_cache += t4 - t3
-        stats.steps += 1
-        stats.plain_steps += not drafting
         added = sum(len(r.tokens) for r in results.values())
-        stats.new_tokens += added
-        stats.accepted_lengths.append(added)
-        stats.tree_sizes.append(sum(len(chains[b]) for b in active))
+        stats.record_batch_step((t1, t2, t3, t4), drafting, added, sum(len(chains[b]) for b in active))
         if batch_size == 1:
             result = results[0]
             if want_scores:
