@@ -3,7 +3,8 @@
     model.generate(**inputs, custom_generate=hf_bpd.generate, assistant=drafter, max_new_tokens=N)
 
 It refuses what the loops would not decode exactly (`support.py`, before any forward), then runs one row
-through `decoding.decode` or a batch through `batch.decode_batch`.
+through `decoding.decode`, a batch through `batch.decode_batch`, and a model with recurrent state (one row
+or a batch) through `recurrent.decode_recurrent`.
 """
 
 from __future__ import annotations
@@ -61,72 +62,8 @@ def generate(
         raise ValueError("lossy_typical_acceptance changes how sampled tokens are accepted: it needs do_sample=True")
     check_model_supported(model)
     windows = check_call_supported(model, input_ids, generation_config, model_kwargs)
-    if has_recurrent_state(model):  # one chain per step, the state restored where a draft fails
-        return _decode_recurrent(
-            model,
-            assistant,
-            input_ids,
-            logits_processor,
-            stopping_criteria,
-            generation_config,
-            streamer,
-            windows,
-            model_kwargs,
-            typical,
-        )
-    if input_ids.shape[0] > 1:
-        check_batch_supported(input_ids, generation_config, model_kwargs)
-        if streamer is not None or caller_streamer(model) is not None:
-            raise ValueError("streamers take one sequence: hf_bpd.generate streams batches of size 1 only")
-        with assistant.exclusive(), _prepared(model, assistant):
-            sequences = decode_batch(
-                model,
-                assistant,
-                input_ids,
-                logits_processor,
-                stopping_criteria,
-                generation_config,
-                model_kwargs,
-                windows,
-                typical,
-            )
-        return (
-            GenerateDecoderOnlyOutput(sequences=sequences) if generation_config.return_dict_in_generate else sequences
-        )
-    if streamer is not None:  # bound with functools.partial: the prompt is ours to put
-        streamer.put(input_ids.cpu())
-    else:  # given to generate the usual way: generate put the prompt already
-        streamer = caller_streamer(model)
-    with assistant.exclusive(), _prepared(model, assistant):
-        return decode(
-            model,
-            assistant,
-            input_ids,
-            logits_processor,
-            stopping_criteria,
-            generation_config,
-            streamer,
-            windows,
-            model_kwargs,
-            typical,
-        )
-
-
-def _decode_recurrent(
-    model,
-    drafter,
-    input_ids,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    streamer,
-    windows,
-    model_kwargs,
-    typical,
-):
-    """`recurrent.decode_recurrent` for one row or a batch, with the same checks and streamer handling as the
-    tree loops."""
-    if input_ids.shape[0] > 1:
+    batched = input_ids.shape[0] > 1
+    if batched:
         check_batch_supported(input_ids, generation_config, model_kwargs)
         if streamer is not None or caller_streamer(model) is not None:
             raise ValueError("streamers take one sequence: hf_bpd.generate streams batches of size 1 only")
@@ -134,10 +71,16 @@ def _decode_recurrent(
         streamer.put(input_ids.cpu())
     else:  # given to generate the usual way: generate put the prompt already
         streamer = caller_streamer(model)
-    with drafter.exclusive(), _prepared(model, drafter):
-        out = decode_recurrent(
+    if has_recurrent_state(model):  # one chain per step, the state restored where a draft fails
+        loop = decode_recurrent
+    elif batched:
+        loop = _decode_batch
+    else:
+        loop = decode
+    with assistant.exclusive(), _prepared(model, assistant):
+        out = loop(
             model,
-            drafter,
+            assistant,
             input_ids,
             logits_processor,
             stopping_criteria,
@@ -147,9 +90,14 @@ def _decode_recurrent(
             model_kwargs,
             typical,
         )
-    if input_ids.shape[0] > 1 and generation_config.return_dict_in_generate:
+    if batched and generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=out)
     return out
+
+
+def _decode_batch(model, drafter, input_ids, processors, criteria, config, streamer, windows, kwargs, typical):
+    """`batch.decode_batch` called as the other loops are (it takes no streamer: batches stream nothing)."""
+    return decode_batch(model, drafter, input_ids, processors, criteria, config, kwargs, windows, typical)
 
 
 @contextlib.contextmanager

@@ -38,15 +38,21 @@ def test_load_model_and_load_packaged_model_pass_the_name_through(monkeypatch):
     assert calls == [packaged.GEMMA3_270M, packaged.SMOLLM2, packaged.SMOLLM2]
 
 
-@pytest.mark.real
-@pytest.mark.slow  # needs the `gemma` extra (240 MB) and a minute's load: not in the README's test command
-def test_gemma_loads_and_continues_text():
+def packaged_gemma():
+    """The packaged Gemma-3-270M, for the slow tests: skipped where neither its wheel (the `gemma` extra) nor
+    a copy built earlier is on the machine."""
     try:
         packaged.require_gemma_package()
     except ModuleNotFoundError as err:
         if not (packaged.cache_root() / "gemma-3-270m-v1" / "config.json").is_file():
             pytest.skip(str(err))
-    model, tokenizer = hf_bpd.load_packaged_model("gemma-3-270m")
+    return hf_bpd.load_packaged_model("gemma-3-270m")
+
+
+@pytest.mark.real
+@pytest.mark.slow  # needs the `gemma` extra (240 MB) and a minute's load: not in the README's test command
+def test_gemma_loads_and_continues_text():
+    model, tokenizer = packaged_gemma()
     assert model.config._name_or_path == "google/gemma-3-270m"
     assert model.config._attn_implementation == "sdpa"
     enc = tokenizer("The capital of France is", return_tensors="pt")
@@ -84,12 +90,7 @@ def test_gemma_heads_refuse_another_base_model_before_any_forward():
 @pytest.mark.real
 @pytest.mark.slow  # the `gemma` extra and minutes of CPU
 def test_gemma_with_its_shipped_heads_decodes_past_its_512_token_window_exactly():
-    try:
-        packaged.require_gemma_package()
-    except ModuleNotFoundError as err:
-        if not (packaged.cache_root() / "gemma-3-270m-v1" / "config.json").is_file():
-            pytest.skip(str(err))
-    model, tokenizer = hf_bpd.load_packaged_model("gemma-3-270m")
+    model, tokenizer = packaged_gemma()
     assert model.config.sliding_window == 512
     colors = ["red", "blue", "green"]
     text = " ".join(f"Item {i}: the {colors[i % 3]} box holds {i * 7 % 11} stones." for i in range(45))
