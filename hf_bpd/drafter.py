@@ -575,10 +575,10 @@ class BlockDrafter:
         estimates: dict[tuple[int, ...], float],
     ) -> list[Arc] | None:
         """Fill `tree` up to `budget` with row `b`'s best lattice prefixes (ordered against the rescorer's
-        `estimates` when there are any). Returns each node's arc where estimates are used (tree sizing or
-        calibration), else None."""
+        `estimates` when there are any). Returns each node's arc where something reads them (tree sizing,
+        calibration, or the context-lookup chain, which competes with the heads' nodes on them), else None."""
         tables = None
-        if estimates or self.forward_cost is not None:
+        if estimates or self.forward_cost is not None or self.context_lookup:
             tokens, logprobs = lattice.row(b)
             tables = [dict(zip(t, lp)) for t, lp in zip(tokens, logprobs)]
         if len(tree) < budget:
@@ -590,7 +590,9 @@ class BlockDrafter:
                 if len(tree) >= budget:
                     break
         # each node's arc, once: it sizes the tree and, kept, lets `observe` score the verification
-        needed = tables is not None and (self.forward_cost is not None or self.calibration is not None)
+        needed = tables is not None and (
+            self.forward_cost is not None or self.calibration is not None or self.context_lookup > 0
+        )
         return tree.node_arcs(tables, estimates, self.calibration) if needed else None
 
     def observe(

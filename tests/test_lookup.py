@@ -49,3 +49,19 @@ def test_repetitive_text_is_drafted_past_the_heads_depth_and_stays_exact():
         depths[lookup] = max(drafter.stats.accepted_lengths)
     assert depths[0] <= 3  # two heads: at most two drafted tokens and the bonus
     assert depths[10] >= depths[0]
+
+
+def test_lattice_heads_with_a_fixed_tree_size_hold_the_lookup_chain():
+    # Heads without a token input draft from their lattice; with a fixed tree size and no rescorer nothing
+    # else asks for the nodes' arcs, and the lookup chain must still be merged (it once was silently not).
+    model = tiny_model("llama", eos_token_id=None)
+    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2)  # no token input: lattice heads
+    assert not heads.conditions_on_draft
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]])  # "5 6 7" was followed by 8 9 10 11 12
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1][:, -1]
+    for lookup, holds in ((4, True), (0, False)):
+        drafter = BlockDrafter(heads, top_k=2, max_tree_tokens=12, context_lookup=lookup, calibrate=False)
+        drafter.prepare(model)
+        (tree,) = drafter.draft(hidden, ids)
+        assert ((8, 9, 10, 11) in tree.node_paths()) is holds
