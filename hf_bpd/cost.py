@@ -24,7 +24,7 @@ import torch
 from .cache import cache_root, key_file_name, machine_key, read_cached, write_cached
 from .chain import drop_last, restore, snapshot, state_tensors, verify_chain
 from .compat import cache_argument
-from .packed_linear import linear_context, wants_packed_linear
+from .packed_linear import compiled_forward, linear_context, wants_packed_linear
 from .vocab import model_vocab_size
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -130,6 +130,7 @@ def forward_cost_key(model, packed_linear: bool | None = None, sizes=DEFAULT_SIZ
     return {
         **machine_key(model),
         "packed_linear": wants_packed_linear(model, packed_linear),
+        "compiled_forward": compiled_forward(model),
         "kernels": "plan",  # curves from before the measured kernel plan are measured again
         "sizes": list(sizes),
         "context": context,
@@ -294,8 +295,11 @@ class StepChooser:
     acceptance walk on top of a wider forward, and where drafts are rarely accepted (or a batch's forward
     is compute-bound) that costs more than it returns. So each `generate` call measures what its drafted
     steps yield, tokens per second of the whole step, and takes plain steps (the roots only: no heads, no
-    tree, a one-token forward per row) while those are faster; every `probe_every` plain steps a drafted
-    step checks again. Only the speed depends on it, never a token.
+    tree, a one-token forward per row) while those are faster; after `probe_every` plain steps a drafted
+    step checks again. Each probe that finds drafting still slower doubles the wait before the next one (up
+    to `max_probe_every`), and a probe that finds it faster resets it: where drafts do not pay (a large
+    batch, unpredictable text) a probe costs several plain steps, so probing at a fixed rate would keep a
+    fixed share of that loss. Only the speed depends on it, never a token.
 
     A plain step's seconds are measured once plain steps ran; before that `plain_estimate()` stands in
     (for one row the forward-cost curve's one-token time, learned online; for a batch its own timed
@@ -306,12 +310,14 @@ class StepChooser:
 
     plain_estimate: Callable[[], float | None]
     probe_every: int = 8
+    max_probe_every: int = 32
     rate: float = 0.3  # weight of the newest step in the running means
     drafted_rate: float | None = None  # tokens per second of drafted steps
     plain_step_seconds: float | None = None  # seconds of a plain step, measured
     plain_run: int = 0  # plain steps since the last drafted one
     plain_taken: int = 0  # plain steps in all
     plain_timed: int = 0  # plain steps measured
+    probe_wait: int | None = None  # plain steps before the next probe (from probe_every, doubled per failed probe)
 
     def draft_next(self, rows: int = 1) -> bool:
         """Whether the next step drafts, for `rows` unfinished rows (a plain step makes one token each)."""
@@ -321,8 +327,11 @@ class StepChooser:
             self.plain_taken += 1
             return False
         if self.drafted_rate is None or plain is None or self.drafted_rate >= rows / plain:
+            self.probe_wait = self.probe_every  # drafting pays (again): probe soon if it stops paying
             return True
-        if self.plain_run >= self.probe_every:
+        wait = self.probe_every if self.probe_wait is None else self.probe_wait
+        if self.plain_run >= wait:  # probe; if drafting still loses after it, the next probe waits twice as long
+            self.probe_wait = min(2 * wait, self.max_probe_every)
             return True
         self.plain_run += 1
         self.plain_taken += 1

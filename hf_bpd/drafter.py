@@ -35,7 +35,7 @@ from .expansion import GrownTree, chain_lattice, expand_tree, grow_on_device
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
 from .lookup import lookup_continuation, merge_lookup
-from .packed_linear import KernelPlan, PackedLinear, cached_kernel_plan, linear_context
+from .packed_linear import KernelPlan, PackedLinear, cached_kernel_plan, compiled_forward, linear_context
 from .tree import DraftTree
 
 RECENT_STEPS = 16  # steps whose tree sizes bound how far "previous" heads grow a tree that will be cut
@@ -151,7 +151,9 @@ class BlockDrafter:
     packed_linear:   run the whole decode (prefill, heads, tree forwards) with oneDNN pre-packed linear
                      weights (`packed_linear.py`: the kernels `hf_bpd.fast_cpu` gives plain `generate`;
                      one packed copy of the model's linear weights, shared with `fast_cpu`). None
-                     ("auto"): on for float32 CPU models up to 2 GiB where the torch build has oneDNN.
+                     ("auto"): on for float32 CPU models up to 2 GiB where the torch build has oneDNN,
+                     off where `model.forward` is compiled (`torch.compile`): the tree forwards then run
+                     through that compiled forward, the kernels compiled plain `generate` gets.
     """
 
     def __init__(
@@ -197,7 +199,8 @@ class BlockDrafter:
         # count device-to-host synchronisations by phase into stats.host_syncs (a test's or measurement's
         # setting: counting costs a Python call per torch call, so a timed run leaves it off)
         self.count_host_syncs = False
-        self._bound_to: int | None = None
+        self._bound_to: tuple[int, bool] | None = None  # (id of the model, whether its forward was compiled)
+        self._measured_cost = False  # forward_cost was measured by `prepare` (not given): re-measured on rebinding
         self.setup: dict = {}  # one-time start-up work of the last `prepare` that did any (forward-cost curve)
         self._recent_sizes: deque[int] = deque(maxlen=RECENT_STEPS)  # sizes of the last sized trees
         self._in_use = threading.Lock()
@@ -285,8 +288,11 @@ class BlockDrafter:
         return self.heads.num_heads
 
     def prepare(self, model) -> None:
-        """Bind the heads to `model` (checks they fit it) and start fresh stats. Called by `generate`."""
-        if self._bound_to != id(model):
+        """Bind the heads to `model` (checks they fit it) and start fresh stats. Called by `generate`.
+        Binding again when `model.forward` has been compiled (or uncompiled) since: the kernels change
+        (`packed_linear.compiled_forward`), so a forward-cost curve this drafter measured is measured again."""
+        binding = (id(model), compiled_forward(model))
+        if self._bound_to != binding:
             self.heads.bind(model)
             # the heads read the last hidden state: with a model split over devices (device_map) they go
             # where it comes out, beside the LM head
@@ -303,12 +309,13 @@ class BlockDrafter:
                 own = None if shapes is None else cached_kernel_plan(self.heads, extra_weights=extra)[0].shapes
                 plan = None if shapes is None else KernelPlan({**shapes, **own})
                 self._heads_context = PackedLinear(self.heads, plan=plan)
-            if self.max_tree_tokens == "auto" and self.forward_cost is None:
-                # measured once per machine and model, then read from the cache (`cost.cached_forward_cost`)
+            if self.max_tree_tokens == "auto" and (self.forward_cost is None or self._measured_cost):
+                # measured once per machine, model and kernels, then read from the cache (`cost.cached_forward_cost`)
                 t0 = time.perf_counter()
                 self.forward_cost, path, measured = cached_forward_cost(model, packed_linear=self.packed_linear)
                 self.setup = {"forward_cost_file": str(path), "measured": measured, "seconds": time.perf_counter() - t0}
-            self._bound_to = id(model)
+                self._measured_cost = True
+            self._bound_to = binding
             if self.rescorer is not None and hasattr(self.rescorer, "bind"):
                 self.rescorer.bind(model)
         self.stats = DecodingStats()

@@ -321,14 +321,29 @@ def _active() -> list[PackedLinear]:
     return _THREAD.stack
 
 
+def compiled_forward(model) -> bool:
+    """Whether `model.forward` was replaced by a `torch.compile`d function (transformers' documented way
+    to compile a model for `generate`). Such a graph brings its own kernels (inductor's freezing packs
+    the weights as constants), and swapping linears under it would break its guards, so hf_bpd then
+    leaves the linears alone and runs its tree forwards through that same compiled forward."""
+    forward = model.__dict__.get("forward")
+    return forward is not None and hasattr(forward, "_torchdynamo_orig_callable")
+
+
 def wants_packed_linear(model, packed_linear: bool | None) -> bool:
     """Resolve a `packed_linear` setting for `model`: True/False as given (True raises where it cannot
-    work), None ("auto") packs float32 CPU models of at most `AUTO_MAX_BYTES` when oneDNN is there."""
+    work), None ("auto") packs float32 CPU models of at most `AUTO_MAX_BYTES` when oneDNN is there and
+    `model.forward` is not compiled (`compiled_forward`)."""
     param = next(model.parameters())
     servable = param.device.type == "cpu" and param.dtype == torch.float32
+    if packed_linear and compiled_forward(model):
+        raise ValueError(
+            "model.forward is compiled (torch.compile), whose graph packs its own weights: packed linears "
+            "cannot run under it; leave packed_linear unset (auto) or pass False"
+        )
     if packed_linear is None:
         size = sum(p.numel() * p.element_size() for p in model.parameters())
-        return servable and packed_linear_available() and size <= AUTO_MAX_BYTES
+        return servable and packed_linear_available() and size <= AUTO_MAX_BYTES and not compiled_forward(model)
     if packed_linear and not servable:
         raise ValueError(
             f"packed_linear=True serves float32 models on a CPU; this one is {param.dtype} on {param.device}"

@@ -111,6 +111,22 @@ def test_step_chooser_takes_plain_steps_while_they_are_faster_and_probes_draftin
     assert many.draft_next(rows=1) and not many.draft_next(rows=2)  # a batch's plain step makes a token per row
 
 
+def test_step_chooser_probes_less_often_while_drafting_keeps_losing():
+    chooser = cost.StepChooser(lambda: 0.010, probe_every=2, max_probe_every=8)
+    assert chooser.draft_next()
+    chooser.observe(True, tokens=1, seconds=0.040)  # 25 tok/s drafted against 100 tok/s plain
+    probes = []
+    for step in range(40):
+        if chooser.draft_next():
+            probes.append(step)
+            chooser.observe(True, tokens=1, seconds=0.040)  # every probe loses again
+        else:
+            chooser.observe(False, tokens=1, seconds=0.010)
+    assert probes == [2, 7, 16, 25, 34]  # 2, 4, then 8 plain steps between probes (the cap)
+    chooser.observe(True, tokens=20, seconds=0.040)  # a probe that pays: 0.7 * 25 + 0.3 * 500 = 167.5 tok/s
+    assert chooser.draft_next() and chooser.probe_wait == 2  # drafting again, and quick to probe if it stops
+
+
 def test_plain_steps_where_drafting_does_not_pay_keep_the_output_exact():
     from test_decoding import copying_heads
 

@@ -17,6 +17,7 @@ from hf_bpd.packed_linear import (
     RowPlan,
     active_packed_linear,
     cached_kernel_plan,
+    compiled_forward,
     fast_cpu,
     linear_context,
     packed_linear_available,
@@ -141,6 +142,45 @@ def test_generate_with_packed_linear_equals_greedy(token_input):
         assert got.tolist() == ref.tolist()
         assert token_input == "previous" or max(drafter.stats.accepted_lengths) > 1
         assert isinstance(drafter.linear_context, PackedLinear) == packed
+
+
+def test_a_compiled_forward_runs_the_trees_unpacked_exactly_and_gets_its_own_cost_curve(tmp_path, monkeypatch):
+    # transformers' way to compile a model for generate: replace model.forward. hf_bpd must then leave the
+    # linears to the compiled graph, send its tree forwards (4D mask, several tokens) through it, and size
+    # "auto" trees by a curve measured on it.
+    from test_decoding import copying_heads
+
+    monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path))
+    model = tiny_model("llama", eos_token_id=None)
+    ids = torch.tensor([[5, 6, 7]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=40)
+    fixed = hf_bpd.BlockDrafter(copying_heads(model, 4), top_k=3, max_tree_tokens=16)
+    auto = hf_bpd.BlockDrafter(fixed.heads, top_k=3, max_tree_tokens="auto")
+    kw = dict(do_sample=False, max_new_tokens=40, custom_generate=hf_bpd.generate)
+    assert model.generate(ids, assistant=auto, **kw).tolist() == ref.tolist()
+    assert isinstance(auto.linear_context, PackedLinear)
+    packed_curve = auto.forward_cost
+
+    graphs = []
+
+    def counting_backend(graph, example_inputs):  # dynamo's trace, run as traced (no inductor: quick)
+        graphs.append(graph)
+        return graph.forward
+
+    model.forward = torch.compile(model.forward, backend=counting_backend, dynamic=True)
+    try:
+        assert compiled_forward(model) and not wants_packed_linear(model, None)
+        with pytest.raises(ValueError, match="model.forward is compiled"):
+            wants_packed_linear(model, True)
+        for drafter in (fixed, auto):
+            assert model.generate(ids, assistant=drafter, **kw).tolist() == ref.tolist()
+            assert isinstance(drafter.linear_context, contextlib.nullcontext)
+        assert max(fixed.stats.accepted_lengths) > 1  # trees were verified through the compiled forward
+        assert graphs
+        assert auto.forward_cost is not packed_curve  # measured again, on the compiled forward
+    finally:
+        del model.forward
+    assert not compiled_forward(model)
 
 
 def test_forward_cost_is_measured_the_way_verification_runs():

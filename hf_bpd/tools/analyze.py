@@ -316,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="hf-bpd analyze", description=__doc__.split("\n\n")[0])
     parser.add_argument("data", nargs="?", default=DEFAULT_DATA)
-    parser.add_argument("--heads", default="packaged", help="heads folder or 'packaged'")
+    parser.add_argument(
+        "--model", default="packaged", help="'packaged' (SmolLM2), another packaged model (gemma-3-270m), or a path"
+    )
+    parser.add_argument("--heads", default="packaged", help="heads folder or 'packaged' (the model's shipped heads)")
     parser.add_argument("--rescorer", default="best", help="shipped rescorer name to compare ('none': skip)")
     parser.add_argument("--spread", type=int, default=26)
     parser.add_argument("--per-category", type=int, default=None)
@@ -335,8 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     check_data_file(args.data)
 
     from ..drafter import BlockDrafter
-    from ..packaged import load_packaged_drafter, packaged_rescorer, packaged_rescorers
+    from ..packaged import load_packaged_drafter, packaged_rescorer, packaged_rescorers, resolve_packaged_name
 
+    packaged = resolve_packaged_name(args.model)
+    if packaged is None and args.heads == "packaged":
+        raise SystemExit(f"{args.model} is not a packaged model: pass the heads trained for it (--heads FOLDER)")
+    if packaged is None and args.rescorer != "none":
+        raise SystemExit(f"shipped rescorers are for the packaged models, not {args.model}: pass --rescorer none")
     rows = select_rows(read_jsonl(args.data), None, args.per_category, None, args.spread)
     env = environment("cpu", "float32")  # before the run writes anything
     answers = None
@@ -346,22 +354,28 @@ def main(argv: list[str] | None = None) -> int:
         header, answers = read_answers(args.answers)
         if (header or {}).get("max_new_tokens") != args.max_new_tokens:
             raise SystemExit(f"{args.answers} holds answers of another length than --max-new-tokens")
+        if (header or {}).get("model") != args.model:
+            raise SystemExit(f"{args.answers} holds answers of {(header or {}).get('model')!r}, not of {args.model!r}")
         missing = [r.get("question_id") for r in rows if (r.get("question_id"), 0) not in answers]
         if missing:
             raise SystemExit(f"{args.answers} has no first-turn answer for question ids {missing[:10]}")
-    model, tokenizer = load_model("packaged")
+    model, tokenizer = load_model(args.model)
     if args.overhead:
-        names = sorted(packaged_rescorers())
-        timings = rescorer_overhead(model, tokenizer, rows, {n: packaged_rescorer(n, tokenizer) for n in names})
+        names = sorted(packaged_rescorers(packaged))
+        rescorers = {n: packaged_rescorer(n, tokenizer, model=packaged) for n in names}
+        timings = rescorer_overhead(model, tokenizer, rows, rescorers)
         Path(args.output).mkdir(parents=True, exist_ok=True)
         (Path(args.output) / "overhead.json").write_text(json.dumps(timings, indent=2))
         return 0
-    base = load_packaged_drafter()
-    drafter = base if args.heads == "packaged" else BlockDrafter.from_pretrained(args.heads, top_k=base.top_k)
+    if args.heads == "packaged":
+        drafter = load_packaged_drafter(model=packaged)
+    else:
+        top_k = load_packaged_drafter(model=packaged).top_k if packaged is not None else 10
+        drafter = BlockDrafter.from_pretrained(args.heads, top_k=top_k)
     drafter.heads.bind(model)
     rescorer = None
     if args.rescorer != "none":
-        rescorer = packaged_rescorer(args.rescorer, tokenizer)
+        rescorer = packaged_rescorer(args.rescorer, tokenizer, model=packaged)
         if hasattr(rescorer, "bind"):
             rescorer.bind(model)
     per_category: dict[str, list[dict]] = defaultdict(list)

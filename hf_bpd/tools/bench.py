@@ -161,8 +161,9 @@ def compiled_method(method: Method, model, tokenizer) -> Method:
             del model.forward
 
     t0 = time.perf_counter()
+    # long enough for a drafted method to meet its shapes (tree sizes, a compacted cache) before timing
     for text in ("Hi.", "Say hello to the world in three different languages, please."):
-        run(chat_inputs(tokenizer, [{"role": "user", "content": text}], next(model.parameters()).device), 8)
+        run(chat_inputs(tokenizer, [{"role": "user", "content": text}], next(model.parameters()).device), 32)
     COMPILE_SECONDS[f"{method.name}_compiled"] = time.perf_counter() - t0
     return Method(f"{method.name}_compiled", run)
 
@@ -816,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     def with_rescorer(name: str) -> Method:
         from ..packaged import packaged_rescorer
 
-        rescored = drafter.with_rescorer(packaged_rescorer(name, tokenizer))
+        rescored = drafter.with_rescorer(packaged_rescorer(name, tokenizer, model=resolve_packaged_name(args.model)))
         return bpd_method(model, rescored, f"hf_bpd+{name}", decoding)
 
     def assisted() -> Method:
@@ -833,10 +834,12 @@ def main(argv: list[str] | None = None) -> int:
         lossy = {**decoding, "lossy_typical_acceptance": True}
         return bpd_method(model, drafter.with_rescorer(drafter.rescorer), "hf_bpd_typical", lossy)
 
-    def unpacked(drafter: BlockDrafter) -> BlockDrafter:
-        """A copy of `drafter` (its own calibration) whose forwards leave the linears to the compiled graph."""
+    def on_compiled_forward(drafter: BlockDrafter) -> BlockDrafter:
+        """A copy of `drafter` (its own calibration) for the compiled forward: its linears are left to the
+        compiled graph (`packed_linear` auto sees the compiled forward), and an "auto" curve is measured
+        on that forward when it first runs there, not taken over from the packed one."""
         copy = drafter.with_rescorer(drafter.rescorer)
-        copy.packed_linear = False
+        copy.forward_cost = None
         return copy
 
     def greedy_twin() -> Method:
@@ -853,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
         "assisted": assisted,
         "hf_bpd": lambda: bpd_method(model, drafter, decoding=decoding),
         "hf_bpd_compiled": lambda: compiled_method(
-            bpd_method(model, unpacked(drafter), decoding=decoding), model, tokenizer
+            bpd_method(model, on_compiled_forward(drafter), decoding=decoding), model, tokenizer
         ),
         "hf_bpd_typical": typical,
         "hf_bpd_greedy": greedy_twin,

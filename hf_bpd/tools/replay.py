@@ -20,6 +20,7 @@ the two on the same rows.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 from collections import defaultdict
@@ -256,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--context-lookup", type=int, nargs="+", default=[10], help="longest context-lookup chains (0: off)"
     )
+    parser.add_argument(
+        "--rescorers",
+        nargs="+",
+        default=["none"],
+        help="shipped rescorers of the model (`hf_bpd.packaged_rescorers`) to draft with; 'none': heads alone",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--answers", required=True, help="greedy answers cache (jsonl; generated where missing)")
     parser.add_argument("--limit", type=int, default=None, help="rows in all")
@@ -275,8 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     check_data_file(args.data)
 
     from ..models import load_model
-    from ..packaged import resolve_packaged_name
+    from ..packaged import packaged_rescorer, packaged_rescorers, resolve_packaged_name
 
+    packaged = resolve_packaged_name(args.model)
+    shipped = sorted(packaged_rescorers(packaged))
+    unknown = sorted(set(args.rescorers) - {"none", *shipped})
+    if unknown:
+        raise SystemExit(f"no shipped rescorers {unknown} for {args.model}; shipped: {shipped}")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     rows = select_rows(read_jsonl(args.data), args.categories, args.per_category, args.limit, args.spread)
     env = environment(args.device, args.dtype)  # before the run writes anything (the answers cache too)
@@ -286,17 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     for heads in args.heads:
         for k in args.top_k:
             for size in args.max_tree_tokens:
-                for lookup in args.context_lookup:
+                for lookup, rescorer in itertools.product(args.context_lookup, args.rescorers):
                     name = f"k{k} n{size}" + (f" lookup{lookup}" if len(args.context_lookup) > 1 else "")
                     name = f"{Path(heads).name} {name}" if len(args.heads) > 1 else name
-                    drafters[name] = load_drafter(
-                        heads,
-                        model,
-                        packaged_model=resolve_packaged_name(args.model),
-                        top_k=k,
-                        max_tree_tokens=size,
-                        context_lookup=lookup,
+                    name += f" +{rescorer}" if len(args.rescorers) > 1 else ""
+                    drafter = load_drafter(
+                        heads, model, packaged_model=packaged, top_k=k, max_tree_tokens=size, context_lookup=lookup
                     )
+                    if rescorer != "none":
+                        drafter = drafter.with_rescorer(packaged_rescorer(rescorer, tokenizer, model=packaged))
+                    drafters[name] = drafter
     results = replay(model, tokenizer, rows, answers, drafters, not args.no_progress)
     table = markdown_table(results)
     limits = None
