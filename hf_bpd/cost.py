@@ -239,12 +239,16 @@ def best_tree_size(node_probs: list[float], cost: ForwardCost | LearnedForwardCo
     return best_n
 
 
-def best_batch_width(node_probs: list[list[float]], rows_in_forward: int, cost) -> int:
+def best_batch_width(
+    node_probs: list[list[float]], rows_in_forward: int, cost, max_width: int | None = None
+) -> int:
     """One verification forward for a batch: every row's tree is padded to the widest, so the forward holds
     `rows_in_forward` x w tokens (finished rows included) whatever each row drafted. node_probs[b]: row b's
-    node acceptance probabilities (as in `best_tree_size`). Returns the width w maximising the batch's
-    expected accepted tokens, sum over rows of their first min(w, n_b) probabilities, per cost(rows x w)."""
+    node acceptance probabilities (as in `best_tree_size`). Returns the width w <= `max_width` maximising
+    the batch's expected accepted tokens, sum over rows of their first min(w, n_b) probabilities, per
+    cost(rows x w)."""
     widest = max((len(p) for p in node_probs), default=1)
+    widest = widest if max_width is None else min(widest, max_width)
     best_w, best_rate = 1, 0.0
     expected = [0.0] * len(node_probs)
     for w in range(1, widest + 1):
@@ -283,6 +287,13 @@ class BatchForwardCost:
             return self.curve(n)
         near = min(self.seconds, key=lambda w: abs(math.log(w / width)))
         return self.seconds[near] * self.curve(self.rows * width) / self.curve(self.rows * near)
+
+    def max_width(self) -> int:
+        """The widest trees worth verifying next: twice the widest width timed. An untimed width's cost is
+        extrapolated through the one-row curve, which underestimates a batch's wide forwards at long
+        contexts (attention), so a first guess could verify a forward several plain steps long that yields
+        little; ramping up 2, 4, 8 ... bounds what a wrong guess costs to about twice a timed forward."""
+        return 2 * max(self.seconds, default=1)
 
     def observe(self, width: int, seconds: float) -> None:
         """One timed verification forward of the batch, its trees padded to `width`."""

@@ -104,9 +104,11 @@ def test_auto_trees_take_one_width_sized_by_the_batch_forward_and_stay_exact(cur
         assert largest == 1
     else:  # drafts are worth verifying, within the curve's largest tree (16) shared by the unfinished rows
         assert largest > 1
+        widest = 1  # widths ramp up: at most twice the widest verified before (`BatchForwardCost.max_width`)
         for step in range(max(len(r.tree_sizes) for r in rows)):
             sizes = [r.tree_sizes[step] for r in rows if len(r.tree_sizes) > step]
-            assert max(sizes) <= 16 // len(sizes)
+            assert max(sizes) <= 16 // len(sizes) and max(sizes) <= 2 * widest
+            widest = max(widest, max(sizes))
 
 
 def test_right_padding_and_holes_are_refused_before_any_forward():

@@ -93,6 +93,20 @@ def test_batch_cost_uses_the_calls_own_timings_and_scales_untimed_widths_by_the_
     assert 10.0 < batch(8 * 4) < 20.0
 
 
+def test_batch_widths_ramp_up_from_the_widest_timed_one():
+    # the curve says wide trees are nearly free; an untimed width may still cost far more in a batch at
+    # long contexts, so a call verifies at most twice the widest width it has timed
+    curve = cost.ForwardCost((1, 64), (1.0, 1.01))
+    batch = cost.BatchForwardCost(curve, rows=4)
+    sure = [[1.0] * 16] * 4
+    assert cost.best_batch_width(sure, 4, batch) == 16  # unbounded: the curve's choice
+    batch.observe(1, 1.0)  # the batch's first, plain step
+    assert batch.max_width() == 2 and cost.best_batch_width(sure, 4, batch, batch.max_width()) == 2
+    batch.observe(2, 1.0)
+    batch.observe(4, 1.0)
+    assert batch.max_width() == 8
+
+
 def test_step_chooser_takes_plain_steps_while_they_are_faster_and_probes_drafting():
     plain = {"seconds": 0.010}
     chooser = cost.StepChooser(lambda: plain["seconds"], probe_every=3)
