@@ -50,6 +50,7 @@ from .calibration import SamplingWarp
 from .compat import CACHE_NAMES, GENERATE_CACHE_FIELD, cache_argument, output_cache
 from .drafter import BlockDrafter
 from .expansion import GrownTree
+from .packed_linear import compiled_forward
 from .support import AttentionWindows
 from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, TreeBatch, batch_trees
@@ -363,12 +364,14 @@ def accept_tree(
         node = child
 
 
-def compact_cache(cache: DynamicCache, num_tree: int, keep: torch.Tensor) -> None:
+def compact_cache(cache: DynamicCache, num_tree: int, keep: torch.Tensor, contiguous: bool = False) -> None:
     """Drop rejected tree entries: of the last `num_tree` entries of every layer keep only the tree
     indices `keep` (ascending, root first), moved to the front of the tree slot.
 
-    Touches only the tree slot, so its cost does not grow with the context length.
-    """
+    Touches only the tree slot, so its cost does not grow with the context length, and leaves each layer
+    a view of its old tensor. `contiguous` copies it out instead (a whole-cache copy, as the next forward's
+    append makes anyway): a compiled forward guards on its inputs' strides, and views of ever-different
+    lengths made dynamo compile new graphs again and again while decoding."""
     dropped = num_tree - keep.numel()
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None:  # a layer never written (not in real decoding)
@@ -377,7 +380,8 @@ def compact_cache(cache: DynamicCache, num_tree: int, keep: torch.Tensor) -> Non
             t = getattr(layer, name)
             start = t.shape[-2] - num_tree
             t[..., start : start + keep.numel(), :] = t.index_select(-2, keep + start)
-            setattr(layer, name, t[..., : start + keep.numel(), :])
+            kept = t[..., : start + keep.numel(), :]
+            setattr(layer, name, kept.contiguous() if contiguous else kept)
         if hasattr(layer, "cumulative_length"):  # sliding-window layers count tokens seen
             layer.cumulative_length -= dropped
 
@@ -421,6 +425,7 @@ def decode(
         sequence = input_ids[0].tolist()  # the row on the host, kept in step with input_ids (no copy back)
         root = sequence[-1]
     chooser = drafter.step_chooser()  # plain steps where drafting does not pay ("auto" trees)
+    contiguous = compiled_forward(model)  # a compiled forward guards on the cache's strides (`compact_cache`)
     # greedy steps read their tokens and the next tree in one copy (`accept_greedy_and_grow`)
     fuse = (
         stop is not None
@@ -484,7 +489,7 @@ def decode(
         with phase(syncs, "cache"):
             keep = torch.tensor(result.nodes, device=input_ids.device)
             if keep.numel() < batch.input_ids.shape[1]:  # nothing to drop when every node was accepted
-                compact_cache(cache, batch.input_ids.shape[1], keep)
+                compact_cache(cache, batch.input_ids.shape[1], keep, contiguous)
             past_mask = torch.cat([past_mask, past_mask.new_ones(1, keep.numel())], dim=-1)
             hidden_last = out.hidden_states[-1][:, result.nodes[-1]]
             new = input_ids.new_tensor([result.tokens])

@@ -116,6 +116,9 @@ class OracleDrafter(BlockDrafter):
     lattice, and (as its rescorer) picks the path of true tokens out of that lattice."""
 
     def __init__(self, heads, reference: torch.Tensor, **kw):
+        # no context lookup: its chain would compete with the true path for the tree's nodes (on the random
+        # heads' estimates) and could push the true path's deep nodes out of a fixed-size tree
+        kw.setdefault("context_lookup", 0)
         super().__init__(heads, rescorer=self._pick_true_path, **kw)
         self.reference = reference[0].tolist()
         self.rng = torch.Generator().manual_seed(0)
@@ -282,6 +285,13 @@ def test_compact_cache_keeps_exactly_the_accepted_tree_entries():
     k, v = cache.layers[0].keys, cache.layers[0].values
     assert k.shape == (1, 2, 8, 4)
     assert torch.equal(k, keys[:, :, [0, 1, 2, 3, 4, 5, 7, 8]]) and torch.equal(v, -k)
+    assert not k.is_contiguous()  # a view of the old tensor: no copy of the context
+    # for a compiled forward (it guards on strides) the kept entries are copied out, contiguous
+    cache = DynamicCache(config=model.config)
+    cache.update(keys.clone(), -keys.clone(), layer_idx=0)
+    compact_cache(cache, num_tree=4, keep=torch.tensor([0, 2, 3]), contiguous=True)
+    assert torch.equal(cache.layers[0].keys, k) and cache.layers[0].keys.is_contiguous()
+    assert cache.layers[0].values.is_contiguous()
 
 
 # ---- errors -------------------------------------------------------------------------------------------

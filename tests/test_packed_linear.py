@@ -154,6 +154,8 @@ def test_a_compiled_forward_runs_the_trees_unpacked_exactly_and_gets_its_own_cos
     model = tiny_model("llama", eos_token_id=None)
     ids = torch.tensor([[5, 6, 7]])
     ref = model.generate(ids, do_sample=False, max_new_tokens=40)
+    other = torch.tensor([[9, 3, 4, 3, 4, 3]])
+    other_ref = model.generate(other, do_sample=False, max_new_tokens=40)
     fixed = hf_bpd.BlockDrafter(copying_heads(model, 4), top_k=3, max_tree_tokens=16)
     auto = hf_bpd.BlockDrafter(fixed.heads, top_k=3, max_tree_tokens="auto")
     kw = dict(do_sample=False, max_new_tokens=40, custom_generate=hf_bpd.generate)
@@ -177,6 +179,10 @@ def test_a_compiled_forward_runs_the_trees_unpacked_exactly_and_gets_its_own_cos
             assert isinstance(drafter.linear_context, contextlib.nullcontext)
         assert max(fixed.stats.accepted_lengths) > 1  # trees were verified through the compiled forward
         assert graphs
+        # decoding again (another prompt, other lengths) compiles nothing new
+        compiled_graphs = len(graphs)
+        assert model.generate(other, assistant=fixed, **kw).tolist() == other_ref.tolist()
+        assert len(graphs) == compiled_graphs
         assert auto.forward_cost is not packed_curve  # measured again, on the compiled forward
     finally:
         del model.forward
