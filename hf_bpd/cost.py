@@ -239,9 +239,7 @@ def best_tree_size(node_probs: list[float], cost: ForwardCost | LearnedForwardCo
     return best_n
 
 
-def best_batch_width(
-    node_probs: list[list[float]], rows_in_forward: int, cost, max_width: int | None = None
-) -> int:
+def best_batch_width(node_probs: list[list[float]], rows_in_forward: int, cost, max_width: int | None = None) -> int:
     """One verification forward for a batch: every row's tree is padded to the widest, so the forward holds
     `rows_in_forward` x w tokens (finished rows included) whatever each row drafted. node_probs[b]: row b's
     node acceptance probabilities (as in `best_tree_size`). Returns the width w <= `max_width` maximising
