@@ -82,6 +82,8 @@ class NoisyOracle(BlockDrafter):
 
     def __init__(self, model, reference: torch.Tensor, pad: int = 0, seed: int = 0, **kw):
         heads = BlockDraftHeads.for_base_model(model, num_heads=4)
+        # no context lookup: its chain would compete with the (noisy) true path for the verified chain
+        kw.setdefault("context_lookup", 0)
         super().__init__(heads, rescorer=self._true_paths, top_k=2, max_tree_tokens=kw.pop("max_tree_tokens", 8), **kw)
         self.reference = [[t for t in row if t != pad] for row in reference.tolist()]
         self.pad, self.rng = pad, random.Random(seed)
