@@ -43,6 +43,7 @@ from .calibration import SamplingWarp
 from .cost import BatchForwardCost
 from .decoding import accept_tree, choose_tokens, prefill, prompt_mask, verify_tree
 from .drafter import BlockDrafter, DecodingStats
+from .packed_linear import compiled_forward
 from .support import AttentionWindows
 from .tree import DraftTree, batch_trees
 
@@ -86,10 +87,11 @@ def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessor
     return out
 
 
-def compact_rows(cache, num_tree: int, keep: torch.Tensor) -> None:
+def compact_rows(cache, num_tree: int, keep: torch.Tensor, contiguous: bool = False) -> None:
     """Of the last `num_tree` entries of every layer keep, per row, the tree indices `keep [B, K]` (row b's
     accepted nodes first; the rest of its K slots are holes its mask hides). In place, as
-    `decoding.compact_cache`: only the tree slot is touched, whatever the context length."""
+    `decoding.compact_cache`: only the tree slot is touched, whatever the context length, and
+    `contiguous` copies each layer out for a compiled forward, as there."""
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None:
             continue
@@ -98,7 +100,8 @@ def compact_rows(cache, num_tree: int, keep: torch.Tensor) -> None:
             start = t.shape[-2] - num_tree
             index = (keep + start)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
             t[..., start : start + keep.shape[1], :] = t.gather(2, index)
-            setattr(layer, name, t[..., : start + keep.shape[1], :])
+            kept = t[..., : start + keep.shape[1], :]
+            setattr(layer, name, kept.contiguous() if contiguous else kept)
         if hasattr(layer, "cumulative_length"):  # sliding-window layers count what they hold
             layer.cumulative_length -= num_tree - keep.shape[1]
 
@@ -147,6 +150,7 @@ def decode_batch(
     processors = [row_processors(logits_processor, b) for b in range(batch_size)]
     auto = drafter.max_tree_tokens == "auto" and drafter.forward_cost is not None
     batch_cost = BatchForwardCost(drafter.step_cost, batch_size) if auto else None
+    contiguous = compiled_forward(model)  # a compiled forward guards on the cache's strides (`compact_rows`)
 
     t0 = time.perf_counter()
     past_mask = prompt_mask(input_ids, model_kwargs)
@@ -211,7 +215,7 @@ def decode_batch(
             keep[b, :k] = torch.tensor(result.nodes)
             keep[b, k:] = result.nodes[-1]
             real_slots[b, :k] = 1
-        compact_rows(cache, batch.input_ids.shape[1], keep.to(device))
+        compact_rows(cache, batch.input_ids.shape[1], keep.to(device), contiguous)
         past_mask = torch.cat([past_mask, real_slots.to(device)], dim=-1)
         last = torch.tensor([len(results[b].nodes) - 1 if b in results else 0 for b in range(batch_size)])
         hidden_last = out.hidden_states[-1][torch.arange(batch_size), keep[torch.arange(batch_size), last].to(device)]

@@ -336,14 +336,15 @@ def wants_packed_linear(model, packed_linear: bool | None) -> bool:
     `model.forward` is not compiled (`compiled_forward`)."""
     param = next(model.parameters())
     servable = param.device.type == "cpu" and param.dtype == torch.float32
-    if packed_linear and compiled_forward(model):
+    compiled = compiled_forward(model)
+    if packed_linear and compiled:
         raise ValueError(
             "model.forward is compiled (torch.compile), whose graph packs its own weights: packed linears "
             "cannot run under it; leave packed_linear unset (auto) or pass False"
         )
     if packed_linear is None:
         size = sum(p.numel() * p.element_size() for p in model.parameters())
-        return servable and packed_linear_available() and size <= AUTO_MAX_BYTES and not compiled_forward(model)
+        return servable and packed_linear_available() and size <= AUTO_MAX_BYTES and not compiled
     if packed_linear and not servable:
         raise ValueError(
             f"packed_linear=True serves float32 models on a CPU; this one is {param.dtype} on {param.device}"
