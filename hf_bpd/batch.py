@@ -215,7 +215,10 @@ def decode_batch(
             keep[b, :k] = torch.tensor(result.nodes)
             keep[b, k:] = result.nodes[-1]
             real_slots[b, :k] = 1
-        compact_rows(cache, batch.input_ids.shape[1], keep.to(device), contiguous)
+        num_tree = batch.input_ids.shape[1]
+        # nothing to move when every row kept its whole tree in order (plain steps: each row its root)
+        if width < num_tree or bool((keep != torch.arange(width)).any()):
+            compact_rows(cache, num_tree, keep.to(device), contiguous)
         past_mask = torch.cat([past_mask, real_slots.to(device)], dim=-1)
         last = torch.tensor([len(results[b].nodes) - 1 if b in results else 0 for b in range(batch_size)])
         hidden_last = out.hidden_states[-1][torch.arange(batch_size), keep[torch.arange(batch_size), last].to(device)]

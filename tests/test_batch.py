@@ -111,6 +111,28 @@ def test_auto_trees_take_one_width_sized_by_the_batch_forward_and_stay_exact(cur
             widest = max(widest, max(sizes))
 
 
+def test_plain_steps_leave_the_cache_alone_and_drafted_steps_compact_it(monkeypatch):
+    import hf_bpd.batch
+    from hf_bpd.cost import BatchForwardCost, ForwardCost
+
+    calls = []
+    compact = hf_bpd.batch.compact_rows
+    monkeypatch.setattr(hf_bpd.batch, "compact_rows", lambda *a, **k: calls.append(a[1]) or compact(*a, **k))
+    # each token costs the same and no drafted node is sure: every tree is the root alone
+    monkeypatch.setattr(BatchForwardCost, "observe", lambda self, w, s: self.seconds.update({w: 0.05 * self.rows * w}))
+    model = tiny_model("llama", eos_token_id=None)
+    sizes = (1, 2, 4, 8, 16)
+    drafter = drafter_for(model, forward_cost=ForwardCost(sizes, tuple(0.05 * n for n in sizes)))
+    drafter.max_tree_tokens = "auto"
+    batch = left_padded(prompts_for(4, 6))
+    ref, out = both(model, batch, drafter, max_new_tokens=20)
+    assert out.tolist() == ref.tolist()
+    assert all(size == 1 for row in drafter.stats.rows for size in row.tree_sizes) and calls == []
+    ref, out = both(model, batch, drafter_for(model), max_new_tokens=20)  # fixed trees: drafted steps
+    assert out.tolist() == ref.tolist()
+    assert calls and all(n == 8 for n in calls)
+
+
 def test_right_padding_and_holes_are_refused_before_any_forward():
     model = tiny_model("llama")
     drafter = drafter_for(model)
