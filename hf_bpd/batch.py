@@ -43,7 +43,7 @@ from .calibration import SamplingWarp
 from .cost import BatchForwardCost
 from .decoding import accept_tree, choose_tokens, prefill, prompt_mask, verify_tree
 from .drafter import BlockDrafter, DecodingStats
-from .packed_linear import compiled_forward
+from .packed_linear import compiled_forward, contiguous_kv
 from .support import AttentionWindows
 from .tree import DraftTree, batch_trees
 
@@ -150,11 +150,13 @@ def decode_batch(
     processors = [row_processors(logits_processor, b) for b in range(batch_size)]
     auto = drafter.max_tree_tokens == "auto" and drafter.forward_cost is not None
     batch_cost = BatchForwardCost(drafter.step_cost, batch_size) if auto else None
-    contiguous = compiled_forward(model)  # a compiled forward guards on the cache's strides (`compact_rows`)
+    contiguous = compiled_forward(model)  # a compiled forward guards on the cache's strides (`contiguous_kv`)
 
     t0 = time.perf_counter()
     past_mask = prompt_mask(input_ids, model_kwargs)
     logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
+    if contiguous:
+        contiguous_kv(cache)
     scores = logits_processor(input_ids, logits)
     first = choose_tokens(scores, do_sample)
     sequences = [torch.cat([input_ids[b : b + 1], first[b].view(1, 1)], dim=-1) for b in range(batch_size)]

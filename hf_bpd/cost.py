@@ -24,7 +24,7 @@ import torch
 from .cache import cache_root, key_file_name, machine_key, read_cached, write_cached
 from .chain import drop_last, restore, snapshot, state_tensors, verify_chain
 from .compat import cache_argument
-from .packed_linear import compiled_forward, linear_context, wants_packed_linear
+from .packed_linear import compiled_forward, contiguous_kv, linear_context, wants_packed_linear
 from .vocab import model_vocab_size
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -90,6 +90,10 @@ class ForwardTimer:
         prompt = torch.randint(0, self.vocab, (1, context), generator=self.generator).to(self.device)
         model(input_ids=prompt, **{self.cache_kwarg: self.cache}, use_cache=True)
         self.stateful = bool(state_tensors(self.cache))
+        # laid out as decoding lays out a compiled forward's cache, so the graphs compiled here serve it
+        self.contiguous = compiled_forward(model)
+        if self.contiguous:
+            contiguous_kv(self.cache)
 
     def once(self, n: int, block) -> float:
         ids = torch.randint(0, self.vocab, (1, n), generator=self.generator).to(self.device)
@@ -117,6 +121,8 @@ class ForwardTimer:
             drop_last(self.cache, n)
         else:
             self.cache.crop(-n)
+        if self.contiguous:
+            contiguous_kv(self.cache)
         return seconds
 
     def median(self, n: int, block, repeats: int) -> float:

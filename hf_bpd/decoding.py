@@ -50,7 +50,7 @@ from .calibration import SamplingWarp
 from .compat import CACHE_NAMES, GENERATE_CACHE_FIELD, cache_argument, output_cache
 from .drafter import BlockDrafter
 from .expansion import GrownTree
-from .packed_linear import compiled_forward
+from .packed_linear import compiled_forward, contiguous_kv
 from .support import AttentionWindows
 from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, TreeBatch, batch_trees
@@ -425,7 +425,9 @@ def decode(
         sequence = input_ids[0].tolist()  # the row on the host, kept in step with input_ids (no copy back)
         root = sequence[-1]
     chooser = drafter.step_chooser()  # plain steps where drafting does not pay ("auto" trees)
-    contiguous = compiled_forward(model)  # a compiled forward guards on the cache's strides (`compact_cache`)
+    contiguous = compiled_forward(model)  # a compiled forward guards on the cache's strides (`contiguous_kv`)
+    if contiguous:
+        contiguous_kv(cache)
     # greedy steps read their tokens and the next tree in one copy (`accept_greedy_and_grow`)
     fuse = (
         stop is not None

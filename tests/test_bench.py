@@ -240,6 +240,28 @@ def test_batch_bench_rows_equal_plain_batched_greedy(smollm2):
     assert bpd[0]["forwards"] < 24 and len(bpd[0]["row_tau"]) == 2
 
 
+def test_batch_rounds_decode_every_batch_again_with_the_methods_order_turning():
+    from hf_bpd.tools.bench_batch import run_batch_bench
+
+    class PaddingTokenizer(TinyChatTokenizer):
+        pad_token_id = 0
+
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8)
+    order = []
+    methods = [bench.greedy_method(model), bench.bpd_method(model, drafter)]
+    for m in methods:
+        run = m.run
+        m.run = lambda inputs, n, run=run, name=m.name: order.append(name) or run(inputs, n)
+    records = run_batch_bench(model, PaddingTokenizer(), ROWS, methods, 6, batch_size=2, rounds=2)
+    # 2 rounds of (a batch of 2, a batch of 1), each decoded by both methods, after one warm-up each
+    assert [(r["round"], r["method"]) for r in records] == [(k, m) for k in (0, 0, 1, 1) for m in ("greedy", "hf_bpd")]
+    assert len({r["row"] for r in records}) == 4 and all(r["identical"] for r in records)
+    assert order[2:] == ["greedy", "hf_bpd", "hf_bpd", "greedy"] * 2  # who runs first turns batch by batch
+    with pytest.raises(SystemExit, match="--rounds"):
+        bench.main(["--rounds", "2", "--max-new-tokens", "4"])
+
+
 def test_greedy_twin_in_a_sampled_run_decodes_greedily_with_its_own_calibration():
     model = tiny_model("llama", eos_token_id=None)
     drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8)

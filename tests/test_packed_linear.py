@@ -2,6 +2,7 @@
 only inside the context, never stale, and lossless decoding with them."""
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 import hf_bpd
+from hf_bpd.compat import cache_argument
 from hf_bpd.cost import measure_forward_cost
 from hf_bpd.packed_linear import (
     KERNEL_PLAN_SIZES,
@@ -169,7 +171,18 @@ def test_a_compiled_forward_runs_the_trees_unpacked_exactly_and_gets_its_own_cos
         graphs.append(graph)
         return graph.forward
 
-    model.forward = torch.compile(model.forward, backend=counting_backend, dynamic=True)
+    compiled = torch.compile(model.forward, backend=counting_backend, dynamic=True)
+    layouts = []  # whether every cached key and value tensor the compiled forward was given is contiguous
+
+    @functools.wraps(compiled)  # its signature, and the mark compiled_forward looks for
+    def recording(*args, **kwargs):
+        cache = kwargs.get(cache_argument(model))
+        tensors = [getattr(layer, n, None) for layer in getattr(cache, "layers", []) for n in ("keys", "values")]
+        if any(t is not None and t.numel() for t in tensors):
+            layouts.append(all(t.is_contiguous() for t in tensors if t is not None))
+        return compiled(*args, **kwargs)
+
+    model.forward = recording
     try:
         assert compiled_forward(model) and not wants_packed_linear(model, None)
         with pytest.raises(ValueError, match="model.forward is compiled"):
@@ -182,7 +195,13 @@ def test_a_compiled_forward_runs_the_trees_unpacked_exactly_and_gets_its_own_cos
         # decoding again (another prompt, other lengths) compiles nothing new
         compiled_graphs = len(graphs)
         assert model.generate(other, assistant=fixed, **kw).tolist() == other_ref.tolist()
+        # nor do plain one-token steps after the prefill and between trees: every cache the compiled forward
+        # is given is laid out alike (`contiguous_kv`), and the cost curve's timing compiled the one-token graph
+        roots_only = hf_bpd.BlockDrafter(fixed.heads, top_k=3, max_tree_tokens=1, context_lookup=0)
+        assert model.generate(other, assistant=roots_only, **kw).tolist() == other_ref.tolist()
+        assert max(roots_only.stats.tree_sizes) == 1
         assert len(graphs) == compiled_graphs
+        assert layouts and all(layouts)  # after a prefill, a crop or a compaction alike
         assert auto.forward_cost is not packed_curve  # measured again, on the compiled forward
     finally:
         del model.forward

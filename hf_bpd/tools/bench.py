@@ -740,6 +740,12 @@ def main(argv: list[str] | None = None) -> int:
         "call, every size in this run (methods greedy and hf_bpd[+RESCORER]; no journal)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --batch-size: decode every batch this many times (each method's order turning each round)",
+    )
+    parser.add_argument(
         "--merge",
         nargs="+",
         default=None,
@@ -754,6 +760,8 @@ def main(argv: list[str] | None = None) -> int:
         info = {"merged": args.merge, "turns": len(records) // len(methods), **merged_environment(args.merge)}
         return _report(results, info, args.output)
 
+    if args.rounds < 1 or (args.rounds > 1 and args.batch_size == [1]):
+        raise SystemExit(f"--rounds repeats the batches of --batch-size B > 1: it must be >= 1, got {args.rounds}")
     check_data_file(args.data)
     if min(args.batch_size) < 1:
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -878,7 +886,9 @@ def main(argv: list[str] | None = None) -> int:
 
         records = []
         for size in args.batch_size:
-            records += run_batch_bench(model, tokenizer, rows, methods, args.max_new_tokens, size, len(records))
+            records += run_batch_bench(
+                model, tokenizer, rows, methods, args.max_new_tokens, size, len(records), args.rounds
+            )
         info = {"environment": env, "args": vars(args), "rows": len(rows)}
         info["drafter"] = {"heads": args.heads, **header["drafter"]}
         info["forward_cost"] = header.get("forward_cost")

@@ -43,11 +43,20 @@ def row_tokens(generated: torch.Tensor, eos: set[int]) -> list[list[int]]:
 
 
 def run_batch_bench(
-    model, tokenizer, rows: list[dict], methods, max_new_tokens: int, batch_size: int, first_record: int = 0
+    model,
+    tokenizer,
+    rows: list[dict],
+    methods,
+    max_new_tokens: int,
+    batch_size: int,
+    first_record: int = 0,
+    rounds: int = 1,
 ) -> list[dict]:
-    """Records (one per batch and method, category "batches of B") for `bench.summarize`; the reference is
-    `methods[0]`. Every method decodes the first batch once, untimed, before any timing (warm-up at this
-    size); the methods then take turns running first. `first_record` numbers the records after earlier
+    """Records (one per batch, round and method, category "batches of B") for `bench.summarize`; the
+    reference is `methods[0]`. Every method decodes the first batch once, untimed, before any timing (warm-up
+    at this size); the methods then take turns running first. `rounds` decodes every batch that many times
+    (the order of the methods turning on each round): a batch's prefill alone is long and its time varies
+    on a shared host, so one sample per batch is noisy. `first_record` numbers the records after earlier
     ones of the same run."""
     device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id
@@ -58,8 +67,9 @@ def run_batch_bench(
     warm_up = left_padded_batch(tokenizer, prompts[:batch_size], device)
     for m in methods:
         m.run({**warm_up, "pad_token_id": pad}, min(max_new_tokens, 8))
+    starts = list(range(0, len(prompts), batch_size))
     with ForwardCounter(model) as counter:
-        for g, start in enumerate(range(0, len(prompts), batch_size)):
+        for g, start in ((r * len(starts) + i, start) for r in range(rounds) for i, start in enumerate(starts)):
             batch = left_padded_batch(tokenizer, prompts[start : start + batch_size], device)
             width = batch["input_ids"].shape[1]
             results = {}
@@ -75,6 +85,7 @@ def run_batch_bench(
                     "row": first_record + g,
                     "question_id": rows[start].get("question_id"),
                     "category": f"batches of {batch_size}",
+                    "round": g // len(starts),
                     "turn": 0,
                     "method": m.name,
                     "tokens": sum(len(t) for t in tokens),
