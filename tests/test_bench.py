@@ -262,6 +262,32 @@ def test_batch_rounds_decode_every_batch_again_with_the_methods_order_turning():
         bench.main(["--rounds", "2", "--max-new-tokens", "4"])
 
 
+def test_a_compiled_drafted_method_meets_its_plain_steps_in_warm_up(monkeypatch):
+    # every graph hf_bpd's decoding needs (prefill, one-token steps, trees) is compiled before timing
+    graphs = []
+    compile_ = torch.compile
+
+    def traced(fn, dynamic=None, **_):  # dynamo's trace, run as traced (no inductor: quick)
+        return compile_(fn, dynamic=dynamic, backend=lambda g, _: graphs.append(g) or g.forward)
+
+    monkeypatch.setattr(torch, "compile", traced)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    torch._dynamo.reset()
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8)
+    method = bench.compiled_method(bench.bpd_method(model, drafter), model, TinyChatTokenizer())
+    assert drafter.max_tree_tokens == 8  # put back after the plain-step warm-up
+    warmed = len(graphs)
+    inputs = TinyChatTokenizer().apply_chat_template([{"role": "user", "content": "a longer prompt than both"}])
+    plain = model.generate(**inputs, do_sample=False, max_new_tokens=30)
+    drafter.max_tree_tokens = 1  # plain steps only
+    assert method.run(inputs, 30)[0].tolist() == plain.tolist()
+    drafter.max_tree_tokens = 8
+    assert method.run(inputs, 30)[0].tolist() == plain.tolist()
+    assert max(drafter.stats.tree_sizes) > 1 and len(graphs) == warmed
+    torch._dynamo.reset()
+
+
 def test_greedy_twin_in_a_sampled_run_decodes_greedily_with_its_own_calibration():
     model = tiny_model("llama", eos_token_id=None)
     drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8)
