@@ -43,7 +43,6 @@ from .calibration import SamplingWarp
 from .cost import BatchForwardCost
 from .decoding import accept_tree, choose_tokens, prefill, prompt_mask, verify_tree
 from .drafter import BlockDrafter, DecodingStats
-from .packed_linear import compiled_forward, contiguous_kv
 from .support import AttentionWindows
 from .tree import DraftTree, batch_trees
 
@@ -87,11 +86,10 @@ def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessor
     return out
 
 
-def compact_rows(cache, num_tree: int, keep: torch.Tensor, contiguous: bool = False) -> None:
+def compact_rows(cache, num_tree: int, keep: torch.Tensor) -> None:
     """Of the last `num_tree` entries of every layer keep, per row, the tree indices `keep [B, K]` (row b's
     accepted nodes first; the rest of its K slots are holes its mask hides). In place, as
-    `decoding.compact_cache`: only the tree slot is touched, whatever the context length, and
-    `contiguous` copies each layer out for a compiled forward, as there."""
+    `decoding.compact_cache`: only the tree slot is touched, whatever the context length."""
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None:
             continue
@@ -100,8 +98,7 @@ def compact_rows(cache, num_tree: int, keep: torch.Tensor, contiguous: bool = Fa
             start = t.shape[-2] - num_tree
             index = (keep + start)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
             t[..., start : start + keep.shape[1], :] = t.gather(2, index)
-            kept = t[..., : start + keep.shape[1], :]
-            setattr(layer, name, kept.contiguous() if contiguous else kept)
+            setattr(layer, name, t[..., : start + keep.shape[1], :])
         if hasattr(layer, "cumulative_length"):  # sliding-window layers count what they hold
             layer.cumulative_length -= num_tree - keep.shape[1]
 
@@ -150,13 +147,10 @@ def decode_batch(
     processors = [row_processors(logits_processor, b) for b in range(batch_size)]
     auto = drafter.max_tree_tokens == "auto" and drafter.forward_cost is not None
     batch_cost = BatchForwardCost(drafter.step_cost, batch_size) if auto else None
-    contiguous = compiled_forward(model)  # a compiled forward guards on the cache's strides (`contiguous_kv`)
 
     t0 = time.perf_counter()
     past_mask = prompt_mask(input_ids, model_kwargs)
     logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
-    if contiguous:
-        contiguous_kv(cache)
     scores = logits_processor(input_ids, logits)
     first = choose_tokens(scores, do_sample)
     sequences = [torch.cat([input_ids[b : b + 1], first[b].view(1, 1)], dim=-1) for b in range(batch_size)]
@@ -220,7 +214,7 @@ def decode_batch(
         num_tree = batch.input_ids.shape[1]
         # nothing to move when every row kept its whole tree in order (plain steps: each row its root)
         if width < num_tree or bool((keep != torch.arange(width)).any()):
-            compact_rows(cache, num_tree, keep.to(device), contiguous)
+            compact_rows(cache, num_tree, keep.to(device))
         past_mask = torch.cat([past_mask, real_slots.to(device)], dim=-1)
         last = torch.tensor([len(results[b].nodes) - 1 if b in results else 0 for b in range(batch_size)])
         hidden_last = out.hidden_states[-1][torch.arange(batch_size), keep[torch.arange(batch_size), last].to(device)]

@@ -160,6 +160,8 @@ def verify_tree(
     Returns the model output (logits and hidden states of every node)."""
     positions = past_mask.long().sum(-1, keepdim=True) + tree.depths
     dtype = next(model.parameters()).dtype
+    if compiled_forward(model):  # it guards on the cache's strides: one layout for every call (`contiguous_kv`)
+        contiguous_kv(cache)
     try:
         return model(
             input_ids=tree.input_ids,
@@ -364,14 +366,12 @@ def accept_tree(
         node = child
 
 
-def compact_cache(cache: DynamicCache, num_tree: int, keep: torch.Tensor, contiguous: bool = False) -> None:
+def compact_cache(cache: DynamicCache, num_tree: int, keep: torch.Tensor) -> None:
     """Drop rejected tree entries: of the last `num_tree` entries of every layer keep only the tree
     indices `keep` (ascending, root first), moved to the front of the tree slot.
 
     Touches only the tree slot, so its cost does not grow with the context length, and leaves each layer
-    a view of its old tensor. `contiguous` copies it out instead (a whole-cache copy, as the next forward's
-    append makes anyway): a compiled forward guards on its inputs' strides, and views of ever-different
-    lengths made dynamo compile new graphs again and again while decoding."""
+    a view of its old tensor (a compiled forward gets it copied out: `verify_tree`)."""
     dropped = num_tree - keep.numel()
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None:  # a layer never written (not in real decoding)
@@ -380,8 +380,7 @@ def compact_cache(cache: DynamicCache, num_tree: int, keep: torch.Tensor, contig
             t = getattr(layer, name)
             start = t.shape[-2] - num_tree
             t[..., start : start + keep.numel(), :] = t.index_select(-2, keep + start)
-            kept = t[..., : start + keep.numel(), :]
-            setattr(layer, name, kept.contiguous() if contiguous else kept)
+            setattr(layer, name, t[..., : start + keep.numel(), :])
         if hasattr(layer, "cumulative_length"):  # sliding-window layers count tokens seen
             layer.cumulative_length -= dropped
 
@@ -425,9 +424,6 @@ def decode(
         sequence = input_ids[0].tolist()  # the row on the host, kept in step with input_ids (no copy back)
         root = sequence[-1]
     chooser = drafter.step_chooser()  # plain steps where drafting does not pay ("auto" trees)
-    contiguous = compiled_forward(model)  # a compiled forward guards on the cache's strides (`contiguous_kv`)
-    if contiguous:
-        contiguous_kv(cache)
     # greedy steps read their tokens and the next tree in one copy (`accept_greedy_and_grow`)
     fuse = (
         stop is not None
@@ -491,7 +487,7 @@ def decode(
         with phase(syncs, "cache"):
             keep = torch.tensor(result.nodes, device=input_ids.device)
             if keep.numel() < batch.input_ids.shape[1]:  # nothing to drop when every node was accepted
-                compact_cache(cache, batch.input_ids.shape[1], keep, contiguous)
+                compact_cache(cache, batch.input_ids.shape[1], keep)
             past_mask = torch.cat([past_mask, past_mask.new_ones(1, keep.numel())], dim=-1)
             hidden_last = out.hidden_states[-1][:, result.nodes[-1]]
             new = input_ids.new_tensor([result.tokens])

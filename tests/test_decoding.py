@@ -14,6 +14,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 import hf_bpd
 from hf_bpd import BlockDrafter, Lattice, ScoredPath
 from hf_bpd.decoding import compact_cache
+from hf_bpd.packed_linear import contiguous_kv
 
 
 def run_both(model, drafter, input_ids, **kw):
@@ -286,10 +287,11 @@ def test_compact_cache_keeps_exactly_the_accepted_tree_entries():
     assert k.shape == (1, 2, 8, 4)
     assert torch.equal(k, keys[:, :, [0, 1, 2, 3, 4, 5, 7, 8]]) and torch.equal(v, -k)
     assert not k.is_contiguous()  # a view of the old tensor: no copy of the context
-    # for a compiled forward (it guards on strides) the kept entries are copied out, contiguous
+    # for a compiled forward (it guards on strides) `verify_tree` copies the kept entries out, contiguous
     cache = DynamicCache(config=model.config)
     cache.update(keys.clone(), -keys.clone(), layer_idx=0)
-    compact_cache(cache, num_tree=4, keep=torch.tensor([0, 2, 3]), contiguous=True)
+    compact_cache(cache, num_tree=4, keep=torch.tensor([0, 2, 3]))
+    contiguous_kv(cache)
     assert torch.equal(cache.layers[0].keys, k) and cache.layers[0].keys.is_contiguous()
     assert cache.layers[0].values.is_contiguous()
 

@@ -165,16 +165,21 @@ def compiled_method(method: Method, model, tokenizer) -> Method:
         finally:
             del model.forward
 
+    device = next(model.parameters()).device
+    short, longer = (
+        chat_inputs(tokenizer, [{"role": "user", "content": text}], device)
+        for text in ("Hi.", "Say hello to the world in three different languages, please.")
+    )
     t0 = time.perf_counter()
     # long enough for a drafted method to meet its shapes (tree sizes, a compacted cache) before timing
-    for text in ("Hi.", "Say hello to the world in three different languages, please."):
-        run(chat_inputs(tokenizer, [{"role": "user", "content": text}], next(model.parameters()).device), 32)
+    run(short, 32)
+    run(longer, 32)
     if method.drafter is not None:
         # a drafted method's plain steps (one token on a cache) are a graph of their own, which a decode meets
         # only where drafting stops paying: compiled here, not inside a timed turn
         tree_size, method.drafter.max_tree_tokens = method.drafter.max_tree_tokens, 1
         try:
-            run(chat_inputs(tokenizer, [{"role": "user", "content": text}], next(model.parameters()).device), 8)
+            run(longer, 8)
         finally:
             method.drafter.max_tree_tokens = tree_size
     COMPILE_SECONDS[f"{method.name}_compiled"] = time.perf_counter() - t0
