@@ -35,7 +35,14 @@ from .expansion import GrownTree, chain_lattice, expand_tree, grow_on_device
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
 from .lookup import lookup_continuation, merge_lookup
-from .packed_linear import KernelPlan, PackedLinear, cached_kernel_plan, compiled_forward, linear_context
+from .packed_linear import (
+    KernelPlan,
+    PackedLinear,
+    cached_kernel_plan,
+    compiled_forward,
+    linear_context,
+    wants_packed_linear,
+)
 from .tree import DraftTree
 
 RECENT_STEPS = 16  # steps whose tree sizes bound how far "previous" heads grow a tree that will be cut
@@ -300,15 +307,7 @@ class BlockDrafter:
             self.heads.to(device=device, dtype=next(model.parameters()).dtype)
             self.heads.eval()
             self.linear_context = linear_context(model, self.packed_linear)
-            packs = isinstance(self.linear_context, PackedLinear)  # the heads follow the model's setting
-            self._heads_context = contextlib.nullcontext()
-            if packs:  # the heads' own layers measured as the model's, and the base LM head they borrow
-                shapes = getattr(self.linear_context.plan, "shapes", None)  # None: packed at every row count
-                tied = self.heads.__dict__.get("_tied_weight")  # the LM-head rows the heads borrow (`bind`)
-                extra = () if tied is None else (tied,)
-                own = None if shapes is None else cached_kernel_plan(self.heads, extra_weights=extra)[0].shapes
-                plan = None if shapes is None else KernelPlan({**shapes, **own})
-                self._heads_context = PackedLinear(self.heads, plan=plan)
+            self._heads_context = self._heads_kernels(model)
             if self.max_tree_tokens == "auto" and (self.forward_cost is None or self._measured_cost):
                 # measured once per machine, model and kernels, then read from the cache (`cost.cached_forward_cost`)
                 t0 = time.perf_counter()
@@ -321,6 +320,25 @@ class BlockDrafter:
         self.stats = DecodingStats()
         if self.rescorer is not None and hasattr(self.rescorer, "reset"):
             self.rescorer.reset()
+
+    def _heads_kernels(self, model) -> contextlib.AbstractContextManager:
+        """The context the heads run in: their own linears, and the LM-head rows they borrow, on packed
+        oneDNN weights wherever the model's linears are packed, and also beside a compiled `model.forward`
+        (the heads run eagerly outside its graph, so its kernels never reach them; packing only the heads
+        breaks none of its guards). A no-op where the heads cannot be packed or `packed_linear=False`."""
+        model_kernels = self.linear_context
+        if isinstance(model_kernels, PackedLinear):
+            shapes = getattr(model_kernels.plan, "shapes", None)  # None: packed at every row count
+            if shapes is None:
+                return PackedLinear(self.heads)
+        elif compiled_forward(model) and wants_packed_linear(self.heads, self.packed_linear):
+            shapes = {}
+        else:
+            return contextlib.nullcontext()
+        tied = self.heads.__dict__.get("_tied_weight")  # the LM-head rows the heads borrow (`bind`)
+        extra = () if tied is None else (tied,)
+        own = cached_kernel_plan(self.heads, extra_weights=extra)[0].shapes  # measured as the model's were
+        return PackedLinear(self.heads, plan=KernelPlan({**shapes, **own}))
 
     @contextlib.contextmanager
     def exclusive(self):

@@ -190,6 +190,16 @@ def test_a_compiled_forward_runs_the_trees_unpacked_exactly_and_gets_its_own_cos
         for drafter in (fixed, auto):
             assert model.generate(ids, assistant=drafter, **kw).tolist() == ref.tolist()
             assert isinstance(drafter.linear_context, contextlib.nullcontext)
+            # the heads run eagerly beside the graph: their own linears keep the packed kernels, by a plan
+            # measured on them (every shape of theirs, and the LM-head rows they borrow)
+            heads_kernels = drafter._heads_context
+            assert isinstance(heads_kernels, PackedLinear) and heads_kernels.layers
+            borrowed = drafter.heads.__dict__["_tied_weight"]
+            shapes = {tuple(layer.weight.shape) for layer in heads_kernels.layers} | {tuple(borrowed.shape)}
+            assert shapes <= set(heads_kernels.plan.shapes)
+        unpacked = hf_bpd.BlockDrafter(fixed.heads, top_k=3, max_tree_tokens=16, packed_linear=False)
+        assert model.generate(ids, assistant=unpacked, **kw).tolist() == ref.tolist()
+        assert isinstance(unpacked._heads_context, contextlib.nullcontext)  # packed_linear=False: none anywhere
         assert max(fixed.stats.accepted_lengths) > 1  # trees were verified through the compiled forward
         assert graphs
         # decoding again (another prompt, other lengths) compiles nothing new
