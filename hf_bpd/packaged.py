@@ -212,14 +212,25 @@ def packaged_rescorers(model: str | None = None) -> dict[str, dict]:
     return json.loads(spec_file.read_text()) if spec_file.is_file() else {}
 
 
+def check_shipped_rescorers(names, model: str | None = None) -> dict[str, dict]:
+    """The shipped rescorers' specs (`packaged_rescorers`), after checking that every one of `names` is
+    among them: an unknown name raises ValueError naming the shipped ones, before anything is loaded."""
+    specs = packaged_rescorers(model)
+    unknown = [name for name in names if name not in specs]
+    if unknown:
+        named = ", ".join(repr(name) for name in unknown)
+        raise ValueError(
+            f"no rescorer named {named} is shipped for {resolve_packaged_name(model)}: shipped {sorted(specs)}"
+        )
+    return specs
+
+
 def packaged_rescorer(name: str, base_tokenizer=None, model: str | None = None):
     """A shipped rescorer built from its spec (raises naming the shipped ones for an unknown name)."""
     from .rescoring.composed import build_rescorer
 
-    specs = packaged_rescorers(model)
-    if name not in specs:
-        raise ValueError(f"no shipped rescorer named {name!r}; shipped: {sorted(specs)} (or pass a Rescorer)")
-    return build_rescorer(specs[name], packaged_heads_dir(model).parent, base_tokenizer)
+    spec = check_shipped_rescorers([name], model)[name]
+    return build_rescorer(spec, packaged_heads_dir(model).parent, base_tokenizer)
 
 
 def load_packaged_drafter(rescorer=None, model: str | None = None, heads: str = "default", **drafter_kwargs):

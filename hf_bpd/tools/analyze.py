@@ -338,16 +338,24 @@ def main(argv: list[str] | None = None) -> int:
     check_data_file(args.data)
 
     from ..drafter import BlockDrafter
-    from ..packaged import load_packaged_drafter, packaged_rescorer, packaged_rescorers, resolve_packaged_name
+    from ..packaged import (
+        check_shipped_rescorers,
+        load_packaged_drafter,
+        packaged_rescorer,
+        packaged_rescorers,
+        resolve_packaged_name,
+    )
 
     packaged = resolve_packaged_name(args.model)
     if packaged is None and args.heads == "packaged":
         raise SystemExit(f"{args.model} is not a packaged model: pass the heads trained for it (--heads FOLDER)")
     if packaged is None and args.rescorer != "none":
         raise SystemExit(f"shipped rescorers are for the packaged models, not {args.model}: pass --rescorer none")
-    shipped = sorted(packaged_rescorers(packaged)) if packaged is not None else []
-    if not args.overhead and args.rescorer not in (*shipped, "none"):  # checked before the model loads
-        raise SystemExit(f"no rescorer named {args.rescorer!r} is shipped for {packaged}: shipped {shipped}, or none")
+    if not args.overhead and args.rescorer != "none":
+        try:  # before the model loads
+            check_shipped_rescorers([args.rescorer], packaged)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
     rows = select_rows(read_jsonl(args.data), None, args.per_category, None, args.spread)
     env = environment("cpu", "float32")  # before the run writes anything
     answers = None

@@ -282,13 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     check_data_file(args.data)
 
     from ..models import load_model
-    from ..packaged import packaged_rescorer, packaged_rescorers, resolve_packaged_name
+    from ..packaged import check_shipped_rescorers, packaged_rescorer, resolve_packaged_name
 
     packaged = resolve_packaged_name(args.model)
-    shipped = sorted(packaged_rescorers(packaged))
-    unknown = sorted(set(args.rescorers) - {"none", *shipped})
-    if unknown:
-        raise SystemExit(f"no shipped rescorers {unknown} for {args.model}; shipped: {shipped}")
+    try:  # before the model loads
+        check_shipped_rescorers([name for name in args.rescorers if name != "none"], packaged)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     rows = select_rows(read_jsonl(args.data), args.categories, args.per_category, args.limit, args.spread)
     env = environment(args.device, args.dtype)  # before the run writes anything (the answers cache too)
