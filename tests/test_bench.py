@@ -262,6 +262,24 @@ def test_batch_rounds_decode_every_batch_again_with_the_methods_order_turning():
         bench.main(["--rounds", "2", "--max-new-tokens", "4"])
 
 
+def test_round_speedups_divide_each_round_by_the_sizes_fastest_plain_method():
+    from hf_bpd.tools.bench_batch import round_speedups
+
+    def record(size, k, method, seconds):
+        return {"category": f"batches of {size}", "round": k, "method": method, "seconds": seconds}
+
+    # batches of 2: two batches a round; greedy_fast is the fastest plain method over both rounds
+    records = [
+        *(record(2, 0, m, s) for m, s in (("greedy", 6.0), ("greedy_fast", 4.0), ("hf_bpd", 2.0))),
+        *(record(2, 0, m, s) for m, s in (("greedy", 6.0), ("greedy_fast", 4.0), ("hf_bpd", 6.0))),
+        *(record(2, 1, m, s) for m, s in (("greedy", 5.0), ("greedy_fast", 5.0), ("hf_bpd", 4.0))),
+        *(record(4, 0, m, s) for m, s in (("greedy", 3.0), ("greedy_fast", 4.0), ("hf_bpd", 6.0))),
+    ]
+    out = round_speedups(records, ["greedy", "greedy_fast", "hf_bpd"])
+    assert out["batches of 2"] == {"greedy": [8 / 12, 5 / 5], "greedy_fast": [1.0, 1.0], "hf_bpd": [1.0, 5 / 4]}
+    assert out["batches of 4"]["hf_bpd"] == [3 / 6]  # here eager greedy is the faster plain method
+
+
 def test_a_compiled_drafted_method_meets_its_plain_steps_in_warm_up(monkeypatch):
     # every graph hf_bpd's decoding needs (prefill, one-token steps, trees) is compiled before timing
     graphs = []
@@ -285,6 +303,44 @@ def test_a_compiled_drafted_method_meets_its_plain_steps_in_warm_up(monkeypatch)
     drafter.max_tree_tokens = 8
     assert method.run(inputs, 30)[0].tolist() == plain.tolist()
     assert max(drafter.stats.tree_sizes) > 1 and len(graphs) == warmed
+    torch._dynamo.reset()
+
+
+class LongChatTokenizer(TinyChatTokenizer):
+    def apply_chat_template(self, messages, add_generation_prompt=True, return_tensors="pt", return_dict=True):
+        ids = [3 + (ord(c) % 90) for m in messages for c in m["content"]]  # every character: prompts of any length
+        return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+
+
+def test_compiled_methods_meet_the_graphs_of_an_attention_window_in_warm_up(monkeypatch):
+    # transformers' masks branch on whether the keys reach a window: a decode crossing it and a prompt past
+    # it each need graphs, compiled in warm-up (the bench's short prompts reach neither), never in a turn
+    graphs = []
+    compile_ = torch.compile
+
+    def traced(fn, dynamic=None, **_):  # dynamo's trace, run as traced (no inductor: quick)
+        return compile_(fn, dynamic=dynamic, backend=lambda g, _: graphs.append(g) or g.forward)
+
+    monkeypatch.setattr(torch, "compile", traced)
+    torch._dynamo.reset()
+    model = tiny_model("mistral", eos_token_id=None, sliding_window=128)
+    tokenizer = LongChatTokenizer()
+    assert [(x["input_ids"].shape[1], n) for x, n in bench.window_warm_up(model, tokenizer, "cpu")] == [
+        (112, 32),
+        (144, 8),
+    ]
+    assert bench.window_warm_up(tiny_model("llama"), tokenizer, "cpu") == []  # no window: nothing more to warm
+    drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8)
+    greedy = bench.compiled_method(bench.greedy_method(model), model, tokenizer)
+    bpd = bench.compiled_method(bench.bpd_method(model, drafter), model, tokenizer)
+    warmed = len(graphs)
+    for length, new in ((100, 40), (150, 20)):  # below the window, crossing it; past it from the prompt on
+        text = "".join(chr(97 + (7 * i) % 26) for i in range(length))
+        inputs = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        plain = model.generate(**inputs, do_sample=False, max_new_tokens=new)
+        assert greedy.run(inputs, new)[0].tolist() == plain.tolist()
+        assert bpd.run(inputs, new)[0].tolist() == plain.tolist()
+    assert len(graphs) == warmed
     torch._dynamo.reset()
 
 

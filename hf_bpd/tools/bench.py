@@ -32,6 +32,7 @@ from ..generation import generate as bpd_generate
 from ..jsonl import read_jsonl
 from ..models import chat_inputs
 from ..packed_linear import fast_cpu
+from ..support import attention_windows
 from .forward_counter import ForwardCounter
 
 DEFAULT_DATA = "../shared/data/spec_bench_dev.jsonl"
@@ -170,16 +171,18 @@ def compiled_method(method: Method, model, tokenizer) -> Method:
         chat_inputs(tokenizer, [{"role": "user", "content": text}], device)
         for text in ("Hi.", "Say hello to the world in three different languages, please.")
     )
+    windowed = window_warm_up(model, tokenizer, device)
     t0 = time.perf_counter()
     # long enough for a drafted method to meet its shapes (tree sizes, a compacted cache) before timing
-    run(short, 32)
-    run(longer, 32)
+    for inputs, new_tokens in [(short, 32), (longer, 32), *windowed]:
+        run(inputs, new_tokens)
     if method.drafter is not None:
         # a drafted method's plain steps (one token on a cache) are a graph of their own, which a decode meets
         # only where drafting stops paying: compiled here, not inside a timed turn
         tree_size, method.drafter.max_tree_tokens = method.drafter.max_tree_tokens, 1
         try:
-            run(longer, 8)
+            for inputs, new_tokens in [(longer, 8), *windowed]:
+                run(inputs, new_tokens)
         finally:
             method.drafter.max_tree_tokens = tree_size
     COMPILE_SECONDS[f"{method.name}_compiled"] = time.perf_counter() - t0
@@ -187,6 +190,26 @@ def compiled_method(method: Method, model, tokenizer) -> Method:
 
 
 COMPILE_SECONDS: dict[str, float] = {}  # one-time compilation of the `_compiled` methods of this process
+
+
+def window_warm_up(model, tokenizer, device) -> list[tuple[dict, int]]:
+    """Warm-up decodes for a compiled model with attention windows, as (inputs, new tokens): transformers'
+    masks branch on whether the keys reach a window, and the compiled forward guards on it, so for each
+    window a decode that crosses it and a prompt past it need graphs of their own (met in a timed turn,
+    they would be compiled there). Empty for a model without windows."""
+    windows = attention_windows(model)
+    if windows is None or not windows.layers:
+        return []
+    sizes = sorted({size for _, size in windows.layers.values()})
+    text = "Tell me about the history of the world, one century at a time. " * (sizes[-1] // 4 + 16)
+    inputs = chat_inputs(tokenizer, [{"role": "user", "content": text}], device)
+    if inputs["input_ids"].shape[1] < sizes[-1] + 16:
+        raise RuntimeError(f"a window warm-up prompt of {inputs['input_ids'].shape[1]} tokens, under {sizes[-1] + 16}")
+
+    def first(n: int) -> dict:
+        return {k: v[:, :n] for k, v in inputs.items()}
+
+    return [decode for size in sizes for decode in ((first(max(size - 16, 1)), 32), (first(size + 16), 8))]
 
 
 def prompt_lookup_method(model, num_tokens: int = 10, decoding: dict = GREEDY) -> Method:
@@ -500,7 +523,7 @@ def _turn(record: dict) -> tuple:
     return record.get("question_id"), record["row"], record["turn"]
 
 
-def _fastest_plain(records: list[dict], methods: list[str]) -> str:
+def fastest_plain(records: list[dict], methods: list[str]) -> str:
     """The plain method with the least total time over `records` (the reference when it is the only one)."""
     plain = [m for m in methods if m in PLAIN_METHODS] or methods[:1]
     return min(plain, key=lambda m: sum(r["seconds"] for r in records if r["method"] == m))
@@ -512,9 +535,9 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
     category, the one fastest in that category. Each summary names it (`speedup_over`) and keeps the
     ratio over the reference beside it (`speedup_vs_reference`)."""
     seconds = {(r["method"], _turn(r)): r["seconds"] for r in records}
-    overall_base = _fastest_plain(records, methods)
+    overall_base = fastest_plain(records, methods)
     category_base = {
-        cat: _fastest_plain([r for r in records if r["category"] == cat], methods)
+        cat: fastest_plain([r for r in records if r["category"] == cat], methods)
         for cat in {r["category"] for r in records}
     }
     totals = {m: {"overall": MethodTotals(baseline=overall_base), "categories": {}} for m in methods}
@@ -895,7 +918,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     rows = select_rows(read_jsonl(args.data), args.categories, args.per_category, args.limit, args.spread)
     if batched:
-        from .bench_batch import run_batch_bench
+        from .bench_batch import round_speedups, run_batch_bench
 
         records = []
         for size in args.batch_size:
@@ -908,6 +931,7 @@ def main(argv: list[str] | None = None) -> int:
         info["row_tau"] = {r["category"]: [] for r in records}
         for r in records:
             info["row_tau"][r["category"]] += r.get("row_tau", [])
+        info["round_speedups"] = round_speedups(records, [m.name for m in methods])
         return _report(summarize(records, [m.name for m in methods]), info, args.output)
     seed = args.seed if args.do_sample else None
     results = run_bench(
