@@ -185,7 +185,16 @@ def render_batch(report: dict) -> list[str]:
     same = "; ".join(
         f"{n} {m['overall']['identical_turns']} of {m['overall']['turns']} batches" for n, m in methods.items()
     )
-    return [*lines, "", baseline_line(methods), f"Identical to plain batched greedy, every row of the batch: {same}."]
+    lines += ["", baseline_line(methods), f"Identical to plain batched greedy, every row of the batch: {same}."]
+    rounds = report.get("round_speedups")
+    if rounds and len(next(iter(next(iter(rounds.values())).values()))) > 1:  # runs with several rounds
+        spread = "; ".join(
+            f"{cat.removeprefix('batches of ')} rows: "
+            + ", ".join(f"{n} " + " / ".join(f"{x:.2f}" for x in rounds[cat][n]) for n in others)
+            for cat in sizes
+        )
+        lines.append(f"Speedup of each round on its own, by batch size (the spread is this host's noise): {spread}.")
+    return lines
 
 
 def render_analyze(report: dict) -> list[str]:

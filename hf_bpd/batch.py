@@ -21,13 +21,12 @@ chosen for all rows (`cost.best_batch_width`): the verification forward holds B 
 padded to the widest, finished rows included), so w maximises the batch's expected accepted tokens per
 cost(B x w), and a bigger batch, already compute-bound on a CPU, verifies smaller trees. That cost is the
 call's own (`cost.BatchForwardCost`): its first step is a plain one, and every forward is timed, because a
-batch at long contexts costs far more than the one-row start-up curve says. Where drafted steps yield
-fewer tokens per second than plain ones (drafting included), the call takes plain steps, the roots alone
-(`cost.StepChooser`). Below a window the
-masks cannot serve past (`support.AttentionWindows.cap`), trees are capped so the cache plus the tree
-stays within it, as for one row. Sampling works row
-by row (each row's own draws, so the random stream differs from plain batched sampling while each row's
-law is plain sampling's). Streamers and per-token scores are refused for batches.
+batch at long contexts costs far more than the one-row start-up curve says. Unless drafted steps yield
+clearly more tokens per second than plain ones (drafting included; `BATCH_DRAFT_MARGIN`), the call takes
+plain steps, the roots alone (`cost.StepChooser`). Below a window the masks cannot serve past
+(`support.AttentionWindows.cap`), trees are capped so the cache plus the tree stays within it, as for one
+row. Sampling works row by row (each row's own draws, so the random stream differs from plain batched
+sampling while each row's law is plain sampling's). Streamers and per-token scores are refused for batches.
 """
 
 from __future__ import annotations
@@ -41,10 +40,25 @@ from transformers.generation.logits_process import PrefixConstrainedLogitsProces
 
 from .calibration import SamplingWarp
 from .cost import BatchForwardCost
-from .decoding import accept_tree, choose_tokens, prefill, prompt_mask, verify_tree
+from .decoding import (
+    AcceptResult,
+    HostStop,
+    accept_greedy,
+    accept_tree,
+    choose_tokens,
+    prefill,
+    prompt_mask,
+    verify_tree,
+)
 from .drafter import BlockDrafter, DecodingStats
 from .support import AttentionWindows
+from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, batch_trees
+
+# A batch's drafted steps gain little over its plain ones where they gain at all (the forward is already
+# compute-bound, and the rows' acceptances average out), so the measured gain is often within the noise of
+# a few step times: drafting is taken only where it out-yields plain steps by this share (`cost.StepChooser`).
+BATCH_DRAFT_MARGIN = 0.05
 
 
 def check_batch_supported(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict):
@@ -134,11 +148,14 @@ def decode_batch(
     """The decoding loop for B > 1 rows (module docstring). Returns the sequences [B, L] padded on the
     right with the pad token, as plain batched `generate` returns them. `windows`: the model's attention
     windows (`support.py`; where they have a `cap`, `check_call_supported` made sure every row's text fits
-    in it). `typical`: as in `decoding.decode`."""
+    in it). `typical`: as in `decoding.decode`.
+
+    Each row's real-token count is kept on the host (it grows by what the row accepts), and greedy steps
+    without logits processors read every row's choices at every node in one copy (`accept_greedy`), so a
+    step synchronises once for its accept whatever the number of rows, as one row does."""
     window = None if windows is None else windows.cap
     stats = drafter.stats
     batch_size, device = input_ids.shape[0], input_ids.device
-    pad = int(generation_config._pad_token_tensor)
     context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     do_sample = bool(generation_config.do_sample)
     warp = SamplingWarp.from_config(generation_config)
@@ -147,77 +164,82 @@ def decode_batch(
     processors = [row_processors(logits_processor, b) for b in range(batch_size)]
     auto = drafter.max_tree_tokens == "auto" and drafter.forward_cost is not None
     batch_cost = BatchForwardCost(drafter.step_cost, batch_size) if auto else None
+    syncs = HostSyncCounter() if drafter.count_host_syncs else None  # a test's or measurement's, never timed
+    stop = HostStop.of(stopping_criteria)
+    # greedy without processors: one argmax over every row and node, read in one copy per step
+    greedy_walk = stop is not None and not do_sample and typical is None and len(logits_processor) == 0
 
     t0 = time.perf_counter()
-    past_mask = prompt_mask(input_ids, model_kwargs)
-    logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
-    scores = logits_processor(input_ids, logits)
-    first = choose_tokens(scores, do_sample)
-    sequences = [torch.cat([input_ids[b : b + 1], first[b].view(1, 1)], dim=-1) for b in range(batch_size)]
-    finished = [bool(stopping_criteria(sequences[b], scores[b : b + 1]).any()) for b in range(batch_size)]
-    roots = first.tolist()  # each row's last token, kept on the host
+    with phase(syncs, "prefill"):
+        pad = int(generation_config._pad_token_tensor)
+        past_mask = prompt_mask(input_ids, model_kwargs)
+        logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
+        scores = logits_processor(input_ids, logits)
+        first = choose_tokens(scores, do_sample)
+        sequences = [torch.cat([input_ids[b : b + 1], first[b].view(1, 1)], dim=-1) for b in range(batch_size)]
+        roots = first.tolist()  # each row's last token, kept on the host
+        if stop is not None:
+            finished = [stop(input_ids.shape[1] + 1, token) for token in roots]
+        else:
+            finished = [bool(stopping_criteria(sequences[b], scores[b : b + 1]).any()) for b in range(batch_size)]
+        real = past_mask.long().sum(-1).tolist()  # real tokens per row in the cache, kept on the host
     stats.time_prefill = time.perf_counter() - t0
     stats.new_tokens = batch_size
     for row in rows:
         row.new_tokens = 1
-    # plain steps where drafting does not pay ("auto" trees): a plain step's time is the batch's own
-    chooser = drafter.step_chooser(lambda: batch_cost.seconds.get(1)) if batch_cost is not None else None
+    # plain steps where drafting does not pay ("auto" trees): a plain step's time is the batch's own, and
+    # drafting must out-yield it by BATCH_DRAFT_MARGIN
+    chooser = None
+    if batch_cost is not None:
+        chooser = drafter.step_chooser(lambda: batch_cost.seconds.get(1), margin=BATCH_DRAFT_MARGIN)
 
     while not all(finished):
         t0 = time.perf_counter()
         active = [b for b in range(batch_size) if not finished[b]]
-        real = past_mask.long().sum(-1)  # real tokens per row in the cache
-        max_depth = None if context is None else max(int(context - real[active].max()) - 1, 0)
+        max_depth = None if context is None else max(context - max(real[b] for b in active) - 1, 0)
         share = None if drafter.max_tree_tokens != "auto" else max(1, drafter.tree_budget // len(active))
-        holes = past_mask.shape[1] - int(real.max())
+        holes = past_mask.shape[1] - max(real)
         crowded = window is not None and past_mask.shape[1] + (share or drafter.tree_budget) >= window
         if holes and (crowded or holes > max(64, past_mask.shape[1] // 4)):
-            past_mask = squeeze_holes(cache, past_mask)
+            with phase(syncs, "cache"):
+                past_mask = squeeze_holes(cache, past_mask)
         if window is not None:  # every row's text fits the window, so at least the root does
             share = min(share or drafter.tree_budget, window - 1 - past_mask.shape[1])
         # a plain step first, timed: the batch's own one-token cost at its contexts
         drafting = not (batch_cost is not None and not batch_cost.seconds)
         drafting = drafting and (chooser is None or chooser.draft_next(len(active)))
-        if drafting:
-            length = max(s.shape[1] for s in sequences)
-            contexts = torch.stack(
-                [torch.nn.functional.pad(s[0], (length - s.shape[1], 0), value=pad) for s in sequences]
-            )
-            drafted = drafter.draft(hidden_last[active], contexts[active], max_depth, share, batch_cost, warp=warp)
-        else:
-            drafted = drafter.root_trees([roots[b] for b in active])
-        trees: list[DraftTree] = [DraftTree.root_only(pad)] * batch_size
-        for b, tree in zip(active, drafted):
-            trees[b] = tree
-        batch = batch_trees(trees, pad_token_id=pad, device=device)
+        with phase(syncs, "draft"):
+            if drafting:
+                length = max(s.shape[1] for s in sequences)
+                contexts = torch.stack(
+                    [torch.nn.functional.pad(s[0], (length - s.shape[1], 0), value=pad) for s in sequences]
+                )
+                drafted = drafter.draft(hidden_last[active], contexts[active], max_depth, share, batch_cost, warp=warp)
+            else:
+                drafted = drafter.root_trees([roots[b] for b in active])
+            trees: list[DraftTree] = [DraftTree.root_only(pad)] * batch_size
+            for b, tree in zip(active, drafted):
+                trees[b] = tree
+            batch = batch_trees(trees, pad_token_id=pad, device=device)
         t1 = drafter._sync(device)
-        out = verify_tree(model, batch, cache, past_mask, windows)
+        with phase(syncs, "verify"):
+            out = verify_tree(model, batch, cache, past_mask, windows)
         t2 = drafter._sync(device)
-        results = {
-            b: accept_tree(trees[b], out.logits[b], sequences[b], processors[b], stopping_criteria, do_sample, typical)
-            for b in active
-        }
-        drafter.observe([results[b].nodes for b in active], [results[b].finished for b in active], 0, None)
+        with phase(syncs, "accept"):
+            if greedy_walk:
+                results = accept_greedy_rows(trees, out.logits, active, sequences, stop)
+            else:
+                results = accept_rows(
+                    trees, out.logits, active, sequences, processors, stopping_criteria, stop, do_sample, typical
+                )
+            drafter.observe([results[b].nodes for b in active], [results[b].finished for b in active], 0, None)
         t3 = time.perf_counter()
         if batch_cost is not None:
             # on a CPU the forward's own time; on an accelerator the accept (which reads the logits on the
             # host) is the first sync after the forward, so the time up to its end
             batch_cost.observe(batch.input_ids.shape[1], (t2 if device.type == "cpu" else t3) - t1)
-        width = max(len(r.nodes) for r in results.values())
-        keep = torch.zeros(batch_size, width, dtype=torch.long)
-        real_slots = torch.zeros(batch_size, width, dtype=past_mask.dtype)
-        for b, result in results.items():
-            k = len(result.nodes)
-            keep[b, :k] = torch.tensor(result.nodes)
-            keep[b, k:] = result.nodes[-1]
-            real_slots[b, :k] = 1
-        num_tree = batch.input_ids.shape[1]
-        # nothing to move when every row kept its whole tree in order (plain steps: each row its root)
-        if width < num_tree or bool((keep != torch.arange(width)).any()):
-            compact_rows(cache, num_tree, keep.to(device))
-        past_mask = torch.cat([past_mask, real_slots.to(device)], dim=-1)
-        last = torch.tensor([len(results[b].nodes) - 1 if b in results else 0 for b in range(batch_size)])
-        hidden_last = out.hidden_states[-1][torch.arange(batch_size), keep[torch.arange(batch_size), last].to(device)]
+        with phase(syncs, "cache"):
+            past_mask, hidden_last = keep_accepted(cache, past_mask, out, results, batch.input_ids.shape[1], real)
         for b, result in results.items():
             sequences[b] = torch.cat([sequences[b], sequences[b].new_tensor([result.tokens])], dim=-1)
             roots[b] = result.tokens[-1]
@@ -232,5 +254,57 @@ def decode_batch(
         added = sum(len(r.tokens) for r in results.values())
         stats.record_batch_step((t1, t2, t3, t4), drafting, added, sum(len(trees[b]) for b in active))
 
+    if syncs is not None:
+        stats.host_syncs = dict(syncs.counts)
     length = max(s.shape[1] for s in sequences)
     return torch.cat([torch.nn.functional.pad(s, (0, length - s.shape[1]), value=pad) for s in sequences])
+
+
+def accept_rows(
+    trees: list[DraftTree],
+    logits: torch.Tensor,
+    active: list[int],
+    sequences: list[torch.Tensor],
+    processors: list[LogitsProcessorList],
+    stopping_criteria: StoppingCriteriaList,
+    stop: HostStop | None,
+    do_sample: bool,
+    typical: tuple[float, float] | None,
+) -> dict[int, AcceptResult]:
+    """Each active row's walk through its tree (`decoding.accept_tree`), with the processors cut to that
+    row (`row_processors`): sampled rows draw row by row."""
+    return {
+        b: accept_tree(trees[b], logits[b], sequences[b], processors[b], stopping_criteria, do_sample, typical, stop)
+        for b in active
+    }
+
+
+def accept_greedy_rows(
+    trees: list[DraftTree], logits: torch.Tensor, active: list[int], sequences: list[torch.Tensor], stop: HostStop
+) -> dict[int, AcceptResult]:
+    """`accept_rows` for greedy decoding without processors: the base model's token at every node of every
+    row in one argmax and one copy to the host, then each row's walk there (`decoding.accept_greedy`)."""
+    choices = logits.argmax(dim=-1).tolist()  # [B][N], finished rows' too: one read, no gather before it
+    return {b: accept_greedy(trees[b], logits[b], sequences[b].shape[1], stop, choices[b]) for b in active}
+
+
+def keep_accepted(
+    cache, past_mask: torch.Tensor, out, results: dict[int, AcceptResult], num_tree: int, real: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """After a verification of `num_tree` slots per row: keep each row's accepted nodes (its first slots;
+    K - k_b holes after them, K the most any row kept; a finished row keeps holes only), counting them into
+    `real` (host-side real tokens per row). Returns the new past mask and each row's last hidden state."""
+    batch_size = past_mask.shape[0]
+    nodes = [results[b].nodes if b in results else [0] for b in range(batch_size)]
+    width = max(len(n) for n in nodes)
+    keep = [n + [n[-1]] * (width - len(n)) for n in nodes]
+    slots = [[1] * len(n) + [0] * (width - len(n)) if b in results else [0] * width for b, n in enumerate(nodes)]
+    for b in results:
+        real[b] += len(nodes[b])
+    device = past_mask.device
+    # nothing to move when every row kept its whole tree in order (plain steps: each row its root)
+    if width < num_tree or any(k != list(range(width)) for k in keep):
+        compact_rows(cache, num_tree, torch.tensor(keep, device=device))
+    past_mask = torch.cat([past_mask, torch.tensor(slots, dtype=past_mask.dtype, device=device)], dim=-1)
+    last = torch.tensor([n[-1] for n in nodes], device=device)
+    return past_mask, out.hidden_states[-1][torch.arange(batch_size, device=device), last]

@@ -321,7 +321,11 @@ class StepChooser:
     one-token forward, `BatchForwardCost`; None: unknown, so draft). A call's first plain step (a batch
     starts with one) pays for first-call work at the new shape, so its time is provisional: once drafted
     steps were timed, one more plain step is taken and its time replaces it. Otherwise a slow first
-    measurement would keep the chooser drafting, and drafting never measures the plain step again."""
+    measurement would keep the chooser drafting, and drafting never measures the plain step again.
+
+    `margin`: drafting must yield that share more tokens per second than plain steps to be taken. Where
+    drafted and plain steps are close, each running mean rests on few, noisy step times, so drafting on
+    a measured gain of a few per cent is as likely to lose as to win; a margin keeps those steps plain."""
 
     plain_estimate: Callable[[], float | None]
     probe_every: int = 8
@@ -333,6 +337,7 @@ class StepChooser:
     plain_taken: int = 0  # plain steps in all
     plain_timed: int = 0  # plain steps measured
     probe_wait: int | None = None  # plain steps before the next probe (from probe_every, doubled per failed probe)
+    margin: float = 0.0  # the share by which drafted steps must out-yield plain ones to be taken
 
     def draft_next(self, rows: int = 1) -> bool:
         """Whether the next step drafts, for `rows` unfinished rows (a plain step makes one token each)."""
@@ -341,7 +346,7 @@ class StepChooser:
             self.plain_run += 1  # the provisional first plain time, measured again (class docstring)
             self.plain_taken += 1
             return False
-        if self.drafted_rate is None or plain is None or self.drafted_rate >= rows / plain:
+        if self.drafted_rate is None or plain is None or self.drafted_rate >= (1 + self.margin) * rows / plain:
             self.probe_wait = self.probe_every  # drafting pays (again): probe soon if it stops paying
             return True
         wait = self.probe_every if self.probe_wait is None else self.probe_wait

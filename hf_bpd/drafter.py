@@ -416,14 +416,15 @@ class BlockDrafter:
             self._learned_cost = LearnedForwardCost(self.forward_cost)
         return self._learned_cost
 
-    def step_chooser(self, plain_estimate=None) -> StepChooser | None:
+    def step_chooser(self, plain_estimate=None, margin: float = 0.0) -> StepChooser | None:
         """For cost-sized ("auto") trees, a `StepChooser` for one `generate` call: plain steps where drafting
-        does not pay. `plain_estimate()`: a plain step's seconds before one is timed (default: the learned
-        one-token forward cost). None for fixed tree sizes: they draft every step, as asked."""
+        does not pay (by at least `margin`, a share). `plain_estimate()`: a plain step's seconds before one
+        is timed (default: the learned one-token forward cost). None for fixed tree sizes: they draft every
+        step, as asked."""
         if self.max_tree_tokens != "auto" or self.forward_cost is None:
             return None
         cost = self.step_cost
-        return StepChooser(plain_estimate or (lambda: cost(1)))
+        return StepChooser(plain_estimate or (lambda: cost(1)), margin=margin)
 
     def root_trees(self, roots: list[int]) -> list[DraftTree]:
         """A plain step's trees: the roots alone (nothing drafted, nothing for `observe` to learn)."""

@@ -244,3 +244,19 @@ def test_processors_with_per_row_state_see_their_own_row():
         assert out.tolist() == ref.tolist(), options
     width = batch["input_ids"].shape[1]
     assert all(t % 4 == b for b in range(4) for t in out[b, width:].tolist())
+
+
+def test_greedy_batch_steps_read_every_rows_choices_in_one_copy():
+    """A greedy batch without logits processors synchronises once per step for its accept, however many
+    rows (one argmax over every row and node), and not at all in the forward or the cache work: each row's
+    real-token count is kept on the host."""
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = drafter_for(model)
+    drafter.count_host_syncs = True
+    batch = left_padded(prompts_for(8, 4))
+    ref, out = both(model, batch, drafter, max_new_tokens=30)
+    assert out.tolist() == ref.tolist()
+    per_step = drafter.stats.host_syncs_per_step()
+    assert per_step["accept"] == 1.0, per_step
+    assert per_step.get("verify", 0) == 0 and per_step.get("cache", 0) == 0, per_step
+    assert max(max(r.accepted_lengths) for r in drafter.stats.rows) > 1  # drafted trees were walked too

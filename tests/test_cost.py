@@ -175,3 +175,12 @@ def test_step_chooser_measures_a_slow_first_plain_step_again():
     assert not chooser.draft_next(rows=4)  # and plain steps now win
     chooser.observe(False, tokens=4, seconds=0.012)
     assert chooser.plain_step_seconds == pytest.approx(0.7 * 0.010 + 0.3 * 0.012)  # a running mean from here
+
+
+def test_step_chooser_with_a_margin_drafts_only_where_drafting_clearly_pays():
+    # plain steps make 100 tok/s; a margin of 5 % asks drafted steps for 105
+    assert not cost.StepChooser(lambda: 0.010, drafted_rate=103.0, margin=0.05).draft_next()
+    assert cost.StepChooser(lambda: 0.010, drafted_rate=110.0, margin=0.05).draft_next()
+    assert cost.StepChooser(lambda: 0.010, drafted_rate=103.0).draft_next()  # no margin: any gain drafts
+    rows = cost.StepChooser(lambda: 0.010, drafted_rate=410.0, margin=0.05)
+    assert not rows.draft_next(rows=4)  # four rows' plain steps make 400 tok/s: 410 is not 5 % more
