@@ -280,17 +280,25 @@ def test_round_speedups_divide_each_round_by_the_sizes_fastest_plain_method():
     assert out["batches of 4"]["hf_bpd"] == [3 / 6]  # here eager greedy is the faster plain method
 
 
-def test_a_compiled_drafted_method_meets_its_plain_steps_in_warm_up(monkeypatch):
-    # every graph hf_bpd's decoding needs (prefill, one-token steps, trees) is compiled before timing
+@pytest.fixture
+def traced_graphs(monkeypatch):
+    """`torch.compile` as dynamo's trace run as traced (no inductor: quick); the list of graphs it traced."""
     graphs = []
     compile_ = torch.compile
 
-    def traced(fn, dynamic=None, **_):  # dynamo's trace, run as traced (no inductor: quick)
+    def traced(fn, dynamic=None, **_):
         return compile_(fn, dynamic=dynamic, backend=lambda g, _: graphs.append(g) or g.forward)
 
     monkeypatch.setattr(torch, "compile", traced)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     torch._dynamo.reset()
+    yield graphs
+    torch._dynamo.reset()
+
+
+def test_a_compiled_drafted_method_meets_its_plain_steps_in_warm_up(traced_graphs):
+    # every graph hf_bpd's decoding needs (prefill, one-token steps, trees) is compiled before timing
+    graphs = traced_graphs
     model = tiny_model("llama", eos_token_id=None)
     drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8)
     method = bench.compiled_method(bench.bpd_method(model, drafter), model, TinyChatTokenizer())
@@ -303,7 +311,6 @@ def test_a_compiled_drafted_method_meets_its_plain_steps_in_warm_up(monkeypatch)
     drafter.max_tree_tokens = 8
     assert method.run(inputs, 30)[0].tolist() == plain.tolist()
     assert max(drafter.stats.tree_sizes) > 1 and len(graphs) == warmed
-    torch._dynamo.reset()
 
 
 class LongChatTokenizer(TinyChatTokenizer):
@@ -312,17 +319,10 @@ class LongChatTokenizer(TinyChatTokenizer):
         return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
 
 
-def test_compiled_methods_meet_the_graphs_of_an_attention_window_in_warm_up(monkeypatch):
+def test_compiled_methods_meet_the_graphs_of_an_attention_window_in_warm_up(traced_graphs):
     # transformers' masks branch on whether the keys reach a window: a decode crossing it and a prompt past
     # it each need graphs, compiled in warm-up (the bench's short prompts reach neither), never in a turn
-    graphs = []
-    compile_ = torch.compile
-
-    def traced(fn, dynamic=None, **_):  # dynamo's trace, run as traced (no inductor: quick)
-        return compile_(fn, dynamic=dynamic, backend=lambda g, _: graphs.append(g) or g.forward)
-
-    monkeypatch.setattr(torch, "compile", traced)
-    torch._dynamo.reset()
+    graphs = traced_graphs
     model = tiny_model("mistral", eos_token_id=None, sliding_window=128)
     tokenizer = LongChatTokenizer()
     assert [(x["input_ids"].shape[1], n) for x, n in bench.window_warm_up(model, tokenizer, "cpu")] == [
@@ -341,7 +341,6 @@ def test_compiled_methods_meet_the_graphs_of_an_attention_window_in_warm_up(monk
         assert greedy.run(inputs, new)[0].tolist() == plain.tolist()
         assert bpd.run(inputs, new)[0].tolist() == plain.tolist()
     assert len(graphs) == warmed
-    torch._dynamo.reset()
 
 
 def test_greedy_twin_in_a_sampled_run_decodes_greedily_with_its_own_calibration():
