@@ -263,8 +263,6 @@ def test_batch_rounds_decode_every_batch_again_with_the_methods_order_turning():
 
 
 def test_round_speedups_divide_each_round_by_the_sizes_fastest_plain_method():
-    from hf_bpd.tools.bench_batch import round_speedups
-
     def record(size, k, method, seconds):
         return {"category": f"batches of {size}", "round": k, "method": method, "seconds": seconds}
 
@@ -275,7 +273,7 @@ def test_round_speedups_divide_each_round_by_the_sizes_fastest_plain_method():
         *(record(2, 1, m, s) for m, s in (("greedy", 5.0), ("greedy_fast", 5.0), ("hf_bpd", 4.0))),
         *(record(4, 0, m, s) for m, s in (("greedy", 3.0), ("greedy_fast", 4.0), ("hf_bpd", 6.0))),
     ]
-    out = round_speedups(records, ["greedy", "greedy_fast", "hf_bpd"])
+    out = bench.round_speedups(records, ["greedy", "greedy_fast", "hf_bpd"])
     assert out["batches of 2"] == {"greedy": [8 / 12, 5 / 5], "greedy_fast": [1.0, 1.0], "hf_bpd": [1.0, 5 / 4]}
     assert out["batches of 4"]["hf_bpd"] == [3 / 6]  # here eager greedy is the faster plain method
 

@@ -523,7 +523,7 @@ def _turn(record: dict) -> tuple:
     return record.get("question_id"), record["row"], record["turn"]
 
 
-def fastest_plain(records: list[dict], methods: list[str]) -> str:
+def _fastest_plain(records: list[dict], methods: list[str]) -> str:
     """The plain method with the least total time over `records` (the reference when it is the only one)."""
     plain = [m for m in methods if m in PLAIN_METHODS] or methods[:1]
     return min(plain, key=lambda m: sum(r["seconds"] for r in records if r["method"] == m))
@@ -535,9 +535,9 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
     category, the one fastest in that category. Each summary names it (`speedup_over`) and keeps the
     ratio over the reference beside it (`speedup_vs_reference`)."""
     seconds = {(r["method"], _turn(r)): r["seconds"] for r in records}
-    overall_base = fastest_plain(records, methods)
+    overall_base = _fastest_plain(records, methods)
     category_base = {
-        cat: fastest_plain([r for r in records if r["category"] == cat], methods)
+        cat: _fastest_plain([r for r in records if r["category"] == cat], methods)
         for cat in {r["category"] for r in records}
     }
     totals = {m: {"overall": MethodTotals(baseline=overall_base), "categories": {}} for m in methods}
@@ -555,6 +555,23 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
         }
         for name, t in totals.items()
     }
+
+
+def round_speedups(records: list[dict], methods: list[str]) -> dict[str, dict[str, list[float]]]:
+    """Of a batch run's records (`bench_batch.run_batch_bench`): per batch size ("batches of B") and
+    method, each round's speedup on its own: the seconds of that size's fastest plain method (over all
+    rounds) over the method's, summed over the round's batches. How far the rounds spread is the host's
+    noise at that size, beside the speedup over all rounds."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for category in sorted({r["category"] for r in records}):
+        of_size = [r for r in records if r["category"] == category]
+        base = _fastest_plain(of_size, methods)
+        seconds: dict[tuple[str, int], float] = {}
+        for r in of_size:
+            seconds[r["method"], r["round"]] = seconds.get((r["method"], r["round"]), 0.0) + r["seconds"]
+        rounds = sorted({k for _, k in seconds})
+        out[category] = {m: [seconds[base, k] / seconds[m, k] for k in rounds] for m in methods}
+    return out
 
 
 def markdown_table(results: dict) -> str:
@@ -918,7 +935,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     rows = select_rows(read_jsonl(args.data), args.categories, args.per_category, args.limit, args.spread)
     if batched:
-        from .bench_batch import round_speedups, run_batch_bench
+        from .bench_batch import run_batch_bench
 
         records = []
         for size in args.batch_size:

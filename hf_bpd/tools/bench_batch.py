@@ -99,22 +99,3 @@ def run_batch_bench(
                     record["row_tau"] = [r.block_efficiency for r in stats.rows]
                 records.append(record)
     return records
-
-
-def round_speedups(records: list[dict], methods: list[str]) -> dict[str, dict[str, list[float]]]:
-    """Per batch size ("batches of B") and method, each round's speedup on its own: the seconds of that
-    size's fastest plain method (`bench.fastest_plain`, over all rounds) over the method's, summed over
-    the round's batches. How far the rounds spread is the host's noise at that size, beside the speedup
-    over all rounds."""
-    from .bench import fastest_plain
-
-    out: dict[str, dict[str, list[float]]] = {}
-    for category in sorted({r["category"] for r in records}):
-        of_size = [r for r in records if r["category"] == category]
-        base = fastest_plain(of_size, methods)
-        seconds: dict[tuple[str, int], float] = {}
-        for r in of_size:
-            seconds[r["method"], r["round"]] = seconds.get((r["method"], r["round"]), 0.0) + r["seconds"]
-        rounds = sorted({k for _, k in seconds})
-        out[category] = {m: [seconds[base, k] / seconds[m, k] for k in rounds] for m in methods}
-    return out
