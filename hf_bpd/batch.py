@@ -178,10 +178,7 @@ def decode_batch(
         first = choose_tokens(scores, do_sample)
         sequences = [torch.cat([input_ids[b : b + 1], first[b].view(1, 1)], dim=-1) for b in range(batch_size)]
         roots = first.tolist()  # each row's last token, kept on the host
-        if stop is not None:
-            finished = [stop(input_ids.shape[1] + 1, token) for token in roots]
-        else:
-            finished = [bool(stopping_criteria(sequences[b], scores[b : b + 1]).any()) for b in range(batch_size)]
+        finished = [bool(stopping_criteria(sequences[b], scores[b : b + 1]).any()) for b in range(batch_size)]
         real = past_mask.long().sum(-1).tolist()  # real tokens per row in the cache, kept on the host
     stats.time_prefill = time.perf_counter() - t0
     stats.new_tokens = batch_size
