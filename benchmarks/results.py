@@ -367,23 +367,26 @@ def render_results(claims: list[dict]) -> str:
 
 
 def render_readme_block(claims: list[dict]) -> str:
-    """The README's results table: the claim marked `readme`, its hf_bpd and prompt-lookup columns."""
-    claim = next(c for c in claims if c.get("readme"))
-    report = load(claim["file"])
-    methods = {k: v for k, v in report["methods"].items() if k in ("prompt_lookup", "prompt_lookup_fast", "hf_bpd")}
-    env = report.get("environment", {})
-    lines = [
-        README_BEGIN,
-        f"{claim['title']} ({MODEL}; {claim['settings']}; {claim['machine']}, {env.get('date')}; "
-        f"[RESULTS.md](RESULTS.md), `{claim['file']}`):",
-        "",
-        *_category_table(methods, [("tau", "τ"), ("speedup", "speedup")]),
-        "",
-        baseline_line(report["methods"]),
-        _identical_line(report["methods"]),
-        README_END,
-    ]
-    return "\n".join(lines)
+    """The README's results tables: one per claim marked `readme` (one per model; a claim names its model in
+    `model`, SmolLM2 by default), its hf_bpd and prompt-lookup columns."""
+    lines = [README_BEGIN]
+    for claim in (c for c in claims if c.get("readme")):
+        report = load(claim["file"])
+        keep = ("prompt_lookup", "prompt_lookup_fast", "hf_bpd")
+        methods = {k: v for k, v in report["methods"].items() if k in keep}
+        env = report.get("environment", {})
+        if len(lines) > 1:
+            lines.append("")
+        lines += [
+            f"{claim['title']} ({claim.get('model', MODEL)}; {claim['settings']}; {claim['machine']}, "
+            f"{env.get('date')}; [RESULTS.md](RESULTS.md), `{claim['file']}`):",
+            "",
+            *_category_table(methods, [("tau", "τ"), ("speedup", "speedup")]),
+            "",
+            baseline_line(report["methods"]),
+            _identical_line(report["methods"]),
+        ]
+    return "\n".join([*lines, README_END])
 
 
 def readme_with_block(readme: str, block: str) -> str:
