@@ -501,11 +501,12 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _rescorer_specs(methods: list[str]) -> dict:
-    """The shipped specs of the rescorers the methods use (the assisted method drafts with "neural")."""
+def _rescorer_specs(methods: list[str], model: str | None = None) -> dict:
+    """The shipped specs of the rescorers the methods use for packaged `model` (the assisted method drafts
+    with "neural")."""
     from ..packaged import packaged_rescorers
 
-    specs = packaged_rescorers()
+    specs = packaged_rescorers(model)
     names = [m.split("+", 1)[1] for m in methods if m.startswith("hf_bpd+")] + (["neural"] * ("assisted" in methods))
     return {n: specs.get(n) for n in names}
 
@@ -868,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
             "context_lookup": drafter.context_lookup,
             "heads_sha1": _digest(drafter.heads.state_dict()),
         },
-        "rescorer_specs": _rescorer_specs(args.methods),
+        "rescorer_specs": _rescorer_specs(args.methods, resolve_packaged_name(args.model)),
     }
     if args.do_sample:  # journals of greedy runs keep their header
         header["decoding"] = {**decoding, "seed": args.seed}
