@@ -45,13 +45,13 @@ def test_bench_counts_forwards_and_checks_identity():
     assert set(bench.learned(methods)["hf_bpd"]) == {"acceptance_multipliers", "forward_cost_factors"}
 
 
-
 def test_a_runs_header_records_the_rescorer_specs_shipped_for_its_model():
     from hf_bpd.packaged import packaged_rescorers
 
     gemma = bench._rescorer_specs(["hf_bpd", "hf_bpd+context"], "gemma-3-270m")
     assert gemma == {"context": packaged_rescorers("gemma-3-270m")["context"]}
     assert gemma != bench._rescorer_specs(["hf_bpd+context"], None)  # SmolLM2's spec has no Gemma description
+
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
