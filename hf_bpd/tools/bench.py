@@ -838,8 +838,9 @@ def main(argv: list[str] | None = None) -> int:
     from ..packaged import resolve_packaged_name
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    packaged = resolve_packaged_name(args.model)  # the packaged model whose heads and rescorers the run uses
     kwargs = {k: v for k, v in (("top_k", args.top_k), ("max_tree_tokens", args.max_tree_tokens)) if v is not None}
-    drafter = load_drafter(args.heads, model, args.num_heads, resolve_packaged_name(args.model), **kwargs)
+    drafter = load_drafter(args.heads, model, args.num_heads, packaged, **kwargs)
     drafter.packed_linear = {"auto": None, "on": True, "off": False}[args.packed_linear]
     if args.context_lookup is not None:
         drafter.context_lookup = args.context_lookup
@@ -869,7 +870,7 @@ def main(argv: list[str] | None = None) -> int:
             "context_lookup": drafter.context_lookup,
             "heads_sha1": _digest(drafter.heads.state_dict()),
         },
-        "rescorer_specs": _rescorer_specs(args.methods, resolve_packaged_name(args.model)),
+        "rescorer_specs": _rescorer_specs(args.methods, packaged),
     }
     if args.do_sample:  # journals of greedy runs keep their header
         header["decoding"] = {**decoding, "seed": args.seed}
@@ -884,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
     def with_rescorer(name: str) -> Method:
         from ..packaged import packaged_rescorer
 
-        rescored = drafter.with_rescorer(packaged_rescorer(name, tokenizer, model=resolve_packaged_name(args.model)))
+        rescored = drafter.with_rescorer(packaged_rescorer(name, tokenizer, model=packaged))
         return bpd_method(model, rescored, f"hf_bpd+{name}", decoding)
 
     def assisted() -> Method:
