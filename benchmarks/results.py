@@ -278,6 +278,23 @@ def render_kernels(report: dict) -> list[str]:
     return lines
 
 
+def render_grouped_attention(report: dict) -> list[str]:
+    """`research.grouped_attention_cost`: a verification forward's time by width, sdpa against grouped attention."""
+    lines = [
+        "| rows | cache slots | tokens per row | sdpa ms | grouped_attention ms | grouped / sdpa "
+        "| largest logit difference |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for rows, b in report["batches"].items():
+        for width, sdpa in b["forward_ms"]["sdpa"].items():
+            grouped = b["forward_ms"]["grouped_attention"][width]
+            lines.append(
+                f"| {rows} | {b['cache_slots']} | {width} | {sdpa:.1f} | {grouped:.1f} | {grouped / sdpa:.2f} | "
+                f"{b['max_logit_difference'][width]:.1e} |"
+            )
+    return lines
+
+
 def render_host_syncs(report: dict) -> list[str]:
     """`research.host_syncs`: device-to-host synchronisations per decoding step, by phase."""
     settings = report["settings"]
@@ -330,6 +347,7 @@ RENDERERS = {
     "sampling_estimates": render_sampling_estimates,
     "kernels": render_kernels,
     "host_syncs": render_host_syncs,
+    "grouped_attention": render_grouped_attention,
     "tau_by_predictability": render_tau_by_predictability,
 }
 

@@ -10,10 +10,12 @@ step. The design keeps that single length and lets rows differ in which cache sl
 - Each row's tree nodes attend to its real slots and to their own ancestors (the 4D mask); position ids
   are the row's real-token count plus the node's depth, which is what plain `generate` computes from the
   2D mask for left-padded rows. So a row decodes exactly as it would without the holes.
-- Holes cost attention compute but no correctness (attention windows too count positions, so real
-  tokens only: `decoding.tree_attention_mask`). When they pile up (a quarter of the cache, or the cache
-  nears a window the masks cannot serve past), `squeeze_holes` gathers each row's real slots to the right
-  end again (left-padded form), one gather per layer.
+- Holes cost no correctness (attention windows too count positions, so real tokens only:
+  `decoding.tree_attention_mask`), but every step pays for them: attention reads them and the cache's
+  growth copies them. `squeeze_holes` gathers each row's real slots to the right end again (left-padded
+  form), one gather per layer, about one copy of the cache. `HoleLedger` weighs the two: it squeezes once
+  the slots the holes have cost since the last squeeze add up to the cache's length (and whenever the
+  cache nears a window the masks cannot serve past).
 
 Tree sizes: with a fixed `max_tree_tokens` every row gets that many. With "auto" each unfinished row
 grows a tree of at most the forward-cost curve's largest size divided among them, and one width w is then
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -117,10 +120,33 @@ def compact_rows(cache, num_tree: int, keep: torch.Tensor) -> None:
             layer.cumulative_length -= num_tree - keep.shape[1]
 
 
-def squeeze_holes(cache, past_mask: torch.Tensor) -> torch.Tensor:
+@dataclass
+class HoleLedger:
+    """When to squeeze a batch's holes out (`squeeze_holes`). Each step a hole costs about what a real slot
+    does (attention reads it, the cache's growth copies it), and a squeeze costs about one copy of the
+    whole cache. So the ledger adds up, step by step, the holes the cache holds, and squeezes once that sum
+    reaches the cache's length: the holes have then cost what a squeeze does. If holes grow by g a step,
+    that squeezes at about sqrt(2 g S) holes for a cache of S slots, the period that minimises the two
+    costs together; a fixed share of the cache would let a long cache carry many holes for many steps,
+    and charge them to the steps after the drafted ones that made them, plain steps included."""
+
+    slot_steps: int = 0  # holes summed over the steps since the last squeeze
+
+    def due(self, holes: int, length: int) -> bool:
+        """Whether to squeeze before this step, the cache holding `holes` holes in `length` slots."""
+        self.slot_steps += holes
+        return holes > 0 and self.slot_steps >= length
+
+    def squeezed(self) -> None:
+        """The holes were squeezed out (for this ledger's reason or another, a window): count again."""
+        self.slot_steps = 0
+
+
+def squeeze_holes(cache, past_mask: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """Gather every row's real cache slots (in order) to the right end, dropping holes down to the longest
-    row; returns the new mask (left-padded form)."""
-    width = int(past_mask.long().sum(-1).max())
+    row (`width` real slots, when the caller knows it on the host: then no synchronisation); returns the
+    new mask (left-padded form)."""
+    width = int(past_mask.long().sum(-1).max()) if width is None else width
     # a stable sort of 0/1 puts each row's holes first and its real slots after them, both in slot order
     index = torch.sort(past_mask.long(), dim=-1, stable=True).indices[:, -width:]
     for layer in cache.layers:
@@ -187,6 +213,7 @@ def decode_batch(
     # plain steps where drafting does not pay ("auto" trees): a plain step's time is the batch's own, and
     # drafting must out-yield it by BATCH_DRAFT_MARGIN
     chooser = None
+    ledger = HoleLedger()
     if batch_cost is not None:
         chooser = drafter.step_chooser(lambda: batch_cost.seconds.get(1), margin=BATCH_DRAFT_MARGIN)
 
@@ -197,9 +224,10 @@ def decode_batch(
         share = None if drafter.max_tree_tokens != "auto" else max(1, drafter.tree_budget // len(active))
         holes = past_mask.shape[1] - max(real)
         crowded = window is not None and past_mask.shape[1] + (share or drafter.tree_budget) >= window
-        if holes and (crowded or holes > max(64, past_mask.shape[1] // 4)):
+        if ledger.due(holes, past_mask.shape[1]) or (holes and crowded):
+            ledger.squeezed()
             with phase(syncs, "cache"):
-                past_mask = squeeze_holes(cache, past_mask)
+                past_mask = squeeze_holes(cache, past_mask, max(real))
         if window is not None:  # every row's text fits the window, so at least the root does
             share = min(share or drafter.tree_budget, window - 1 - past_mask.shape[1])
         # a plain step first, timed: the batch's own one-token cost at its contexts

@@ -17,10 +17,12 @@ Two ways in, one packed copy per model (`fast_cpu(model)` and the drafter share 
 
 Inside a block the float32 CPU `nn.Linear` layers of the wrapped modules run oneDNN's `_linear_pointwise`
 on a packed copy of their weight, made on first use, for every row count where the plan says it is faster
-(BLAS otherwise). No modeling file is copied or changed, and outside
-the block the model is exactly as loaded. The packed kernel rounds differently from BLAS, as any other
-kernel or batch shape does, so an output can differ from plain `generate`'s where two logits nearly tie;
-`benchmarks/speed` measures how often.
+(BLAS otherwise). A model's shared block (the two ways in above) also runs its `sdpa` attention layers
+on `grouped_attention`: a masked forward of several tokens (a tree, a prompt-lookup draft, a batch step)
+attends on the cached key/value heads instead of copying the cache once per query head. No modeling
+file is copied or changed, and outside the block the model is exactly as loaded. The packed kernel rounds
+differently from BLAS, as any other kernel or batch shape does, so an output can differ from plain
+`generate`'s where two logits nearly tie; `benchmarks/speed` measures how often.
 
 The cost is memory: a second copy of every linear weight the forward uses (about the model's size), kept
 between blocks until `clear()`. The original weights stay: they serve calls outside the block, autograd,
@@ -43,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import cache_file, machine_key, read_cached, write_cached
+from .grouped_attention import grouped_attention
 
 # the row count oneDNN packs for (any count works): the trees `auto` verifies on the dev CPU have 2-16 tokens
 PACK_ROWS = 8
@@ -136,7 +139,12 @@ class PackedLinear:
     also gets the packed path (same numbers up to rounding).
     """
 
-    def __init__(self, *modules: torch.nn.Module, plan: KernelPlan | None = None) -> None:
+    def __init__(
+        self,
+        *modules: torch.nn.Module,
+        plan: KernelPlan | None = None,
+        grouped_attention_of: torch.nn.Module | None = None,
+    ) -> None:
         if not packed_linear_available():
             raise RuntimeError("this torch build has no oneDNN packed linear ops (torch.ops.mkldnn)")
         self.layers = [m for module in modules for m in module.modules() if type(m) is torch.nn.Linear]
@@ -145,6 +153,9 @@ class PackedLinear:
         self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
         self._depth = 0
         self.plan = plan
+        # a model whose `sdpa` layers run `grouped_attention` inside the block (the shared block of a model)
+        self._attention_model = grouped_attention_of
+        self._attention = contextlib.ExitStack()
 
     @property
     def plan(self) -> KernelPlan | None:
@@ -222,6 +233,8 @@ class PackedLinear:
         if self._depth == 0:
             for layer, forward in self._forwards:
                 layer.__dict__["forward"] = forward  # the instance attribute shadows the class's forward
+            if self._attention_model is not None:
+                self._attention.enter_context(grouped_attention(self._attention_model))
         self._depth += 1
         _active().append(self)
         return self
@@ -232,6 +245,7 @@ class PackedLinear:
         if self._depth == 0:
             for layer in self.layers:
                 layer.__dict__.pop("forward", None)
+            self._attention.close()
 
 
 KERNEL_PLAN_SIZES = (1, 2, 4, 8, 16, 32, 64, 256)  # rows of one forward: tokens, trees, batches, prefills
@@ -377,10 +391,10 @@ def linear_context(model, packed_linear: bool | None) -> contextlib.AbstractCont
 
 def _shared(model) -> PackedLinear:
     """`model`'s one `PackedLinear`, with the kernel plan measured on this machine (`cached_kernel_plan`:
-    once per machine and model, then read from hf_bpd's cache)."""
+    once per machine and model, then read from hf_bpd's cache) and `grouped_attention` for its layers."""
     mode = _MODES.get(model)
     if mode is None:
-        mode = _MODES[model] = PackedLinear(model, plan=cached_kernel_plan(model)[0])
+        mode = _MODES[model] = PackedLinear(model, plan=cached_kernel_plan(model)[0], grouped_attention_of=model)
     return mode
 
 
@@ -392,7 +406,9 @@ def fast_cpu(model: torch.nn.Module) -> PackedLinear:
 
     Every float32 `nn.Linear` of `model` runs the faster of BLAS and oneDNN on a packed copy of its
     weight for its row count, one row and the prefill included, as measured on this machine and model at
-    first use (`.plan`; cached in hf_bpd's cache, so later processes read it; module docstring). Assisted
+    first use (`.plan`; cached in hf_bpd's cache, so later processes read it; module docstring), and its
+    `sdpa` attention layers run masked forwards of several tokens without copying the cache per query
+    head (`grouped_attention`). Assisted
     generation with a draft model: open a block for each, `with fast_cpu(model), fast_cpu(assistant_model):`.
     Returns `model`'s shared `PackedLinear` (the one hf_bpd's drafter uses too, so there is one packed
     copy per model): `.packed_bytes` is its memory, `.clear()` frees it. Raises, before any packing, for a

@@ -42,7 +42,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .batch import row_processors, squeeze_holes
+from .batch import HoleLedger, row_processors, squeeze_holes
 from .calibration import SamplingWarp
 from .chain import drop_last, restore, snapshot, state_tensors, verify_chain
 from .compat import GENERATE_CACHE_FIELD
@@ -125,6 +125,7 @@ def decode_recurrent(
     if streamer is not None:
         streamer.put(first.cpu())
     chooser = drafter.step_chooser() if batch_size == 1 else None  # plain steps where drafting does not pay
+    ledger = HoleLedger()
 
     while not all(finished):
         t0 = time.perf_counter()
@@ -132,7 +133,8 @@ def decode_recurrent(
         real = past_mask.long().sum(-1)
         holes = past_mask.shape[1] - int(real.max())
         # the model windows its layers by cache index: holes would count as tokens there
-        if holes and (windows is not None or holes > max(64, past_mask.shape[1] // 4)):
+        if ledger.due(holes, past_mask.shape[1]) or (holes and windows is not None):
+            ledger.squeezed()
             past_mask = squeeze_holes(cache, past_mask)
         room = chain_room(drafter, replays, active)
         drafting = (chooser is None or chooser.draft_next()) and max(room) > 1

@@ -182,6 +182,34 @@ def test_squeeze_holes_keeps_each_rows_real_slots_in_order():
     assert cache.layers[0].keys[1, 0, :, 0].tolist() == [6.0, 8.0, 9.0, 10.0, 11.0]
 
 
+def test_the_hole_ledger_squeezes_once_the_holes_have_cost_one_copy_of_the_cache():
+    from hf_bpd.batch import HoleLedger
+
+    ledger = HoleLedger()
+    # 2 holes more each step in a 200-slot cache: 2 + 4 + ... + 2n reaches 200 at n = 14, 28 holes
+    # (about sqrt(2 g S) = 28.3, the period that minimises squeezes plus holes carried)
+    due = [ledger.due(2 * n, 200) for n in range(1, 20)]
+    assert due.index(True) == 13
+    ledger.squeezed()
+    assert not ledger.due(0, 200) and not ledger.due(150, 200) and ledger.due(50, 200)
+
+
+def test_a_batch_squeezes_its_holes_as_it_goes_and_every_row_stays_exact(monkeypatch):
+    import hf_bpd.batch as batch_module
+
+    squeezes = []
+    squeeze = batch_module.squeeze_holes
+    monkeypatch.setattr(
+        batch_module,
+        "squeeze_holes",
+        lambda cache, mask, *a: squeezes.append(mask.shape[1]) or squeeze(cache, mask, *a),
+    )
+    model = tiny_model("llama", eos_token_id=None)
+    ref, out = both(model, left_padded(prompts_for(8, 2)), drafter_for(model), max_new_tokens=60)
+    assert out.tolist() == ref.tolist()
+    assert len(squeezes) >= 2  # rows accepting different lengths left holes, squeezed out more than once
+
+
 def test_rows_with_a_context_rescorer_and_context_copy_heads_equal_plain_batched_greedy():
     from test_context_copy import copy_heads
 
