@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from hf_bpd.tools.bench import baseline_line
+from hf_bpd.tools.cost_model import markdown as cost_model_table
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAIMS = ROOT / "benchmarks" / "claims.json"
@@ -295,6 +296,14 @@ def render_grouped_attention(report: dict) -> list[str]:
     return lines
 
 
+def render_cost_model(report: dict) -> list[str]:
+    """`hf-bpd cost-model`: forward and drafting time by tree size, one table per model shape."""
+    lines = []
+    for shape, rows in report["shapes"].items():
+        lines += [*cost_model_table(shape, rows).splitlines(), ""]
+    return lines[:-1]
+
+
 def render_host_syncs(report: dict) -> list[str]:
     """`research.host_syncs`: device-to-host synchronisations per decoding step, by phase."""
     settings = report["settings"]
@@ -348,13 +357,15 @@ RENDERERS = {
     "kernels": render_kernels,
     "host_syncs": render_host_syncs,
     "grouped_attention": render_grouped_attention,
+    "cost_model": render_cost_model,
     "tau_by_predictability": render_tau_by_predictability,
 }
 
 
 def render_claim(claim: dict) -> str:
     report = load(claim["file"])
-    env = report.get("environment", {})
+    # a merged journal records no environment: the claim states it
+    env = {**claim.get("environment", {}), **report.get("environment", {})}
     dirty = " (with uncommitted changes)" if "uncommitted" in (env.get("commit") or "") else ""
     lines = [f"## {claim['title']}", "", claim["what"], ""]
     if "model" in claim:  # the page's default model is MODEL (HEADER)
