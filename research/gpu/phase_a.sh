@@ -1,9 +1,7 @@
 #!/bin/bash
 # Device call A (README "GPU measurements"): install the carried wheels, smoke-test hf_bpd on CUDA, and time
 # random-weight Llama-shaped forwards and drafting for the cost model. Run from the repository root there.
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source research/gpu/env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee $OUT/gpu.txt
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a $OUT/gpu.txt
 timeout 120 python3 research/gpu/smoke.py 2>&1 | tee $OUT/smoke.txt

