@@ -228,6 +228,10 @@ def decode_batch(
             ledger.squeezed()
             with phase(syncs, "cache"):
                 past_mask = squeeze_holes(cache, past_mask, max(real))
+            if chooser is not None:  # drafted steps' holes, not this step's choice: drafting pays for it
+                squeezed = time.perf_counter()
+                chooser.charge_drafting(squeezed - t0)
+                t0 = squeezed
         if window is not None:  # every row's text fits the window, so at least the root does
             share = min(share or drafter.tree_budget, window - 1 - past_mask.shape[1])
         # a plain step first, timed: the batch's own one-token cost at its contexts

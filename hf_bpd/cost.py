@@ -325,7 +325,17 @@ class StepChooser:
 
     `margin`: drafting must yield that share more tokens per second than plain steps to be taken. Where
     drafted and plain steps are close, each running mean rests on few, noisy step times, so drafting on
-    a measured gain of a few per cent is as likely to lose as to win; a margin keeps those steps plain."""
+    a measured gain of a few per cent is as likely to lose as to win; a margin keeps those steps plain.
+
+    The probes go both ways where the two are close: while drafting wins by less than `close` (a share on
+    top of the margin), a plain step measures plain steps again after `probe_every` drafted ones (the wait
+    doubling to `max_probe_every` while drafting keeps winning). Otherwise one slow plain time (a busy
+    host, a step that paid for a squeeze) keeps a call drafting at a loss to its end, since drafted steps
+    never time a plain one. A clear win is not probed: a plain step there costs what drafting gains.
+
+    `charge_drafting`: seconds that drafted steps caused but a later step paid (a batch's squeeze of the
+    holes its rows' different acceptances left, `batch.HoleLedger`): added to the next drafted step's
+    time, so they count against drafting and not against the plain step that happened to pay them."""
 
     plain_estimate: Callable[[], float | None]
     probe_every: int = 8
@@ -338,6 +348,10 @@ class StepChooser:
     plain_timed: int = 0  # plain steps measured
     probe_wait: int | None = None  # plain steps before the next probe (from probe_every, doubled per failed probe)
     margin: float = 0.0  # the share by which drafted steps must out-yield plain ones to be taken
+    close: float = 0.25  # a drafting win below this share (on top of the margin) has plain steps probed too
+    drafted_run: int = 0  # drafted steps since the last plain one
+    plain_probe_wait: int | None = None  # drafted steps before plain steps are measured again
+    pending_charge: float = 0.0  # seconds owed by drafting, added to the next drafted step (`charge_drafting`)
 
     def draft_next(self, rows: int = 1) -> bool:
         """Whether the next step drafts, for `rows` unfinished rows (a plain step makes one token each)."""
@@ -348,7 +362,16 @@ class StepChooser:
             return False
         if self.drafted_rate is None or plain is None or self.drafted_rate >= (1 + self.margin) * rows / plain:
             self.probe_wait = self.probe_every  # drafting pays (again): probe soon if it stops paying
+            wait = self.probe_every if self.plain_probe_wait is None else self.plain_probe_wait
+            near = plain is not None and self.drafted_rate is not None
+            near = near and self.drafted_rate < (1 + self.margin + self.close) * rows / plain
+            if near and self.plain_timed > 0 and self.drafted_run >= wait:  # measure plain steps again
+                self.plain_probe_wait = min(2 * wait, self.max_probe_every)
+                self.plain_run += 1
+                self.plain_taken += 1
+                return False
             return True
+        self.plain_probe_wait = None  # plain steps win: a later drafting streak probes them soon again
         wait = self.probe_every if self.probe_wait is None else self.probe_wait
         if self.plain_run >= wait:  # probe; if drafting still loses after it, the next probe waits twice as long
             self.probe_wait = min(2 * wait, self.max_probe_every)
@@ -361,8 +384,15 @@ class StepChooser:
         """A step's new tokens (all rows) and its seconds, from drafting to the accepted tokens."""
         if drafted:
             self.plain_run = 0
+            self.drafted_run += 1
+            seconds, self.pending_charge = seconds + self.pending_charge, 0.0
             self.drafted_rate = _running_mean(self.drafted_rate, tokens / max(seconds, 1e-9), self.rate)
         else:
+            self.drafted_run = 0
             self.plain_timed += 1
             earlier = None if self.plain_timed == 2 else self.plain_step_seconds  # the second replaces the first
             self.plain_step_seconds = _running_mean(earlier, seconds, self.rate)
+
+    def charge_drafting(self, seconds: float) -> None:
+        """Seconds drafted steps caused that another step paid (class docstring)."""
+        self.pending_charge += seconds

@@ -484,6 +484,14 @@ class BlockDrafter:
         if lattice is None and not self.heads.conditions_on_draft:
             raise ValueError("these heads draft from their lattice: pass it")
         budget = self.tree_budget if max_tokens is None else max(1, min(self.tree_budget, max_tokens))
+        growth = self._growth_budget(budget, 8 if batch_cost is None else 2)
+        if self.heads.conditions_on_draft and grown is None and self.grows_on_device and not rescored:
+            # every row's tree grown in one call and read in one copy: a batch reads the heads' and the
+            # softmax layer's weights once per round, not once per row
+            hidden = hidden_last.to(self.heads.device, self.heads.dtype)
+            values = self.grow(hidden, context[:, -1], growth, max_depth, warp).flat().tolist()
+            roots = [int(r) for r in context[:, -1].tolist()] if host_context is None else [r[-1] for r in host_context]
+            grown = GrownTree.rows_on_host(roots, values)
         trees, node_arcs = [], []
         self._verified = []
         for b in range(context.shape[0]):
@@ -505,24 +513,19 @@ class BlockDrafter:
                 tree, arcs = grown[b]  # grown on the device during the last step, read with its tokens
             elif self.heads.conditions_on_draft:
                 hidden = hidden_last[b : b + 1].to(self.heads.device, self.heads.dtype)
-                grow = self._growth_budget(budget, 8 if batch_cost is None else 2)
-                if self.grows_on_device and len(tree) == 1 and not estimates:
-                    grown_tree = self.grow(hidden, context[b, -1:], grow, max_depth, warp)
-                    tree, arcs = GrownTree.on_host(root, grown_tree.flat().tolist())  # one copy
-                else:
-                    arcs = expand_tree(
-                        tree,
-                        self.heads,
-                        hidden,
-                        self.top_k,
-                        grow,
-                        max_depth,
-                        estimates,
-                        self.calibration,
-                        context[b],
-                        warp,
-                        before_root=None if row is None or len(row) < 2 else row[-2],
-                    )
+                arcs = expand_tree(
+                    tree,
+                    self.heads,
+                    hidden,
+                    self.top_k,
+                    growth,
+                    max_depth,
+                    estimates,
+                    self.calibration,
+                    context[b],
+                    warp,
+                    before_root=None if row is None or len(row) < 2 else row[-2],
+                )
             else:
                 arcs = self._fill_from_lattice(tree, lattice, b, budget, max_depth, estimates)
             if self.context_lookup and arcs is not None:

@@ -188,21 +188,23 @@ def expand_tree(
 
 @dataclass
 class GrownTree:
-    """A tree grown on the device (`grow_on_device`), not yet read by the host: the nodes after the root in
-    insertion order, `[n]` each: token ids, parent indices (0 = the root) and their arcs' raw
-    log-probabilities (-inf marks a node the search would not have reached: the host drops it)."""
+    """Trees grown on the device (`grow_on_device`), one per batch row, not yet read by the host: each row's
+    nodes after its root in insertion order, `[B, n]` each: token ids, parent indices (0 = the root) and
+    their arcs' raw log-probabilities (-inf marks a node the search would not have reached: the host drops
+    it). Every row grows the same number of nodes (the same rounds), so the rows stack."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     logprobs: torch.Tensor
 
     def flat(self) -> torch.Tensor:
-        """Everything as one float64 vector: the host reads it in the same copy as other values."""
-        return torch.cat([self.tokens.double(), self.parents.double(), self.logprobs.double()])
+        """Everything as one float64 vector, row after row: the host reads it in the same copy as other
+        values."""
+        return torch.cat([self.tokens.double(), self.parents.double(), self.logprobs.double()], dim=-1).flatten()
 
     @staticmethod
     def on_host(root: int, values: list[float]) -> tuple[DraftTree, list[Arc]]:
-        """The tree and its arcs from `flat()`'s values (as `expand_tree` returns them)."""
+        """One row's tree and its arcs from its share of `flat()`'s values (as `expand_tree` returns them)."""
         n = len(values) // 3
         tree, arcs = DraftTree.root_only(root), [Arc(0.0, HEADS)]
         index = [0]  # grown index -> tree index (dropped nodes: -1)
@@ -215,6 +217,12 @@ class GrownTree:
             arcs.append(Arc(logprob, HEADS))
         return tree, arcs
 
+    @staticmethod
+    def rows_on_host(roots: list[int], values: list[float]) -> list[tuple[DraftTree, list[Arc]]]:
+        """Every row's tree and arcs from all of `flat()`'s values (`roots`: each row's root token)."""
+        n = len(values) // max(len(roots), 1)
+        return [GrownTree.on_host(root, values[b * n : (b + 1) * n]) for b, root in enumerate(roots)]
+
 
 def grow_on_device(
     heads: BlockDraftHeads,
@@ -226,70 +234,78 @@ def grow_on_device(
     warp: SamplingWarp | None = None,
     depth_limit: int | None = None,
 ) -> GrownTree:
-    """`expand_tree` on a root-only tree without a rescorer's estimates or a context-copy pointer, with
+    """`expand_tree` on root-only trees without a rescorer's estimates or a context-copy pointer, with
     every decision on the device: the same best-first rounds (`round_size`), the same order, but no
     value read by the host until the caller copies the result (`GrownTree.flat`), so a decoding step can
-    read it in one copy with its accepted tokens. `hidden [1, H]`, `root [1]` (device tensors);
-    `log_scales[d]`: the calibration's log multiplier of heads' arcs at depth d (index 0 unused), for d up
-    to the heads' number; `depth_limit`: the deepest node (default and at most: the heads' number).
+    read it in one copy with its accepted tokens. `hidden [B, H]`, `root [B]` (device tensors): one tree
+    per row, all grown together, so a batch reads each head's weights and the softmax layer once per round
+    rather than once per row; `log_scales[d]`: the calibration's log multiplier of heads' arcs at depth d
+    (index 0 unused), for d up to the heads' number; `depth_limit`: the deepest node (default and at most:
+    the heads' number).
 
-    Each round adds the `round_size` best candidates by calibrated path log-probability (`topk`), then
-    expands them: the nodes of round r sit at depths 1..r, so heads 1..r run on all of them and each node
-    keeps its own depth's state (a head's weights are read once however many rows it runs on)."""
-    device = hidden.device
+    Each round adds each row's `round_size` best candidates by calibrated path log-probability (`topk`),
+    then expands them: the nodes of round r sit at depths 1..r, so heads 1..r run on all of them and each
+    node keeps its own depth's state. Every row has as many candidates as any other (each expanded node
+    adds top_k), so the rows stay one rectangular tensor."""
+    device, rows = hidden.device, hidden.shape[0]
     depth_limit = heads.num_heads if depth_limit is None else min(depth_limit, heads.num_heads)
     if depth_limit < 1 or budget < 2:
-        empty = torch.zeros(0, device=device)
+        empty = torch.zeros(rows, 0, device=device)
         return GrownTree(empty.long(), empty.long(), empty)
     per_round = round_size(budget)
     scales = torch.tensor(log_scales, device=device)
     with torch.no_grad():
-        ids, values = heads.top_tokens(heads.step(0, hidden, root), top_k)
+        ids, values = heads.top_tokens(heads.step(0, hidden, root), top_k)  # [B, k]
         if warp is not None:
             values = warp(values)
-        cand_tokens, cand_logprobs = ids[0], values[0]
-        cand_parents = torch.zeros(top_k, dtype=torch.long, device=device)
-        cand_depths = torch.ones(top_k, dtype=torch.long, device=device)
-        cand_keys = (values[0] + scales[1]).clamp_max(0.0)
-        taken = torch.zeros(top_k, dtype=torch.bool, device=device)
-        node_keys = [torch.zeros(1, device=device)]
+        cand_tokens, cand_logprobs = ids, values
+        cand_parents = torch.zeros(rows, top_k, dtype=torch.long, device=device)
+        cand_depths = torch.ones(rows, top_k, dtype=torch.long, device=device)
+        cand_keys = (values + scales[1]).clamp_max(0.0)
+        taken = torch.zeros(rows, top_k, dtype=torch.bool, device=device)
         out_tokens, out_parents, out_logprobs, size, rounds = [], [], [], 1, 0
         while size < budget:
-            take = min(per_round, budget - size, cand_keys.numel() - (size - 1))  # untaken candidates
+            take = min(per_round, budget - size, cand_keys.shape[1] - (size - 1))  # untaken candidates
             if take <= 0:
                 break
-            keys, pick = cand_keys.masked_fill(taken, -math.inf).topk(take)
-            taken[pick] = True
-            tokens, parents, depths = cand_tokens[pick], cand_parents[pick], cand_depths[pick]
-            logprobs = cand_logprobs[pick].masked_fill(keys == -math.inf, -math.inf)
+            keys, pick = cand_keys.masked_fill(taken, -math.inf).topk(take, dim=-1)  # [B, take]
+            taken.scatter_(1, pick, True)
+            tokens, parents, depths = (
+                cand_tokens.gather(1, pick),
+                cand_parents.gather(1, pick),
+                cand_depths.gather(1, pick),
+            )
+            logprobs = cand_logprobs.gather(1, pick).masked_fill(keys == -math.inf, -math.inf)
             out_tokens.append(tokens)
             out_parents.append(parents)
             out_logprobs.append(logprobs)
-            node_keys.append(keys)
             size += take
             rounds += 1
             deepest = min(rounds, depth_limit - 1)  # this round's nodes are at depths 1..rounds
             if size >= budget or deepest < 1:
                 continue
-            # expand this round's nodes: head d (0-based) reads a node at depth d
-            states = torch.stack([heads.step(d, hidden.expand(take, -1), tokens) for d in range(1, deepest + 1)])
-            which = (depths - 1).clamp_max(deepest - 1)
-            states = states[which, torch.arange(take, device=device)]
-            ids, values = heads.top_tokens(states, top_k)
+            # expand this round's nodes (all rows' at once): head d (0-based) reads a node at depth d
+            node_hidden = hidden.repeat_interleave(take, dim=0)  # [B * take, H], row-major like tokens
+            flat_tokens, flat_depths = tokens.flatten(), depths.flatten()
+            states = torch.stack([heads.step(d, node_hidden, flat_tokens) for d in range(1, deepest + 1)])
+            which = (flat_depths - 1).clamp_max(deepest - 1)
+            states = states[which, torch.arange(rows * take, device=device)]
+            ids, values = heads.top_tokens(states, top_k)  # [B * take, k]
             if warp is not None:
                 values = warp(values)
-            child_keys = keys[:, None] + (
-                values + scales[(depths + 1).clamp_max(len(log_scales) - 1)][:, None]
+            ids, values = ids.view(rows, take, top_k), values.view(rows, take, top_k)
+            child_keys = keys[..., None] + (
+                values + scales[(depths + 1).clamp_max(len(log_scales) - 1)][..., None]
             ).clamp_max(0.0)
-            child_keys = child_keys.masked_fill((depths >= depth_limit)[:, None], -math.inf)
+            child_keys = child_keys.masked_fill((depths >= depth_limit)[..., None], -math.inf)
             index = torch.arange(size - take, size, device=device)  # tree indices of this round's nodes
-            cand_tokens = torch.cat([cand_tokens, ids.flatten()])
-            cand_logprobs = torch.cat([cand_logprobs, values.flatten()])
-            cand_parents = torch.cat([cand_parents, index.repeat_interleave(top_k)])
-            cand_depths = torch.cat([cand_depths, (depths + 1).repeat_interleave(top_k)])
-            cand_keys = torch.cat([cand_keys, child_keys.flatten()])
-            taken = torch.cat([taken, torch.zeros(take * top_k, dtype=torch.bool, device=device)])
+            cand_tokens = torch.cat([cand_tokens, ids.flatten(1)], dim=1)
+            cand_logprobs = torch.cat([cand_logprobs, values.flatten(1)], dim=1)
+            cand_parents = torch.cat([cand_parents, index.repeat_interleave(top_k).expand(rows, -1)], dim=1)
+            cand_depths = torch.cat([cand_depths, (depths + 1).repeat_interleave(top_k, dim=1)], dim=1)
+            cand_keys = torch.cat([cand_keys, child_keys.flatten(1)], dim=1)
+            taken = torch.cat([taken, torch.zeros(rows, take * top_k, dtype=torch.bool, device=device)], dim=1)
     if not out_tokens:
-        empty = torch.zeros(0, device=device)
+        empty = torch.zeros(rows, 0, device=device)
         return GrownTree(empty.long(), empty.long(), empty)
-    return GrownTree(torch.cat(out_tokens), torch.cat(out_parents), torch.cat(out_logprobs))
+    return GrownTree(torch.cat(out_tokens, dim=1), torch.cat(out_parents, dim=1), torch.cat(out_logprobs, dim=1))

@@ -184,3 +184,45 @@ def test_step_chooser_with_a_margin_drafts_only_where_drafting_clearly_pays():
     assert cost.StepChooser(lambda: 0.010, drafted_rate=103.0).draft_next()  # no margin: any gain drafts
     rows = cost.StepChooser(lambda: 0.010, drafted_rate=410.0, margin=0.05)
     assert not rows.draft_next(rows=4)  # four rows' plain steps make 400 tok/s: 410 is not 5 % more
+
+
+def test_step_chooser_measures_plain_steps_again_while_drafting_wins_narrowly():
+    # plain steps timed once at 0.012 s (83 tok/s); drafted steps then make 100 tok/s: a win of 20 %,
+    # inside `close`, so after 2 drafted steps a plain step is measured again, then after 4, 8 ...
+    chooser = cost.StepChooser(lambda: None, probe_every=2, max_probe_every=8)
+    chooser.observe(False, tokens=1, seconds=0.012)
+    chooser.observe(False, tokens=1, seconds=0.012)  # measured (the second replaces the provisional first)
+    plain_steps = []
+    for step in range(30):
+        drafts = chooser.draft_next()
+        if not drafts:
+            plain_steps.append(step)
+        chooser.observe(drafts, tokens=2 if drafts else 1, seconds=0.020 if drafts else 0.012)
+    assert plain_steps[:4] == [2, 7, 16, 25]  # after 2, 4, then 8 drafted steps (the cap)
+    # the refreshed plain time is what the choice reads: plain steps now take 0.008 s (125 tok/s) and win
+    chooser.observe(False, tokens=1, seconds=0.008)
+    chooser.observe(False, tokens=1, seconds=0.008)
+    chooser.observe(False, tokens=1, seconds=0.008)
+    assert not chooser.draft_next()
+
+
+def test_step_chooser_does_not_probe_plain_steps_where_drafting_clearly_wins():
+    chooser = cost.StepChooser(lambda: None, probe_every=2)
+    chooser.observe(False, tokens=1, seconds=0.010)
+    chooser.observe(False, tokens=1, seconds=0.010)  # 100 tok/s plain
+    decisions = []
+    for _ in range(20):
+        decisions.append(chooser.draft_next())
+        chooser.observe(True, tokens=3, seconds=0.015)  # 200 tok/s: twice as fast
+    assert all(decisions)
+
+
+def test_charged_seconds_count_against_the_next_drafted_step():
+    chooser = cost.StepChooser(lambda: 0.010, rate=1.0)
+    chooser.charge_drafting(0.010)  # a squeeze a plain step paid for drafted steps' holes
+    chooser.observe(False, tokens=1, seconds=0.010)
+    assert chooser.plain_step_seconds == 0.010  # the plain step is not charged
+    chooser.observe(True, tokens=3, seconds=0.020)
+    assert chooser.drafted_rate == pytest.approx(3 / 0.030)
+    chooser.observe(True, tokens=3, seconds=0.020)
+    assert chooser.drafted_rate == pytest.approx(3 / 0.020)  # charged once

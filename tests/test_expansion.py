@@ -94,6 +94,30 @@ def test_rescorer_estimates_compete_and_merged_drafts_are_not_duplicated(setup):
     assert (arcs[2].logprob > -math.inf) == reached
 
 
+@pytest.mark.parametrize("budget", [2, 8, 13, 40])
+@pytest.mark.parametrize("max_depth", [None, 2])
+def test_growing_a_batch_grows_each_row_s_own_tree(setup, budget, max_depth):
+    """Rows grown together in one `grow_on_device` call (a batch's step) make the trees each row grows
+    alone: the rows share no candidates, only the head calls."""
+    from hf_bpd.expansion import GrownTree, grow_on_device
+
+    heads, _ = setup
+    hidden = torch.randn(3, heads.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    roots = [ROOT, 3, 40]
+    scales = [0.0, -0.1, -0.3, -0.2]
+    together = grow_on_device(heads, hidden, torch.tensor(roots), 4, budget, scales, depth_limit=max_depth)
+    rows = GrownTree.rows_on_host(roots, together.flat().tolist())
+    assert len(rows) == 3
+    for b, (tree, arcs) in enumerate(rows):
+        alone = grow_on_device(
+            heads, hidden[b : b + 1], torch.tensor(roots[b : b + 1]), 4, budget, scales, depth_limit=max_depth
+        )
+        want_tree, want_arcs = GrownTree.on_host(roots[b], alone.flat().tolist())
+        assert (tree.tokens, tree.parents, tree.depths) == (want_tree.tokens, want_tree.parents, want_tree.depths)
+        assert [a.logprob for a in arcs] == pytest.approx([a.logprob for a in want_arcs], abs=1e-5)
+    assert len({tuple(tree.tokens) for tree, _ in rows}) == 3  # the rows' trees differ: no row copied another
+
+
 def test_round_sizes_take_fewer_rounds_for_small_trees():
     assert [expansion.round_size(b) for b in (1, 2, 5, 8, 16, 64)] == [1, 1, 4, 4, 5, 16]
 
