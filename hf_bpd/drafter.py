@@ -485,18 +485,18 @@ class BlockDrafter:
             raise ValueError("these heads draft from their lattice: pass it")
         budget = self.tree_budget if max_tokens is None else max(1, min(self.tree_budget, max_tokens))
         growth = self._growth_budget(budget, 8 if batch_cost is None else 2)
+        roots = context[:, -1].tolist() if host_context is None else [row[-1] for row in host_context]  # one copy
         if self.heads.conditions_on_draft and grown is None and self.grows_on_device and not rescored:
             # every row's tree grown in one call and read in one copy: a batch reads the heads' and the
             # softmax layer's weights once per round, not once per row
             hidden = hidden_last.to(self.heads.device, self.heads.dtype)
-            values = self.grow(hidden, context[:, -1], growth, max_depth, warp).flat().tolist()
-            roots = [int(r) for r in context[:, -1].tolist()] if host_context is None else [r[-1] for r in host_context]
-            grown = GrownTree.rows_on_host(roots, values)
+            grown = GrownTree.rows_on_host(
+                roots, self.grow(hidden, context[:, -1], growth, max_depth, warp).flat().tolist()
+            )
         trees, node_arcs = [], []
         self._verified = []
-        for b in range(context.shape[0]):
+        for b, root in enumerate(roots):
             row = None if host_context is None else host_context[b]
-            root = int(context[b, -1]) if row is None else row[-1]
             tree = DraftTree.root_only(root)
             # Rescored drafts with per-token acceptance estimates compete with the heads' prefixes on
             # estimated probability (a node's arc: the higher of the two estimates); drafts without
