@@ -15,7 +15,8 @@ step. The design keeps that single length and lets rows differ in which cache sl
   growth copies them. `squeeze_holes` gathers each row's real slots to the right end again (left-padded
   form), one gather per layer, about one copy of the cache. `HoleLedger` weighs the two: it squeezes once
   the slots the holes have cost since the last squeeze add up to the cache's length (and whenever the
-  cache nears a window the masks cannot serve past).
+  cache nears a window the masks cannot serve past, and before the first plain step after drafted ones,
+  so that plain steps are timed without the holes drafting left: `cost.StepChooser`).
 
 Tree sizes: with a fixed `max_tree_tokens` every row gets that many. With "auto" each unfinished row
 grows a tree of at most the forward-cost curve's largest size divided among them, and one width w is then
@@ -214,6 +215,7 @@ def decode_batch(
     # drafting must out-yield it by BATCH_DRAFT_MARGIN
     chooser = None
     ledger = HoleLedger()
+    drafted_last = False  # whether the last step drafted
     if batch_cost is not None:
         chooser = drafter.step_chooser(lambda: batch_cost.seconds.get(1), margin=BATCH_DRAFT_MARGIN)
 
@@ -222,9 +224,17 @@ def decode_batch(
         active = [b for b in range(batch_size) if not finished[b]]
         max_depth = None if context is None else max(context - max(real[b] for b in active) - 1, 0)
         share = None if drafter.max_tree_tokens != "auto" else max(1, drafter.tree_budget // len(active))
+        # a plain step first, timed: the batch's own one-token cost at its contexts
+        drafting = not (batch_cost is not None and not batch_cost.seconds)
+        drafting = drafting and (chooser is None or chooser.draft_next(len(active)))
         holes = past_mask.shape[1] - max(real)
         crowded = window is not None and past_mask.shape[1] + (share or drafter.tree_budget) >= window
-        if ledger.due(holes, past_mask.shape[1]) or (holes and crowded):
+        # Plain steps the chooser takes after drafted ones run on a cache without the drafted steps' holes:
+        # timed on them, plain steps would look dearer than plain decoding is, keeping drafting ahead where
+        # it does not pay. (Later plain steps add a hole per finished row only: the ledger's business.)
+        to_plain = chooser is not None and drafted_last and not drafting and holes > 0
+        drafted_last = drafting
+        if ledger.due(holes, past_mask.shape[1]) or (holes and crowded) or to_plain:
             ledger.squeezed()
             with phase(syncs, "cache"):
                 past_mask = squeeze_holes(cache, past_mask, max(real))
@@ -234,9 +244,6 @@ def decode_batch(
                 t0 = squeezed
         if window is not None:  # every row's text fits the window, so at least the root does
             share = min(share or drafter.tree_budget, window - 1 - past_mask.shape[1])
-        # a plain step first, timed: the batch's own one-token cost at its contexts
-        drafting = not (batch_cost is not None and not batch_cost.seconds)
-        drafting = drafting and (chooser is None or chooser.draft_next(len(active)))
         with phase(syncs, "draft"):
             if drafting:
                 length = max(s.shape[1] for s in sequences)

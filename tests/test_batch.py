@@ -210,6 +210,45 @@ def test_a_batch_squeezes_its_holes_as_it_goes_and_every_row_stays_exact(monkeyp
     assert len(squeezes) >= 2  # rows accepting different lengths left holes, squeezed out more than once
 
 
+def test_plain_steps_the_chooser_takes_run_on_a_cache_without_holes(monkeypatch):
+    """After drafted steps left holes (rows accepting different lengths), a plain step the step chooser
+    takes first squeezes them out: plain steps make none, and timed on drafted steps' holes they would look
+    dearer than plain decoding is. The squeeze is charged to drafting."""
+    import hf_bpd.batch as batch_module
+    from hf_bpd.cost import BatchForwardCost, ForwardCost, StepChooser
+
+    script = iter([True, True, True, False, False, True, True, False] * 20)  # drafted and plain steps
+    decisions = [False]  # the batch's first step is plain, before the chooser
+    monkeypatch.setattr(StepChooser, "draft_next", lambda self, rows=1: decisions.append(next(script)) or decisions[-1])
+    charged = []
+    charge = StepChooser.charge_drafting
+    monkeypatch.setattr(StepChooser, "charge_drafting", lambda self, s: charged.append(s) or charge(self, s))
+    monkeypatch.setattr(BatchForwardCost, "observe", lambda self, w, s: self.seconds.update({w: 0.05}))
+    masks = []  # (the last two decisions, cache mask) of every verification
+    verify = batch_module.verify_tree
+    monkeypatch.setattr(
+        batch_module,
+        "verify_tree",
+        lambda model, batch, cache, mask, *a: (
+            masks.append((decisions[-2:], mask.clone())) or verify(model, batch, cache, mask, *a)
+        ),
+    )
+    model = tiny_model("llama", eos_token_id=None)
+    sizes = (1, 2, 4, 8, 16)
+    drafter = drafter_for(model, forward_cost=ForwardCost(sizes, (0.05,) * 5))
+    drafter.max_tree_tokens = "auto"
+    ref, out = both(model, left_padded(prompts_for(8, 2)), drafter, max_new_tokens=40)
+    assert out.tolist() == ref.tolist()
+
+    def has_holes(mask):  # slots beyond the longest row's real tokens (what holes cost: a wider cache)
+        return mask.shape[1] > int(mask.sum(-1).max())
+
+    assert any(has_holes(m) for d, m in masks if d[-1])  # drafted steps did leave holes
+    after = [m for d, m in masks if d == [True, False]]  # plain steps right after drafted ones
+    assert after and not any(has_holes(m) for m in after)  # ran without them
+    assert charged  # squeezed for a plain step, charged to drafting
+
+
 def test_rows_with_a_context_rescorer_and_context_copy_heads_equal_plain_batched_greedy():
     from test_context_copy import copy_heads
 
