@@ -233,12 +233,13 @@ def decode_batch(
         # timed on them, plain steps would look dearer than plain decoding is, keeping drafting ahead where
         # it does not pay. (Later plain steps add a hole per finished row only: the ledger's business.)
         to_plain = chooser is not None and drafted_last and not drafting and holes > 0
-        drafted_last = drafting
+        # drafted steps' holes (in a plain streak after that squeeze only finished rows make any)
+        drafted_holes, drafted_last = drafted_last or drafting, drafting
         if ledger.due(holes, past_mask.shape[1]) or (holes and crowded) or to_plain:
             ledger.squeezed()
             with phase(syncs, "cache"):
                 past_mask = squeeze_holes(cache, past_mask, max(real))
-            if chooser is not None:  # drafted steps' holes, not this step's choice: drafting pays for it
+            if chooser is not None and drafted_holes:  # not this step's choice: drafting pays for it
                 squeezed = time.perf_counter()
                 chooser.charge_drafting(squeezed - t0)
                 t0 = squeezed
