@@ -232,9 +232,10 @@ def decode_batch(
         # Plain steps the chooser takes after drafted ones run on a cache without the drafted steps' holes:
         # timed on them, plain steps would look dearer than plain decoding is, keeping drafting ahead where
         # it does not pay. (Later plain steps add a hole per finished row only: the ledger's business.)
-        to_plain = chooser is not None and drafted_last and not drafting and holes > 0
+        previous_drafted, drafted_last = drafted_last, drafting
+        to_plain = chooser is not None and previous_drafted and not drafting and holes > 0
         # drafted steps' holes (in a plain streak after that squeeze only finished rows make any)
-        drafted_holes, drafted_last = drafted_last or drafting, drafting
+        drafted_holes = previous_drafted or drafting
         if ledger.due(holes, past_mask.shape[1]) or (holes and crowded) or to_plain:
             ledger.squeezed()
             with phase(syncs, "cache"):

@@ -489,10 +489,8 @@ class BlockDrafter:
         if self.heads.conditions_on_draft and grown is None and self.grows_on_device and not rescored:
             # every row's tree grown in one call and read in one copy: a batch reads the heads' and the
             # softmax layer's weights once per round, not once per row
-            hidden = hidden_last.to(self.heads.device, self.heads.dtype)
-            grown = GrownTree.rows_on_host(
-                roots, self.grow(hidden, context[:, -1], growth, max_depth, warp).flat().tolist()
-            )
+            grown_trees = self.grow(hidden_last, context[:, -1], growth, max_depth, warp)  # moves hidden_last itself
+            grown = GrownTree.rows_on_host(roots, grown_trees.flat().tolist())
         trees, node_arcs = [], []
         self._verified = []
         for b, root in enumerate(roots):
