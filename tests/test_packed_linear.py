@@ -11,7 +11,7 @@ from conftest import tiny_model
 
 import hf_bpd
 from hf_bpd.compat import cache_argument
-from hf_bpd.cost import measure_forward_cost
+from hf_bpd.cost import ForwardTimer, measure_forward_cost
 from hf_bpd.packed_linear import (
     KERNEL_PLAN_SIZES,
     KernelPlan,
@@ -20,6 +20,7 @@ from hf_bpd.packed_linear import (
     active_packed_linear,
     cached_kernel_plan,
     compiled_forward,
+    contiguous_kv,
     fast_cpu,
     linear_context,
     packed_linear_available,
@@ -216,6 +217,40 @@ def test_a_compiled_forward_runs_the_trees_unpacked_exactly_and_gets_its_own_cos
     finally:
         del model.forward
     assert not compiled_forward(model)
+
+
+def test_timing_a_compiled_forward_compiles_the_graphs_verification_then_runs():
+    # the cost curve's timed forwards must be the very call `verify_tree` makes (the same keyword arguments,
+    # the same cache layout): a compiled forward guards on them, so otherwise the first one-token step a
+    # decoding takes (whether it takes one depends on the host's timings) compiles a graph mid-decoding
+    from hf_bpd.decoding import verify_tree
+    from hf_bpd.tree import DraftTree, batch_trees
+
+    model = tiny_model("llama", eos_token_id=None)
+    graphs = []
+
+    def counting_backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(model.forward, backend=counting_backend, dynamic=True)
+    model.forward = functools.wraps(compiled)(lambda *args, **kwargs: compiled(*args, **kwargs))
+    try:
+        assert compiled_forward(model)
+        timer = ForwardTimer(model, context=8)  # its prefill compiles a graph, as a decoding's prefill does
+        for n in (1, 3):
+            timer.once(n, contextlib.nullcontext())
+        timed = len(graphs)
+        tree = DraftTree.root_only(5)
+        tree.add_path([6, 7], max_nodes=3)
+        for draft in (DraftTree.root_only(5), tree):
+            batch = batch_trees([draft], pad_token_id=0, device=torch.device("cpu"))
+            verify_tree(model, batch, timer.cache, torch.ones(1, timer.context))
+            timer.cache.crop(-len(draft))
+            contiguous_kv(timer.cache)
+        assert len(graphs) == timed
+    finally:
+        del model.forward
 
 
 def test_forward_cost_is_measured_the_way_verification_runs():
