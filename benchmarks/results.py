@@ -196,6 +196,14 @@ def render_batch(report: dict) -> list[str]:
             for cat in sizes
         )
         lines.append(f"Speedup of each round on its own, by batch size (the spread is this host's noise): {spread}.")
+    drafted = report.get("drafted_step_share")
+    if drafted:  # runs from before it was recorded have none
+        share = "; ".join(
+            f"{cat.removeprefix('batches of ')} rows: " + ", ".join(f"{n} {x:.0%}" for n, x in drafted[cat].items())
+            for cat in sizes
+            if cat in drafted
+        )
+        lines.append(f"Share of decoding steps that drafted (the others were plain steps `auto` chose): {share}.")
     return lines
 
 

@@ -11,7 +11,7 @@ step. The design keeps that single length and lets rows differ in which cache sl
   are the row's real-token count plus the node's depth, which is what plain `generate` computes from the
   2D mask for left-padded rows. So a row decodes exactly as it would without the holes.
 - Holes cost no correctness (attention windows too count positions, so real tokens only:
-  `decoding.tree_attention_mask`), but every step pays for them: attention reads them and the cache's
+  `verify.tree_attention_mask`), but every step pays for them: attention reads them and the cache's
   growth copies them. `squeeze_holes` gathers each row's real slots to the right end again (left-padded
   form), one gather per layer, about one copy of the cache. `HoleLedger` weighs the two: it squeezes once
   the slots the holes have cost since the last squeeze add up to the cache's length (and whenever the
@@ -52,12 +52,12 @@ from .decoding import (
     choose_tokens,
     prefill,
     prompt_mask,
-    verify_tree,
 )
 from .drafter import BlockDrafter, DecodingStats
 from .support import AttentionWindows
 from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, batch_trees
+from .verify import verify_tree
 
 # A batch's drafted steps gain little over its plain ones where they gain at all (the forward is already
 # compute-bound, and the rows' acceptances average out), so the measured gain is often within the noise of

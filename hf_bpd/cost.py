@@ -26,6 +26,7 @@ from .chain import drop_last, restore, snapshot, state_tensors, verify_chain
 from .compat import cache_argument
 from .packed_linear import compiled_forward, contiguous_kv, linear_context, wants_packed_linear
 from .tree import TreeBatch
+from .verify import verify_tree
 from .vocab import model_vocab_size
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -103,8 +104,6 @@ class ForwardTimer:
         return TreeBatch(ids, depths, torch.ones(1, n, n, dtype=torch.bool, device=self.device).tril(), [n])
 
     def once(self, n: int, block) -> float:
-        from .decoding import verify_tree  # decoding imports the drafter, which imports this module
-
         ids = torch.randint(0, self.vocab, (1, n), generator=self.generator).to(self.device)
         saved = snapshot(self.cache) if self.stateful else None
         if self.device.type == "cuda":

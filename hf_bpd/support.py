@@ -42,7 +42,7 @@ q when q - W < k <= q, transformers' `sliding_window_overlay`) and chunked layer
 chunk, k // C == q // C). The decode keeps every key of every layer (its cache has only full
 `DynamicLayer`s: a sliding cache layer keeps the last W - 1 entries, so a tree's rejected entries would
 evict keys a later step needs), and each tree forward gets, per layer type, the tree mask narrowed to that
-type's window by *position* (`decoding.tree_attention_mask`): a dict `{layer type: 4D mask}` for models
+type's window by *position* (`verify.tree_attention_mask`): a dict `{layer type: 4D mask}` for models
 mixing types (their forward takes one), one 4D mask where every attention layer has the same window
 (Mistral). Holes and left padding of batches do not count, since positions count real tokens only.
 """

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hf_bpd.decoding import prefill, prompt_mask, verify_tree
+from hf_bpd.decoding import prefill, prompt_mask
 from hf_bpd.grouped_attention import grouped_attention
 from hf_bpd.jsonl import read_jsonl
 from hf_bpd.models import load_model
@@ -31,6 +31,7 @@ from hf_bpd.packed_linear import PackedLinear, cached_kernel_plan
 from hf_bpd.tools.bench import DEFAULT_DATA, environment, select_rows
 from hf_bpd.tools.bench_batch import left_padded_batch
 from hf_bpd.tree import DraftTree, batch_trees
+from hf_bpd.verify import verify_tree
 
 WIDTHS = (1, 2, 4, 8)
 

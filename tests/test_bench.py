@@ -246,6 +246,7 @@ def test_batch_bench_rows_equal_plain_batched_greedy(smollm2):
     assert by_method["greedy"] == by_method["hf_bpd"] > 0
     bpd = [r for r in records if r["method"] == "hf_bpd"]
     assert bpd[0]["forwards"] < 24 and len(bpd[0]["row_tau"]) == 2
+    assert bpd[0]["steps"] == bpd[0]["forwards"] - 1 and bpd[0]["plain_steps"] == 0  # fixed trees draft every step
 
 
 def test_batch_rounds_decode_every_batch_again_with_the_methods_order_turning():
@@ -284,6 +285,15 @@ def test_round_speedups_divide_each_round_by_the_sizes_fastest_plain_method():
     out = bench.round_speedups(records, ["greedy", "greedy_fast", "hf_bpd"])
     assert out["batches of 2"] == {"greedy": [8 / 12, 5 / 5], "greedy_fast": [1.0, 1.0], "hf_bpd": [1.0, 5 / 4]}
     assert out["batches of 4"]["hf_bpd"] == [3 / 6]  # here eager greedy is the faster plain method
+
+
+def test_drafted_step_share_sums_steps_over_each_sizes_batches():
+    def record(size, method, steps=None, plain=None):
+        r = {"category": f"batches of {size}", "method": method}
+        return r if steps is None else {**r, "steps": steps, "plain_steps": plain}
+
+    records = [record(2, "greedy"), record(2, "hf_bpd", 10, 2), record(2, "hf_bpd", 30, 28), record(4, "hf_bpd", 5, 0)]
+    assert bench.drafted_step_share(records) == {"batches of 2": {"hf_bpd": 10 / 40}, "batches of 4": {"hf_bpd": 1.0}}
 
 
 @pytest.fixture

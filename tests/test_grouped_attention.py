@@ -79,8 +79,8 @@ def test_the_block_switches_a_models_sdpa_layers_and_back_and_nests():
 
 
 def test_a_tree_forward_inside_the_block_equals_the_one_outside_and_copies_nothing(monkeypatch):
-    from hf_bpd.decoding import verify_tree
     from hf_bpd.tree import DraftTree, batch_trees
+    from hf_bpd.verify import verify_tree
 
     model = tiny_model("qwen2")
     prompt = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -223,8 +223,8 @@ def test_timing_a_compiled_forward_compiles_the_graphs_verification_then_runs():
     # the cost curve's timed forwards must be the very call `verify_tree` makes (the same keyword arguments,
     # the same cache layout): a compiled forward guards on them, so otherwise the first one-token step a
     # decoding takes (whether it takes one depends on the host's timings) compiles a graph mid-decoding
-    from hf_bpd.decoding import verify_tree
     from hf_bpd.tree import DraftTree, batch_trees
+    from hf_bpd.verify import verify_tree
 
     model = tiny_model("llama", eos_token_id=None)
     graphs = []

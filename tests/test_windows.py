@@ -1,4 +1,4 @@
-"""Attention windows at every length (hf_bpd/support.py, `decoding.tree_attention_mask`): every windowed
+"""Attention windows at every length (hf_bpd/support.py, `verify.tree_attention_mask`): every windowed
 family transformers has, built tiny with a window of 8, decodes prompts + generations of 1-10 windows token
 for token as plain `generate` does: greedy with an oracle drafter (deep trees accepted whole, siblings
 before the true path, so node index != depth), seeded sampling, and left-padded batches."""
@@ -111,8 +111,8 @@ def test_returned_cache_continues_as_plain_generate():
 
 
 def test_windows_are_per_layer_type_and_bind_only_past_the_window():
-    from hf_bpd.decoding import tree_attention_mask
     from hf_bpd.tree import DraftTree, batch_trees
+    from hf_bpd.verify import tree_attention_mask
 
     model = model_for("gemma2")
     windows = attention_windows(model)

@@ -575,6 +575,17 @@ def round_speedups(records: list[dict], methods: list[str]) -> dict[str, dict[st
     return out
 
 
+def drafted_step_share(records: list[dict]) -> dict[str, dict[str, float]]:
+    """Of a batch run's records: per batch size and drafting method, the share of its decoding steps that
+    drafted (the rest were plain steps the step chooser took where drafting did not pay)."""
+    out: dict[str, dict[str, float]] = {}
+    for r in records:
+        if "steps" in r:
+            steps, plain = out.setdefault(r["category"], {}).get(r["method"], (0, 0))
+            out[r["category"]][r["method"]] = (steps + r["steps"], plain + r["plain_steps"])
+    return {c: {m: (s - p) / s if s else 0.0 for m, (s, p) in by.items()} for c, by in out.items()}
+
+
 def markdown_table(results: dict) -> str:
     """Three tables: τ and speedup per category (one column per method), then per method overall τ,
     tokens/s, speedup, lossless flag and hf_bpd's time per step by phase."""
@@ -951,6 +962,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in records:
             info["row_tau"][r["category"]] += r.get("row_tau", [])
         info["round_speedups"] = round_speedups(records, [m.name for m in methods])
+        info["drafted_step_share"] = drafted_step_share(records)
         return _report(summarize(records, [m.name for m in methods]), info, args.output)
     seed = args.seed if args.do_sample else None
     results = run_bench(

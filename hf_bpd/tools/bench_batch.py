@@ -97,5 +97,6 @@ def run_batch_bench(
                 }
                 if stats is not None and stats.rows:
                     record["row_tau"] = [r.block_efficiency for r in stats.rows]
+                    record["steps"], record["plain_steps"] = stats.steps, stats.plain_steps
                 records.append(record)
     return records

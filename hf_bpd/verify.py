@@ -1,0 +1,82 @@
+"""The verify phase: ONE base-model forward over every node of a batch of draft trees, on the existing KV cache.
+
+Tree attention is the model's own attention given a 4D mask and position ids (no modeling file is touched):
+each node sees the real cached positions and its own ancestors in the tree, nothing else, and sits at the
+next position plus its depth. So every node's logits are those the model would give at that node if its
+path had been decoded token by token, and one forward checks every drafted path at once.
+
+The forward-cost timer (`cost.ForwardTimer`) makes this very call too, so a compiled forward meets in its
+timing the graphs decoding runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .compat import cache_argument
+from .packed_linear import compiled_forward, contiguous_kv
+from .support import AttentionWindows
+from .tree import TreeBatch
+
+
+def tree_attention_mask(
+    tree: TreeBatch, past_mask: torch.Tensor, dtype: torch.dtype, windows: AttentionWindows | None = None
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Additive float mask [B, 1, N, P+N]: 0 where attention is allowed, dtype-min elsewhere. Additive
+    float works with both eager and sdpa attention.
+
+    With attention `windows` that can cut a key off at these positions, the mask of each windowed layer
+    type is narrowed to its window by position (a key at k is seen from q when q - W < k for sliding
+    layers, k // C == q // C for chunked ones; cached keys count real slots only, tree keys are at the
+    next position + depth): one mask where every attention layer has that window, else a dict
+    {layer type: mask} with the plain mask for full layers."""
+    b, n = tree.input_ids.shape
+    allowed = torch.cat([past_mask.bool()[:, None, :].expand(b, n, -1), tree.tree_mask], dim=-1)
+    if windows is None or not windows.binding(past_mask.shape[1] + n - 1):
+        return _additive(allowed, dtype)
+    real = past_mask.long()
+    query = real.sum(-1, keepdim=True) + tree.depths  # [B, N] positions of the nodes
+    key = torch.cat([real.cumsum(-1) - 1, query], dim=-1)[:, None, :]  # [B, 1, P+N] (holes: unused)
+    query = query[:, :, None]
+    masks = {}
+    for layer_type, (kind, size) in windows.layers.items():
+        inside = key > query - size if kind == "sliding" else key // size == query // size
+        masks[layer_type] = _additive(allowed & inside, dtype)
+    if not windows.per_type:  # every attention layer has this one window (Mistral)
+        (mask,) = masks.values()
+        return mask
+    masks["full_attention"] = _additive(allowed, dtype)
+    return masks
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def verify_tree(
+    model, tree: TreeBatch, cache: DynamicCache, past_mask: torch.Tensor, windows: AttentionWindows | None = None
+):
+    """One base-model forward over all tree nodes. `past_mask` [B, P] is 1 for real cached positions.
+    Appends N entries to every cache layer. `windows`: the model's attention windows (`support.py`).
+    Returns the model output (logits and hidden states of every node)."""
+    positions = past_mask.long().sum(-1, keepdim=True) + tree.depths
+    dtype = next(model.parameters()).dtype
+    if compiled_forward(model):  # it guards on the cache's strides: one layout for every call (`contiguous_kv`)
+        contiguous_kv(cache)
+    try:
+        return model(
+            input_ids=tree.input_ids,
+            attention_mask=tree_attention_mask(tree, past_mask, dtype, windows),
+            position_ids=positions,
+            **{cache_argument(model): cache},
+            use_cache=True,
+            output_hidden_states=True,
+            return_dict=True,
+        )
+    except Exception as err:  # name the cause: a model that rejects custom masks or position ids
+        raise RuntimeError(
+            f"{type(model).__name__} failed on the tree-attention forward (4D mask + position_ids): {err}"
+        ) from err
