@@ -72,8 +72,10 @@ def measure_forward_cost(
 
 
 class ForwardTimer:
-    """Times forwards of N random tokens on a `context`-token cache with the tree-style 4D mask (the cache
-    is cropped back after each), on a private random stream: measuring never moves a user's seeded
+    """Times forwards of N random tokens on a `context`-token cache (the cache is cropped back after each),
+    each the very call verification makes (`verify.verify_tree` on a chain of N tokens: a compiled forward
+    guards on its keyword arguments and on its inputs' views and strides, so these forwards compile the
+    graphs decoding then runs), on a private random stream: measuring never moves a user's seeded
     sampling. A model with recurrent state is timed on the forward its decoding verifies, a chain
     (`chain.verify_chain`), and its cache is put back by a state snapshot, since such a state cannot be
     cropped."""
@@ -98,7 +100,7 @@ class ForwardTimer:
         self.past_mask = torch.ones(1, context, device=self.device)
 
     def _chain(self, ids: torch.Tensor) -> TreeBatch:
-        """N tokens as a tree of one path (a chain): the widest tree of N nodes has the same cost."""
+        """N tokens as a tree of one path (a chain): every tree of N nodes costs one forward of N tokens."""
         n = ids.shape[1]
         depths = torch.arange(n, device=self.device)[None]
         return TreeBatch(ids, depths, torch.ones(1, n, n, dtype=torch.bool, device=self.device).tril(), [n])

@@ -5,7 +5,8 @@
 Phases, each a plain function below (gpt-fast style):
   prefill        the prompt through the model exactly as `generate` does: its token is the first root
   draft          heads on the last accepted hidden state -> lattice -> draft tree (`BlockDrafter.draft`)
-  verify_tree    (`verify.py`) ONE forward over the tree on the existing cache: 4D tree mask + depth-based position ids
+  verify_tree    ONE forward over the tree on the existing cache: 4D tree mask + depth-based position ids
+                 (`verify.py`: the forward-cost timer makes that very call too)
   accept_tree    walk the tree along the base model's own choices: its processed greedy token, or (sampling)
                  one draw from its processed distribution at each reached node
   compact_cache  keep only the accepted tree positions in the KV cache
