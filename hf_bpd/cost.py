@@ -25,7 +25,7 @@ from .cache import cache_root, key_file_name, machine_key, read_cached, write_ca
 from .chain import drop_last, restore, snapshot, state_tensors, verify_chain
 from .compat import cache_argument
 from .packed_linear import compiled_forward, contiguous_kv, linear_context, wants_packed_linear
-from .tree import TreeBatch
+from .tree import DraftTree, batch_trees
 from .verify import verify_tree
 from .vocab import model_vocab_size
 
@@ -99,15 +99,14 @@ class ForwardTimer:
             contiguous_kv(self.cache)
         self.past_mask = torch.ones(1, context, device=self.device)
 
-    def _chain(self, ids: torch.Tensor) -> TreeBatch:
-        """N tokens as a tree of one path (a chain): every tree of N nodes costs one forward of N tokens."""
-        n = ids.shape[1]
-        depths = torch.arange(n, device=self.device)[None]
-        return TreeBatch(ids, depths, torch.ones(1, n, n, dtype=torch.bool, device=self.device).tril(), [n])
-
     def once(self, n: int, block) -> float:
         ids = torch.randint(0, self.vocab, (1, n), generator=self.generator).to(self.device)
         saved = snapshot(self.cache) if self.stateful else None
+        # N tokens as a tree of one path, built as decoding builds its trees (every tree of N nodes costs one
+        # forward of N tokens); outside the timing, as decoding builds them in its draft phase
+        if not self.stateful:
+            chain = DraftTree.from_paths(int(ids[0, 0]), [ids[0, 1:].tolist()], max_nodes=n)
+            tree = batch_trees([chain], pad_token_id=0, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
@@ -115,7 +114,7 @@ class ForwardTimer:
             if self.stateful:
                 verify_chain(self.model, ids, self.cache, self.past_mask)
             else:  # the very call decoding makes: a compiled forward guards on its inputs, views included
-                verify_tree(self.model, self._chain(ids), self.cache, self.past_mask)
+                verify_tree(self.model, tree, self.cache, self.past_mask)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
