@@ -308,7 +308,8 @@ def render_cost_model(report: dict) -> list[str]:
     """`hf-bpd cost-model`: forward and drafting time by tree size, one table per model shape."""
     lines = []
     for shape, rows in report["shapes"].items():
-        lines += [*cost_model_table(shape, rows).splitlines(), ""]
+        plain = report.get("plain_generate_s_per_token", {}).get(shape)
+        lines += [*cost_model_table(shape, rows, plain).splitlines(), ""]
     return lines[:-1]
 
 

@@ -12,12 +12,20 @@ vocabulary, top-k 10, context lookup). With τ(n) from a replay of real heads (`
 (greedy pays t(1) per token; a step of hf_bpd pays one tree forward and one draft, and yields τ(n)
 tokens). τ measured on one model is an assumption for another: the projection says what the device's
 cost curve allows, not what a given model's heads will reach.
+
+t(1) is a bare forward, not what plain `generate` pays per token at its fastest. `--plain` also times
+plain greedy `generate` itself, per new token: on a DynamicCache (eager) and on a static cache, which
+transformers' `generate` compiles on a GPU (CUDA graphs, `CompileConfig`'s "reduce-overhead"). The
+fastest of those is the denominator a claim must use: `speedup_fastest(n) = τ(n) · g / (t(n) + d(n))`
+with g the fastest plain per-token time. `--compiled-trees` times t(n) through a `torch.compile`d forward
+(as `hf-bpd bench`'s `_compiled` methods run it) instead of the eager one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -97,6 +105,51 @@ def measure_draft_cost(model, tree_sizes, context: int = 256, repeats: int = 5) 
     return out
 
 
+PLAIN_CACHES = ("dynamic", "static")
+
+
+@torch.no_grad()
+def measure_plain_generate(
+    model, context: int = 256, new_tokens: int = 64, repeats: int = 3, errors: dict[str, str] | None = None
+) -> dict[str, float]:
+    """Median seconds per new token of plain greedy `generate` from a `context`-token prompt, per cache
+    (`PLAIN_CACHES`): (time for 1 + new_tokens tokens - time for 1 token) / new_tokens, so the prefill is
+    not counted. Both lengths run under the same `max_length` budget of the static cache, and one warm-up
+    of each comes first (it compiles, where transformers compiles). A cache whose `generate` fails is left
+    out, its error put in `errors`."""
+    errors = {} if errors is None else errors
+    param = next(model.parameters())
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(param.device)
+    out = {}
+    for cache in PLAIN_CACHES:
+
+        def run(n: int, cache: str = cache) -> float:
+            _sync(param.device)
+            t0 = time.perf_counter()
+            model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=False,
+                min_new_tokens=n,
+                max_new_tokens=n,
+                cache_implementation=cache,
+                pad_token_id=0,
+            )
+            _sync(param.device)
+            return time.perf_counter() - t0
+
+        try:
+            run(1), run(1 + new_tokens)  # warm-up (compiles a static cache's graphs on a GPU)
+        except Exception as error:  # reported, and the cache left out of the fastest plain time
+            errors[cache] = f"{type(error).__name__}: {error}"
+            print(f"plain generate with a {cache} cache failed: {errors[cache]}", file=sys.stderr)
+            continue
+        per_token = [(run(1 + new_tokens) - run(1)) / new_tokens for _ in range(repeats)]
+        out[cache] = sorted(per_token)[len(per_token) // 2]
+    return out
+
+
 def read_replay_taus(path: str | Path) -> dict[int, float]:
     """τ per fixed tree size from a `hf-bpd replay --output` file (its limit table, else its drafters)."""
     report = json.loads(Path(path).read_text())
@@ -110,9 +163,12 @@ def read_replay_taus(path: str | Path) -> dict[int, float]:
     return taus
 
 
-def projection(forward: dict[int, float], draft: dict[int, float], taus: dict[int, float]) -> list[dict]:
+def projection(
+    forward: dict[int, float], draft: dict[int, float], taus: dict[int, float], fastest_plain: float | None = None
+) -> list[dict]:
     """Per tree size: t(n)/t(1), d(n)/t(1) and, where τ(n) is known, the projected speedup (module
-    docstring) and the zero-overhead limit τ(n) t(1)/t(n)."""
+    docstring) and the zero-overhead limit τ(n) t(1)/t(n); with `fastest_plain` (seconds per token of the
+    fastest plain `generate`), also the projected speedup over it."""
     rows = []
     for n in sorted(forward):
         row = {"tree_tokens": n, "forward_s": forward[n], "draft_s": draft.get(n, 0.0)}
@@ -122,16 +178,23 @@ def projection(forward: dict[int, float], draft: dict[int, float], taus: dict[in
             row["tau"] = taus[n]
             row["limit"] = speedup_bound(taus[n], forward[1], forward[n])
             row["speedup"] = speedup_bound(taus[n], forward[1], forward[n] + row["draft_s"])
+            if fastest_plain is not None:
+                row["speedup_fastest"] = speedup_bound(taus[n], fastest_plain, forward[n] + row["draft_s"])
         rows.append(row)
     return rows
 
 
-def markdown(shape: str, rows: list[dict]) -> str:
+def markdown(shape: str, rows: list[dict], plain: dict[str, float] | None = None) -> str:
+    head = [f"**{shape}**", ""]
+    if plain:
+        cells = ", ".join(f"{cache} cache {1000 * s:.2f} ms" for cache, s in plain.items())
+        head += [f"Plain greedy `generate` per new token: {cells}.", ""]
+    fastest = plain and any("speedup_fastest" in r for r in rows)
     lines = [
-        f"**{shape}**",
-        "",
-        "| n | t(n) ms | t(n)/t(1) | draft ms | τ(n) | limit τ·t(1)/t(n) | projected speedup |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        *head,
+        "| n | t(n) ms | t(n)/t(1) | draft ms | τ(n) | limit τ·t(1)/t(n) | projected speedup |"
+        + (" over fastest plain |" if fastest else ""),
+        "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if fastest else ""),
     ]
     for r in rows:
         tau = f"{r['tau']:.2f}" if "tau" in r else "–"
@@ -140,6 +203,7 @@ def markdown(shape: str, rows: list[dict]) -> str:
         lines.append(
             f"| {r['tree_tokens']} | {1000 * r['forward_s']:.1f} | {r['forward_ratio']:.2f} | "
             f"{1000 * r['draft_s']:.1f} | {tau} | {limit} | {speed} |"
+            + (f" {r['speedup_fastest']:.2f}x |" if "speedup_fastest" in r else (" – |" if fastest else ""))
         )
     return "\n".join(lines)
 
@@ -154,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
     parser.add_argument("--replay", default=None, help="a `hf-bpd replay --output` file giving τ per tree size")
     parser.add_argument("--output", default=None, help="JSON results; a .md table is written beside it")
+    parser.add_argument(
+        "--plain", action="store_true", help="also time plain greedy generate per token (dynamic and static cache)"
+    )
+    parser.add_argument("--compiled-trees", action="store_true", help="time t(n) through a torch.compile'd forward")
     args = parser.parse_args(argv)
     sizes = sorted(set(args.tree_sizes))
     if sizes[0] < 1:
@@ -169,12 +237,20 @@ def main(argv: list[str] | None = None) -> int:
     tables = []
     for shape in args.shapes:
         model = random_llama(shape, args.device, dtype)
+        errors: dict[str, str] = {}
+        plain = measure_plain_generate(model, args.context, repeats=args.repeats, errors=errors) if args.plain else {}
+        if errors:
+            report.setdefault("plain_generate_errors", {})[shape] = errors
+        if args.compiled_trees:
+            model.forward = torch.compile(model.forward, dynamic=True)  # as bench's `_compiled` methods
         curve = measure_forward_cost(model, sizes, context=args.context, repeats=args.repeats)
         forward = dict(zip(curve.sizes, curve.seconds))
         draft = measure_draft_cost(model, sizes, context=args.context, repeats=args.repeats)
-        rows = projection(forward, draft, taus)
+        rows = projection(forward, draft, taus, min(plain.values()) if plain else None)
         report["shapes"][shape] = rows
-        tables.append(markdown(shape, rows))
+        if plain:
+            report.setdefault("plain_generate_s_per_token", {})[shape] = plain
+        tables.append(markdown(shape, rows, plain))
         del model
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
