@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hf_bpd import cli
-from hf_bpd.tools.cost_model import SHAPES, projection, random_llama, read_replay_taus
+from hf_bpd.tools.cost_model import SHAPES, measure_plain_generate, projection, random_llama, read_replay_taus
 
 
 def test_projection_is_tau_times_greedy_cost_over_step_cost():
@@ -51,3 +51,31 @@ def test_replay_taus_from_drafter_names(tmp_path):
         json.dumps({"drafters": {"k10 n8": {"overall": {"tau": 2.5}}, "k10 n16": {"overall": {"tau": 2.8}}}})
     )
     assert read_replay_taus(path) == {8: 2.5, 16: 2.8}
+
+
+def test_projection_over_the_fastest_plain_generate_divides_by_its_per_token_time():
+    rows = projection({1: 0.02, 4: 0.024}, {1: 0.0, 4: 0.001}, {4: 2.0}, fastest_plain=0.004)
+    by_n = {r["tree_tokens"]: r for r in rows}
+    assert by_n[4]["speedup_fastest"] == pytest.approx(2.0 * 0.004 / 0.025)
+    assert by_n[4]["speedup"] == pytest.approx(2.0 * 0.02 / 0.025)  # over the bare one-token forward
+    assert "speedup_fastest" not in projection({1: 0.02, 4: 0.024}, {}, {4: 2.0})[1]
+
+
+def test_plain_generate_is_timed_per_new_token_for_each_cache_and_a_failing_cache_is_reported(monkeypatch):
+    model = random_llama("tiny")
+    calls = []
+    real_generate = model.generate
+
+    def generate(*args, **kwargs):
+        calls.append((kwargs["cache_implementation"], kwargs["max_new_tokens"], kwargs["min_new_tokens"]))
+        if kwargs["cache_implementation"] == "static":
+            raise RuntimeError("no static cache here")
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", generate)
+    errors = {}
+    plain = measure_plain_generate(model, context=8, new_tokens=4, repeats=1, errors=errors)
+    assert set(plain) == {"dynamic"} and plain["dynamic"] > 0
+    assert errors == {"static": "RuntimeError: no static cache here"}
+    # warm-up of both lengths, then one timed pair; each length decodes exactly that many tokens
+    assert calls[:4] == [("dynamic", 1, 1), ("dynamic", 5, 5), ("dynamic", 5, 5), ("dynamic", 1, 1)]
