@@ -313,6 +313,23 @@ def render_cost_model(report: dict) -> list[str]:
     return lines[:-1]
 
 
+def render_graph_trees(report: dict) -> list[str]:
+    """research/gpu/graph_trees.py: a tree forward on a static cache in a captured CUDA graph, by tree size."""
+    lines = [
+        "| shape | dtype | n | graph forward ms | t(n)/t(1) | max logit difference vs eager DynamicCache "
+        "| same argmax |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    one = {(r["shape"], r["dtype"]): r["graph_forward_s"] for r in report["rows"] if r["tree_tokens"] == 1}
+    for r in report["rows"]:
+        ratio = r["graph_forward_s"] / one[(r["shape"], r["dtype"])]
+        lines.append(
+            f"| {r['shape']} | {r['dtype']} | {r['tree_tokens']} | {1000 * r['graph_forward_s']:.2f} | {ratio:.2f} | "
+            f"{r['max_logit_difference_vs_eager_dynamic']:.1e} | {'yes' if r['same_argmax'] else 'no'} |"
+        )
+    return lines
+
+
 def render_host_syncs(report: dict) -> list[str]:
     """`research.host_syncs`: device-to-host synchronisations per decoding step, by phase."""
     settings = report["settings"]
@@ -367,6 +384,7 @@ RENDERERS = {
     "host_syncs": render_host_syncs,
     "grouped_attention": render_grouped_attention,
     "cost_model": render_cost_model,
+    "graph_trees": render_graph_trees,
     "tau_by_predictability": render_tau_by_predictability,
 }
 
