@@ -61,14 +61,33 @@ class ForwardCost:
 
 @torch.no_grad()
 def measure_forward_cost(
-    model, sizes=DEFAULT_SIZES, context: int = 256, repeats: int = 3, packed_linear: bool | None = None
+    model, sizes=DEFAULT_SIZES, context: int = 256, repeats: int = 5, packed_linear: bool | None = None
 ) -> ForwardCost:
     """Median time of a forward of N tokens on a `context`-token cache, with the tree-style 4D mask, run
-    the way verification runs it (`packed_linear`: as the drafter's setting)."""
+    the way verification runs it (`packed_linear`: as the drafter's setting), fitted non-decreasing in N.
+
+    The sizes are timed in rounds (every size once per round, a first round to warm up) rather than one
+    size's repeats in a row, so a burst of load elsewhere on the machine lands on every size alike instead
+    of making one size look cheap or dear. A wider forward does the narrower one's work and more, so a
+    curve where 4 tokens cost less than 1 is noise; left in, it would size trees as if width were free.
+    The medians are therefore fitted by isotonic regression (`isotonic`)."""
     packed = linear_context(model, packed_linear)  # resolved once, outside the timed forwards
     timer = ForwardTimer(model, context)
-    times = [timer.median(n, packed, repeats) for n in sizes]
-    return ForwardCost(tuple(sizes), tuple(times))
+    runs = [[timer.once(n, packed) for n in sizes] for _ in range(repeats + 1)][1:]
+    medians = [sorted(by_size)[len(by_size) // 2] for by_size in zip(*runs)]
+    return ForwardCost(tuple(sizes), tuple(isotonic(medians)))
+
+
+def isotonic(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in squared error (pool adjacent violators: a run
+    that decreases is replaced by its mean, repeatedly)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (mean_a, count_a), (mean_b, count_b) = blocks[-2], blocks.pop()
+            blocks[-1] = [(mean_a * count_a + mean_b * count_b) / (count_a + count_b), count_a + count_b]
+    return [mean for mean, count in blocks for _ in range(int(count))]
 
 
 class ForwardTimer:
@@ -141,6 +160,7 @@ def forward_cost_key(model, packed_linear: bool | None = None, sizes=DEFAULT_SIZ
         "compiled_forward": compiled_forward(model),
         "kernels": "plan",  # curves from before the measured kernel plan are measured again
         "timed_as": "verify_tree",  # and those from before the timing made decoding's own call
+        "fit": "isotonic, rounds",  # and those fitted otherwise
         "sizes": list(sizes),
         "context": context,
     }

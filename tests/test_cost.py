@@ -226,3 +226,28 @@ def test_charged_seconds_count_against_the_next_drafted_step():
     assert chooser.drafted_rate == pytest.approx(3 / 0.030)
     chooser.observe(True, tokens=3, seconds=0.020)
     assert chooser.drafted_rate == pytest.approx(3 / 0.020)  # charged once
+
+
+def test_isotonic_fit_pools_decreasing_runs_into_their_mean():
+    assert cost.isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert cost.isotonic([184.0, 215.0, 154.0, 184.0, 223.0, 191.0, 288.0]) == pytest.approx(
+        [184.0, 553 / 3, 553 / 3, 553 / 3, 207.0, 207.0, 288.0]
+    )
+    assert cost.isotonic([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
+    assert cost.isotonic([]) == []
+
+
+def test_forward_cost_times_every_size_per_round_and_fits_a_curve_never_cheaper_when_wider(monkeypatch):
+    order = []
+    noisy = {1: [9.0, 0.10, 0.30, 0.09], 2: [9.0, 0.12, 0.12, 0.12], 4: [9.0, 0.09, 0.08, 0.10]}
+
+    def once(self, n, block):
+        order.append(n)
+        return noisy[n][sum(1 for m in order if m == n) - 1]
+
+    monkeypatch.setattr(cost.ForwardTimer, "once", once)
+    model = tiny_model("llama")
+    curve = cost.measure_forward_cost(model, sizes=(1, 2, 4), context=8, repeats=3)
+    assert order == [1, 2, 4] * 4  # rounds over the sizes, the first a warm-up
+    # medians 0.10, 0.12, 0.09: the dip at 4 tokens is pooled with 2 tokens' time
+    assert curve.seconds == pytest.approx((0.10, 0.105, 0.105))
