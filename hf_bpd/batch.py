@@ -25,7 +25,7 @@ padded to the widest, finished rows included), so w maximises the batch's expect
 cost(B x w), and a bigger batch, already compute-bound on a CPU, verifies smaller trees. That cost is the
 call's own (`cost.BatchForwardCost`): its first step is a plain one, and every forward is timed, because a
 batch at long contexts costs far more than the one-row start-up curve says. Unless drafted steps yield
-clearly more tokens per second than plain ones (drafting included; `BATCH_DRAFT_MARGIN`), the call takes
+clearly more tokens per second than plain ones (drafting included; `batch_draft_margin`), the call takes
 plain steps, the roots alone (`cost.StepChooser`). Below a window the masks cannot serve past
 (`support.AttentionWindows.cap`), trees are capped so the cache plus the tree stays within it, as for one
 row. Sampling works row by row (each row's own draws, so the random stream differs from plain batched
@@ -63,6 +63,15 @@ from .verify import verify_tree
 # compute-bound, and the rows' acceptances average out), so the measured gain is often within the noise of
 # a few step times: drafting is taken only where it out-yields plain steps by this share (`cost.StepChooser`).
 BATCH_DRAFT_MARGIN = 0.05
+# Above 8 rows the margin grows (to 0.10 at 16): each row's tree gets a smaller share of the budget, a drafted
+# step's gain over a plain one shrinks toward the noise of its step times, and the claims measured there
+# lost on drafted steps the chooser had counted as wins of a few per cent.
+BATCH_DRAFT_MARGIN_PER_ROW_ABOVE_8 = 0.00625
+
+
+def batch_draft_margin(rows: int) -> float:
+    """The share by which a batch of `rows` unfinished rows must out-yield plain steps to draft."""
+    return BATCH_DRAFT_MARGIN + BATCH_DRAFT_MARGIN_PER_ROW_ABOVE_8 * max(0, rows - 8)
 
 
 def check_batch_supported(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict):
@@ -212,12 +221,12 @@ def decode_batch(
     for row in rows:
         row.new_tokens = 1
     # plain steps where drafting does not pay ("auto" trees): a plain step's time is the batch's own, and
-    # drafting must out-yield it by BATCH_DRAFT_MARGIN
+    # drafting must out-yield it by batch_draft_margin
     chooser = None
     ledger = HoleLedger()
     drafted_last = False  # whether the last step drafted
     if batch_cost is not None:
-        chooser = drafter.step_chooser(lambda: batch_cost.seconds.get(1), margin=BATCH_DRAFT_MARGIN)
+        chooser = drafter.step_chooser(lambda: batch_cost.seconds.get(1), margin=batch_draft_margin(batch_size))
 
     while not all(finished):
         t0 = time.perf_counter()
@@ -226,6 +235,8 @@ def decode_batch(
         share = None if drafter.max_tree_tokens != "auto" else max(1, drafter.tree_budget // len(active))
         # a plain step first, timed: the batch's own one-token cost at its contexts
         drafting = not (batch_cost is not None and not batch_cost.seconds)
+        if chooser is not None:
+            chooser.margin = batch_draft_margin(len(active))  # rows finish: the margin follows those left
         drafting = drafting and (chooser is None or chooser.draft_next(len(active)))
         holes = past_mask.shape[1] - max(real)
         crowded = window is not None and past_mask.shape[1] + (share or drafter.tree_budget) >= window

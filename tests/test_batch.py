@@ -327,3 +327,20 @@ def test_greedy_batch_steps_read_every_rows_choices_in_one_copy():
     assert per_step["accept"] == 1.0, per_step
     assert per_step.get("verify", 0) == 0 and per_step.get("cache", 0) == 0, per_step
     assert max(max(r.accepted_lengths) for r in drafter.stats.rows) > 1  # drafted trees were walked too
+
+
+def test_batch_draft_margin_grows_above_8_rows_so_a_thin_drafting_win_stays_plain_there():
+    from hf_bpd.batch import BATCH_DRAFT_MARGIN, batch_draft_margin
+    from hf_bpd.cost import StepChooser
+
+    assert batch_draft_margin(1) == batch_draft_margin(8) == BATCH_DRAFT_MARGIN
+    assert batch_draft_margin(16) == pytest.approx(0.10)
+    assert batch_draft_margin(12) < batch_draft_margin(13)
+
+    def chooser(rows: int) -> StepChooser:
+        # drafted steps measured 8 % above plain ones per row
+        c = StepChooser(lambda: 1.0, margin=batch_draft_margin(rows), drafted_rate=1.08 * rows, plain_timed=2)
+        c.plain_step_seconds = 1.0
+        return c
+
+    assert chooser(8).draft_next(8) and not chooser(16).draft_next(16)
