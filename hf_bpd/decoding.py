@@ -51,6 +51,7 @@ from .calibration import SamplingWarp
 from .compat import CACHE_NAMES, GENERATE_CACHE_FIELD, output_cache
 from .drafter import BlockDrafter
 from .expansion import GrownTree
+from .static_cache import compact_static_cache, compiled_static_call, graph_tree_size, is_static, static_capacity
 from .support import AttentionWindows
 from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, TreeBatch, batch_trees
@@ -101,8 +102,8 @@ def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.T
     model_inputs["output_hidden_states"] = True
     out = model(**model_inputs, return_dict=True)
     cache = output_cache(out)
-    if not isinstance(cache, DynamicCache):
-        raise ValueError(f"hf_bpd needs a DynamicCache (the default), got {type(cache).__name__}")
+    if not isinstance(cache, DynamicCache) and not is_static(cache):
+        raise ValueError(f"hf_bpd needs a DynamicCache (the default) or a StaticCache, got {type(cache).__name__}")
     hidden = out.hidden_states[-1]
     if hidden.dim() != 3:
         raise ValueError(
@@ -362,6 +363,8 @@ def decode(
         finished = bool(stopping_criteria(input_ids, scores).any())
         sequence = input_ids[0].tolist()  # the row on the host, kept in step with input_ids (no copy back)
         root = sequence[-1]
+    capacity = static_capacity(cache)  # a static cache: trees fit its free slots (`static_cache.py`)
+    static_call = None if capacity is None else compiled_static_call(model, generation_config, model_kwargs)
     chooser = drafter.step_chooser()  # plain steps where drafting does not pay ("auto" trees)
     # greedy steps read their tokens and the next tree in one copy (`accept_greedy_and_grow`)
     fuse = (
@@ -388,6 +391,9 @@ def decode(
         # full attention, so keep context + tree there (check_call_supported made sure the root fits).
         cap = None if windows is None else windows.cap
         max_tokens = None if cap is None else cap - 1 - past_len
+        room = None if capacity is None else capacity - past_len  # a static cache's free slots
+        if room is not None:
+            max_tokens = room if max_tokens is None else min(max_tokens, room)
         t0 = time.perf_counter()
         if next_drafts is None:  # else decided by the last step's fused accept
             next_drafts = chooser is None or chooser.draft_next()
@@ -400,11 +406,16 @@ def decode(
                 )
             else:
                 trees = drafter.root_trees([root])
+            if room is not None and len(trees[0]) > room:  # a tree grown last step, before the room was known
+                trees = [trees[0].truncated(room)]
         grown = next_drafts = None
         t1 = drafter._sync(input_ids.device)
         with phase(syncs, "verify"):
-            batch = batch_trees(trees, pad_token_id=trees[0].tokens[0], device=input_ids.device)
-            out = verify_tree(model, batch, cache, past_mask, windows)
+            size = None if static_call is None else graph_tree_size(len(trees[0]), room)  # one graph per size
+            batch = batch_trees(trees, pad_token_id=trees[0].tokens[0], device=input_ids.device, pad_to=size)
+            out = verify_tree(model, batch, cache, past_mask, windows, forward=static_call)
+            if static_call is not None:  # a replayed graph's outputs are overwritten by its next replay
+                out.logits, out.hidden_states = out.logits.clone(), (out.hidden_states[-1].clone(),)
         t2 = drafter._sync(input_ids.device)
         heads_before = stats.time_heads  # a fused accept grows the next tree: heads time, not accept time
         with phase(syncs, "accept"):
@@ -425,7 +436,9 @@ def decode(
         sequence.extend(result.tokens)
         with phase(syncs, "cache"):
             keep = torch.tensor(result.nodes, device=input_ids.device)
-            if keep.numel() < batch.input_ids.shape[1]:  # nothing to drop when every node was accepted
+            if capacity is not None:
+                compact_static_cache(cache, past_len, batch.input_ids.shape[1], keep)
+            elif keep.numel() < batch.input_ids.shape[1]:  # nothing to drop when every node was accepted
                 compact_cache(cache, batch.input_ids.shape[1], keep)
             past_mask = torch.cat([past_mask, past_mask.new_ones(1, keep.numel())], dim=-1)
             hidden_last = out.hidden_states[-1][:, result.nodes[-1]]

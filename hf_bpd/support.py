@@ -26,6 +26,9 @@ It is not for:
   ids offset by `rope_deltas` after the prefill): the tree forwards pass one text position per node;
 - inputs other than token ids and their mask that the model reads on every step (`inputs_embeds`,
   GPT-2's `token_type_ids`, a filled cache): the loop would have to extend them to every tree node.
+- a static cache (`cache_implementation="static"`) for a batch, a model with attention windows or a
+  recurrent state: one row of a full-attention model is served on it (`static_cache.py`), the rest on
+  the default DynamicCache.
 
 Image-text models (Gemma 3, LLaVA, ...) are served with and without images: transformers' `generate`
 encodes the images before it calls us (`mm_encoder_outputs`, empty for a text-only prompt), the prefill
@@ -57,9 +60,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, StaticCache
 
 from .compat import CACHE_NAMES, cache_argument
+from .static_cache import check_static_supported
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 # cache layer types that hold one key/value entry per token (what compaction and the tree mask assume);
@@ -363,17 +367,21 @@ def check_call_supported(
             "would have to be extended to every drafted node); use plain generate for such inputs"
         )
     implementation = generation_config.cache_implementation
-    if implementation not in (None, "dynamic"):
+    if implementation not in (None, "dynamic", "static"):
         raise ValueError(
-            f"hf_bpd.generate needs a DynamicCache (it drops rejected drafts from it), got cache_implementation="
-            f"{implementation!r}"
+            f"hf_bpd.generate needs a DynamicCache or a static cache (it drops rejected drafts from them), got "
+            f"cache_implementation={implementation!r}"
         )
+    static = None  # a static cache (`static_cache.py`): checked once the model's windows are known
     for name in CACHE_NAMES:
         cache = model_kwargs.get(name)
         if cache is None:
             continue
+        if isinstance(cache, StaticCache):
+            static = cache
+            continue
         if not isinstance(cache, DynamicCache):
-            raise ValueError(f"hf_bpd.generate needs a DynamicCache, got {type(cache).__name__}")
+            raise ValueError(f"hf_bpd.generate needs a DynamicCache or a StaticCache, got {type(cache).__name__}")
         if _filled(cache):
             raise ValueError(
                 "hf_bpd.generate starts from an empty cache: continuing from a filled one is not supported; "
@@ -386,6 +394,10 @@ def check_call_supported(
             f"input of {input_ids.shape[1]} tokens does not fit the model's context of {context} positions"
         )
     windows = attention_windows(model)
+    if static is not None:
+        check_static_supported(model, input_ids, static, windows, has_recurrent_state(model))
+    elif implementation == "static":  # generate builds the static cache before this call: a model without one
+        raise ValueError(f"cache_implementation='static' gave {type(model).__name__} no static cache to decode on")
     # recurrent models: their own masks window by cache index, which their chain loop keeps free of holes
     cap = None if windows is None or has_recurrent_state(model) else windows.cap
     if cap is not None and (generation_config.max_length or 0) > cap:

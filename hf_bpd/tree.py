@@ -183,8 +183,12 @@ class TreeBatch:
     sizes: list[int]
 
 
-def batch_trees(trees: Sequence[DraftTree], pad_token_id: int, device: torch.device) -> TreeBatch:
-    n = max(len(t) for t in trees)
+def batch_trees(
+    trees: Sequence[DraftTree], pad_token_id: int, device: torch.device, pad_to: int | None = None
+) -> TreeBatch:
+    """The trees as one batch of model inputs, padded to the largest tree, or to `pad_to` nodes where that
+    is larger (a compiled forward's fixed size: `static_cache.graph_tree_size`)."""
+    n = max(max(len(t) for t in trees), pad_to or 0)
     ids = torch.full((len(trees), n), pad_token_id, dtype=torch.long)
     depths = torch.zeros((len(trees), n), dtype=torch.long)
     mask = torch.eye(n, dtype=torch.bool).repeat(len(trees), 1, 1)

@@ -16,6 +16,7 @@ from transformers.cache_utils import DynamicCache
 
 from .compat import cache_argument
 from .packed_linear import compiled_forward, contiguous_kv
+from .static_cache import pad_mask_columns, static_capacity
 from .support import AttentionWindows
 from .tree import TreeBatch
 
@@ -57,19 +58,31 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def verify_tree(
-    model, tree: TreeBatch, cache: DynamicCache, past_mask: torch.Tensor, windows: AttentionWindows | None = None
+    model,
+    tree: TreeBatch,
+    cache: DynamicCache,
+    past_mask: torch.Tensor,
+    windows: AttentionWindows | None = None,
+    forward=None,
 ):
     """One base-model forward over all tree nodes. `past_mask` [B, P] is 1 for real cached positions.
     Appends N entries to every cache layer. `windows`: the model's attention windows (`support.py`).
-    Returns the model output (logits and hidden states of every node)."""
+    `forward`: the call that runs the model (default: the model itself; on a static cache, the compiled
+    call `generate` would use, `static_cache.compiled_static_call`). A static cache gets the mask over all
+    its key columns (`static_cache.pad_mask_columns`). Returns the model output (logits and hidden states
+    of every node)."""
     positions = past_mask.long().sum(-1, keepdim=True) + tree.depths
     dtype = next(model.parameters()).dtype
-    if compiled_forward(model):  # it guards on the cache's strides: one layout for every call (`contiguous_kv`)
+    capacity = static_capacity(cache)
+    if compiled_forward(model) and capacity is None:  # it guards on the cache's strides (`contiguous_kv`)
         contiguous_kv(cache)
+    mask = tree_attention_mask(tree, past_mask, dtype, windows)
+    if capacity is not None:
+        mask = pad_mask_columns(mask, capacity)
     try:
-        return model(
+        return (forward or model)(
             input_ids=tree.input_ids,
-            attention_mask=tree_attention_mask(tree, past_mask, dtype, windows),
+            attention_mask=mask,
             position_ids=positions,
             **{cache_argument(model): cache},
             use_cache=True,

@@ -376,3 +376,19 @@ def test_greedy_twin_in_a_sampled_run_decodes_greedily_with_its_own_calibration(
     assert results["hf_bpd"]["overall"]["identical"]  # seeded plain sampling, token for token
     assert results["hf_bpd_greedy"]["overall"]["tokens"] == results["sample"]["overall"]["tokens"] == 4 * 12
     assert set(bench.learned(methods)) == {"hf_bpd", "hf_bpd_greedy"}
+
+
+def test_static_cache_methods_are_lossless_and_plain_static_competes_for_the_denominator():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8)
+    static = {**bench.GREEDY, **bench.STATIC}
+    methods = [
+        bench.greedy_method(model),
+        bench.static_cache_method(model),
+        bench.bpd_method(model, drafter, "hf_bpd_static", static),
+    ]
+    assert methods[1].name == "greedy_static" and "greedy_static" in bench.PLAIN_METHODS
+    results = bench.run_bench(model, TinyChatTokenizer(), ROWS, methods, max_new_tokens=12, progress=False)
+    b = results["hf_bpd_static"]["overall"]
+    assert b["identical"] and results["greedy_static"]["overall"]["identical"]
+    assert b["speedup_over"] in ("greedy", "greedy_static")  # the faster of the two plain methods

@@ -69,7 +69,7 @@ def test_windowed_models_are_not_refused_for_length():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(cache_implementation="static"), "DynamicCache"),
+        (dict(cache_implementation="offloaded"), "cache_implementation='offloaded'"),
         (dict(return_dict_in_generate=True, output_hidden_states=True), "hidden states"),
         (dict(return_dict_in_generate=True, output_attentions=True), "attentions"),
     ],

@@ -128,6 +128,12 @@ def greedy_method(model, decoding: dict = GREEDY) -> Method:
     )
 
 
+def static_cache_method(model, decoding: dict = GREEDY) -> Method:
+    """Plain `generate` on a static cache (named `<reference>_static`): on a GPU `generate` compiles its
+    decoding there (CUDA graphs), its fastest plain decoding; a plain method like the others."""
+    return Method(f"{reference_name(decoding)}_static", greedy_method(model, {**decoding, **STATIC}).run)
+
+
 def fast_cpu_method(method: Method, model) -> Method:
     """`method` with every forward of `model` on `hf_bpd.fast_cpu`'s kernels (named `<name>_fast`): the
     kernels hf_bpd's own forwards use, given to the baselines too. The kernel plan is measured (or read
@@ -516,8 +522,18 @@ def _append(path: str | Path, records: list[dict]) -> None:
         f.writelines(json.dumps(r) + "\n" for r in records)
 
 
-# plain `generate`: eager, on fast_cpu's kernels, or compiled
-PLAIN_METHODS = ("greedy", "sample", "greedy_fast", "sample_fast", "greedy_compiled", "sample_compiled")
+# plain `generate`: eager, on fast_cpu's kernels, compiled, or on a static cache (compiled by generate on a GPU)
+PLAIN_METHODS = (
+    "greedy",
+    "sample",
+    "greedy_fast",
+    "sample_fast",
+    "greedy_compiled",
+    "sample_compiled",
+    "greedy_static",
+    "sample_static",
+)
+STATIC = {"cache_implementation": "static"}
 
 
 def _turn(record: dict) -> tuple:
@@ -633,9 +649,14 @@ def baseline_line(results: dict) -> str:
     by_category = {c: s["speedup_over"] for c, s in first["categories"].items()}
     others = sorted(c for c, b in by_category.items() if b != overall)
     where = f"; in {', '.join(others)}: {', '.join(sorted({by_category[c] for c in others}))}" if others else ""
+    static = (
+        "; `_static`: a static cache, which generate compiles with CUDA graphs on a GPU"
+        if any(m.endswith("_static") for m in results)
+        else ""
+    )
     return (
         f"Speedup: over the fastest plain `generate` of the run, per category and overall: {overall}{where} "
-        "(`_fast`: on hf_bpd.fast_cpu's kernels; `_compiled`: torch.compile with inductor freezing)."
+        f"(`_fast`: on hf_bpd.fast_cpu's kernels; `_compiled`: torch.compile with inductor freezing{static})."
     )
 
 
@@ -762,7 +783,8 @@ def main(argv: list[str] | None = None) -> int:
         default=["greedy", "greedy_fast", "prompt_lookup_fast", "hf_bpd"],
         help="greedy (always run: the reference), greedy_fast (plain generate on hf_bpd.fast_cpu's kernels, "
         "which hf_bpd's forwards use), greedy_compiled (plain generate with torch.compile and inductor freezing; "
-        "speedups divide by the fastest plain method), prompt_lookup, "
+        "speedups divide by the fastest plain method), greedy_static (plain generate on a static cache, which "
+        "generate compiles with CUDA graphs on a GPU), hf_bpd_static (hf_bpd on a static cache), prompt_lookup, "
         "prompt_lookup_fast, assisted (the shipped rescorer LM as a draft "
         "model), hf_bpd (heads alone), hf_bpd+NAME with NAME a shipped rescorer (hf_bpd.packaged_rescorers()), "
         "hf_bpd_typical (with --do-sample: Medusa's typical acceptance, lossy), hf_bpd_greedy (with --do-sample: "
@@ -936,6 +958,11 @@ def main(argv: list[str] | None = None) -> int:
         "hf_bpd": lambda: bpd_method(model, drafter, decoding=decoding),
         "hf_bpd_compiled": lambda: compiled_method(
             bpd_method(model, on_compiled_forward(drafter), decoding=decoding), model, tokenizer
+        ),
+        # a static cache: plain generate's fastest decoding on a GPU, and hf_bpd on the same cache
+        "greedy_static": lambda: static_cache_method(model, decoding),
+        "hf_bpd_static": lambda: bpd_method(
+            model, drafter.with_rescorer(drafter.rescorer), "hf_bpd_static", {**decoding, **STATIC}
         ),
         "hf_bpd_typical": typical,
         "hf_bpd_greedy": greedy_twin,

@@ -1,7 +1,8 @@
 """A GPU smoke check before timing anything there: tiny random Llama models on CUDA (float32 and bfloat16),
-random draft heads, hf_bpd's greedy trees against plain greedy `generate` and seeded sampling against plain
-sampling (same seed). Prints one JSON line per dtype; exits non-zero on a float32 mismatch or an error (bfloat16
-mismatches are reported, not failed: a tree forward rounds differently from a one-token step)."""
+random draft heads, hf_bpd's greedy trees against plain greedy `generate` (on the default and on a static
+cache) and seeded sampling against plain sampling (same seed). Prints one JSON line per dtype; exits
+non-zero on a float32 mismatch or an error (bfloat16 mismatches are reported, not failed: a tree forward
+rounds differently from a one-token step)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ def main() -> int:
                 ids, do_sample=False, max_new_tokens=32, custom_generate=hf_bpd.generate, assistant=drafter
             )
             cases, same = cases + 1, same + int(torch.equal(plain, tree))
+            if i < 2:  # a static cache: on a GPU, the compiled call and graph-sized trees (`static_cache.py`)
+                static = {"cache_implementation": "static", "do_sample": False, "max_new_tokens": 32}
+                plain_c = model.generate(ids, **static)
+                tree_c = model.generate(ids, **static, custom_generate=hf_bpd.generate, assistant=drafter)
+                cases, same = cases + 1, same + int(torch.equal(plain_c, tree_c))
             if i < 4:
                 torch.manual_seed(100 + i)
                 plain_s = model.generate(ids, do_sample=True, temperature=0.8, max_new_tokens=24)
