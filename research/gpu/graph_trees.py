@@ -2,9 +2,11 @@
 `gpu_plain_generate_*` claims (plain static-cache `generate` with CUDA graphs beats hf_bpd's eager and
 compiled DynamicCache trees on a GPU).
 
-For each tree size n, a forward of n tokens at positions P..P+n-1 of a `StaticCache` (the prompt's P
-tokens cached), with the 4D tree mask and position ids verification uses, through
+For each tree size n, hf_bpd's verification of n tokens at positions P..P+n-1 of a `StaticCache` (the
+prompt's P tokens cached; `verify.verify_tree`, which masks the cache's columns past the tree), through
 `torch.compile(mode="reduce-overhead")` (CUDA graphs; one graph per n, as a bucketed tree would have).
+(The claim `gpu_graph_trees_h200` ran this script's first version, 4b37ed9, which built the same mask and
+positions itself and did not ask for hidden states.)
 n = 1 is plain static-cache decoding's own step. Each size also checks its logits against the eager
 DynamicCache forward of `verify.verify_tree` on the same tokens. One JSON line per size, as it finishes.
 
@@ -43,7 +45,7 @@ def main() -> None:
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     model = random_llama(args.shape, args.device, args.dtype)
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    device = torch.device(args.device)
     vocab, p = model.config.vocab_size, args.context
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (1, p), generator=g).to(device)
@@ -58,25 +60,13 @@ def main() -> None:
         chain = DraftTree.from_paths(int(ids[0, 0]), [ids[0].tolist()[1:]], max_nodes=n)
         tree = batch_trees([chain], pad_token_id=0, device=device)
         assert tree.input_ids.shape[1] == n
-        # the static cache's mask: the prompt and the tree's own ancestors; unused slots masked
-        allowed = torch.zeros(1, n, length, dtype=torch.bool, device=device)
-        allowed[:, :, :p] = True
-        allowed[:, :, p : p + n] = tree.tree_mask
-        mask = torch.zeros(1, 1, n, length, dtype=dtype, device=device)
-        mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-        position_ids = (p + tree.depths).to(device)
-        cache_position = torch.arange(p, p + n, device=device)
+        past_mask = torch.ones(1, p, device=device)
 
         def forward():
-            logits = compiled(
-                input_ids=tree.input_ids,
-                position_ids=position_ids,
-                cache_position=cache_position,
-                attention_mask=mask,
-                past_key_values=static,
-                use_cache=True,
-            ).logits
-            static.crop(-n)  # the static layers write at their own length: put it back (the cache API's crop)
+            # hf_bpd's own static-cache verification (`verify.verify_tree`: the mask over all the cache's key
+            # columns), through the compiled call, then the cache put back with the cache API's crop
+            logits = verify_tree(model, tree, static, past_mask, forward=compiled).logits
+            static.crop(-n)
             return logits
 
         t0 = time.perf_counter()
