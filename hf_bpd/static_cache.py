@@ -43,8 +43,11 @@ def static_capacity(cache) -> int | None:
     return min(layer.max_cache_len for layer in cache.layers)
 
 
-def check_static_supported(model, input_ids: torch.Tensor, cache, windows, recurrent: bool) -> None:
-    """Refuse, naming the reason, a static-cache call this module would not decode exactly."""
+def check_static_supported(
+    model, input_ids: torch.Tensor, cache, windows, recurrent: bool, max_length: int | None = None
+) -> None:
+    """Refuse, naming the reason, a static-cache call this module would not decode exactly, or one whose
+    cache cannot hold the `max_length` tokens asked for (all but the last are cached)."""
     if not is_static(cache):
         layers = sorted({type(x).__name__ for x in getattr(cache, "layers", [])})
         raise ValueError(
@@ -60,6 +63,12 @@ def check_static_supported(model, input_ids: torch.Tensor, cache, windows, recur
         raise ValueError(
             f"hf_bpd.generate serves a static cache for full-attention models only; {type(model).__name__} has "
             "attention windows or a recurrent state: use the default cache"
+        )
+    capacity = static_capacity(cache)
+    if max_length is not None and capacity < max_length - 1:
+        raise ValueError(
+            f"a static cache of {capacity} positions cannot hold a prompt of {input_ids.shape[1]} tokens and "
+            f"{max_length - input_ids.shape[1]} new ones: give it max_cache_len >= {max_length - 1}"
         )
     if cache.get_seq_length() > 0:
         raise ValueError(

@@ -395,7 +395,9 @@ def check_call_supported(
         )
     windows = attention_windows(model)
     if static is not None:
-        check_static_supported(model, input_ids, static, windows, has_recurrent_state(model))
+        check_static_supported(
+            model, input_ids, static, windows, has_recurrent_state(model), generation_config.max_length
+        )
     elif implementation == "static":  # generate builds the static cache before this call: a model without one
         raise ValueError(f"cache_implementation='static' gave {type(model).__name__} no static cache to decode on")
     # recurrent models: their own masks window by cache index, which their chain loop keeps free of holes

@@ -107,4 +107,9 @@ def test_static_caches_the_loop_would_not_decode_exactly_are_refused_before_any_
     windowed.register_forward_pre_hook(lambda *a: calls.append(1))
     with pytest.raises(ValueError, match="static cache"):
         generate(windowed, torch.tensor([[5, 6, 7]]), BlockDrafter(random_heads(windowed), top_k=3), max_new_tokens=4)
+    small = StaticCache(config=model.config, max_cache_len=6)
+    with pytest.raises(ValueError, match="max_cache_len >= 7"):
+        model.generate(
+            torch.tensor([[5, 6, 7]]), max_new_tokens=5, custom_generate=hf_bpd.generate, assistant=drafter, cache=small
+        )
     assert calls == []
