@@ -10,7 +10,7 @@ positions itself and did not ask for hidden states.)
 n = 1 is plain static-cache decoding's own step. Each size also checks its logits against the eager
 DynamicCache forward of `verify.verify_tree` on the same tokens. One JSON line per size, as it finishes.
 
-    python research/gpu/graph_trees.py --shape 135m --device cuda --sizes 1 4 16 64 --output rows.jsonl
+    python -m research.gpu.graph_trees --shape 135m --device cuda --sizes 1 4 16 64 --output rows.jsonl
 """
 
 # ruff: noqa: B023  (each size's `forward` is called only within its own iteration)
