@@ -63,9 +63,9 @@ from .verify import verify_tree
 # compute-bound, and the rows' acceptances average out), so the measured gain is often within the noise of
 # a few step times: drafting is taken only where it out-yields plain steps by this share (`cost.StepChooser`).
 BATCH_DRAFT_MARGIN = 0.05
-# Above 8 rows the margin grows (to 0.10 at 16): each row's tree gets a smaller share of the budget, a drafted
-# step's gain over a plain one shrinks toward the noise of its step times, and the claims measured there
-# lost on drafted steps the chooser had counted as wins of a few per cent.
+# Above 8 rows the margin grows (to 0.10 at 16): each row's tree gets a smaller share of the budget and a
+# drafted step's gain over a plain one shrinks toward the noise of its step times. A guard, not a measured
+# gain: in claim batch_fastest_plain_pc1_amd_isotonic it cut drafting at 16 rows but not the loss there.
 BATCH_DRAFT_MARGIN_PER_ROW_ABOVE_8 = 0.00625
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 import torch
-from transformers.cache_utils import StaticCache, StaticLayer
+from transformers.cache_utils import StaticLayer
 
 # tree sizes a compiled static forward is padded to: one captured graph each
 GRAPH_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -32,8 +32,8 @@ GRAPH_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 def is_static(cache) -> bool:
     """Whether `cache` is a preallocated cache of full-attention static layers."""
-    layers = getattr(cache, "layers", None)
-    return isinstance(cache, StaticCache) or (bool(layers) and all(type(x) is StaticLayer for x in layers))
+    layers = getattr(cache, "layers", None)  # a StaticCache of a windowed model holds sliding layers: not this
+    return bool(layers) and all(type(x) is StaticLayer for x in layers)
 
 
 def static_capacity(cache) -> int | None:
