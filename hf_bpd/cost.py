@@ -18,6 +18,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median_high
 
 import torch
 
@@ -74,7 +75,7 @@ def measure_forward_cost(
     packed = linear_context(model, packed_linear)  # resolved once, outside the timed forwards
     timer = ForwardTimer(model, context)
     runs = [[timer.once(n, packed) for n in sizes] for _ in range(repeats + 1)][1:]
-    medians = [sorted(by_size)[len(by_size) // 2] for by_size in zip(*runs)]
+    medians = [median_high(by_size) for by_size in zip(*runs)]
     return ForwardCost(tuple(sizes), tuple(isotonic(medians)))
 
 
@@ -148,7 +149,7 @@ class ForwardTimer:
 
     def median(self, n: int, block, repeats: int) -> float:
         runs = [self.once(n, block) for _ in range(repeats + 1)][1:]  # the first run warms up
-        return sorted(runs)[len(runs) // 2]
+        return median_high(runs)
 
 
 def forward_cost_key(model, packed_linear: bool | None = None, sizes=DEFAULT_SIZES, context: int = 256) -> dict:

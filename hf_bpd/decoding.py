@@ -413,7 +413,7 @@ def decode(
         with phase(syncs, "verify"):
             size = None if static_call is None else graph_tree_size(len(trees[0]), room)  # one graph per size
             batch = batch_trees(trees, pad_token_id=trees[0].tokens[0], device=input_ids.device, pad_to=size)
-            out = verify_tree(model, batch, cache, past_mask, windows, forward=static_call)
+            out = verify_tree(model, batch, cache, past_mask, windows, forward=static_call, capacity=capacity)
             if static_call is not None:  # a replayed graph's outputs are overwritten by its next replay
                 out.logits, out.hidden_states = out.logits.clone(), (out.hidden_states[-1].clone(),)
         t2 = drafter._sync(input_ids.device)

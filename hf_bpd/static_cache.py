@@ -70,11 +70,6 @@ def check_static_supported(
             f"a static cache of {capacity} positions cannot hold a prompt of {input_ids.shape[1]} tokens and "
             f"{max_length - input_ids.shape[1]} new ones: give it max_cache_len >= {max_length - 1}"
         )
-    if cache.get_seq_length() > 0:
-        raise ValueError(
-            "hf_bpd.generate starts from an empty cache: continuing from a filled one is not supported; "
-            "pass the whole conversation as input_ids instead"
-        )
 
 
 def compiled_static_call(model, generation_config, model_kwargs: dict):

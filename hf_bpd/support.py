@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
-from transformers.cache_utils import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
 
 from .compat import CACHE_NAMES, cache_argument
 from .static_cache import check_static_supported
@@ -317,14 +317,18 @@ def _drops_after_prefill(model, name: str, value, input_ids: torch.Tensor) -> bo
     return step.get(name) is None
 
 
-def _filled(cache: DynamicCache) -> bool:
+def _filled(cache) -> bool:
     """Whether the cache holds anything: keys and values, or conv / recurrent state (a cache of state layers
-    alone has no sequence length to ask)."""
+    alone has no sequence length to ask). A static layer is preallocated: its length says, not its size."""
     return any(
         any(getattr(layer, "has_previous_state", {}).values())
-        or (getattr(layer, "keys", None) is not None and layer.keys.numel() > 0)
+        or (bool(layer.get_seq_length() > 0) if isinstance(layer, StaticLayer) else _holds_keys(layer))
         for layer in cache.layers
     )
+
+
+def _holds_keys(layer) -> bool:
+    return getattr(layer, "keys", None) is not None and layer.keys.numel() > 0
 
 
 def check_call_supported(
@@ -379,8 +383,7 @@ def check_call_supported(
             continue
         if isinstance(cache, StaticCache):
             static = cache
-            continue
-        if not isinstance(cache, DynamicCache):
+        elif not isinstance(cache, DynamicCache):
             raise ValueError(f"hf_bpd.generate needs a DynamicCache or a StaticCache, got {type(cache).__name__}")
         if _filled(cache):
             raise ValueError(

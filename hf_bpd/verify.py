@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicCache
 
 from .compat import cache_argument
 from .packed_linear import compiled_forward, contiguous_kv
-from .static_cache import pad_mask_columns, static_capacity
+from .static_cache import pad_mask_columns
 from .support import AttentionWindows
 from .tree import TreeBatch
 
@@ -64,16 +64,16 @@ def verify_tree(
     past_mask: torch.Tensor,
     windows: AttentionWindows | None = None,
     forward=None,
+    capacity: int | None = None,
 ):
     """One base-model forward over all tree nodes. `past_mask` [B, P] is 1 for real cached positions.
     Appends N entries to every cache layer. `windows`: the model's attention windows (`support.py`).
     `forward`: the call that runs the model (default: the model itself; on a static cache, the compiled
-    call `generate` would use, `static_cache.compiled_static_call`). A static cache gets the mask over all
-    its key columns (`static_cache.pad_mask_columns`). Returns the model output (logits and hidden states
-    of every node)."""
+    call `generate` would use, `static_cache.compiled_static_call`). `capacity`: a static cache's positions
+    (`static_cache.static_capacity`): the mask then spans all its key columns (`static_cache.pad_mask_columns`).
+    Returns the model output (logits and hidden states of every node)."""
     positions = past_mask.long().sum(-1, keepdim=True) + tree.depths
     dtype = next(model.parameters()).dtype
-    capacity = static_capacity(cache)
     if compiled_forward(model) and capacity is None:  # it guards on the cache's strides (`contiguous_kv`)
         contiguous_kv(cache)
     mask = tree_attention_mask(tree, past_mask, dtype, windows)

@@ -57,9 +57,9 @@ def test_trees_padded_to_graph_sizes_give_the_same_tokens_and_leave_the_cache_co
     sizes = []
     real_verify = decoding.verify_tree
 
-    def verify(model_, tree, cache, past_mask, windows=None, forward=None):
-        sizes.append((tree.input_ids.shape[1], static_capacity(cache) - past_mask.shape[1]))  # (size, room left)
-        return real_verify(model_, tree, cache, past_mask, windows, forward=forward)
+    def verify(model_, tree, cache, past_mask, windows=None, forward=None, capacity=None):
+        sizes.append((tree.input_ids.shape[1], capacity - past_mask.shape[1]))  # (size, room left)
+        return real_verify(model_, tree, cache, past_mask, windows, forward=forward, capacity=capacity)
 
     monkeypatch.setattr(decoding, "compiled_static_call", lambda m, config, kwargs: m.__call__)
     monkeypatch.setattr(decoding, "verify_tree", verify)

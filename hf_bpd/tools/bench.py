@@ -114,6 +114,7 @@ class Method:
 
 
 GREEDY = {"do_sample": False}
+STATIC = {"cache_implementation": "static"}  # generate's static cache (compiled with CUDA graphs on a GPU)
 
 
 def reference_name(decoding: dict) -> str:
@@ -533,7 +534,6 @@ PLAIN_METHODS = (
     "greedy_static",
     "sample_static",
 )
-STATIC = {"cache_implementation": "static"}
 
 
 def _turn(record: dict) -> tuple:

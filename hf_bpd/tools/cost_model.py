@@ -28,6 +28,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from statistics import median_high
 
 import torch
 
@@ -101,7 +102,7 @@ def measure_draft_cost(model, tree_sizes, context: int = 256, repeats: int = 5) 
             drafter.draft(hidden, ids)
             _sync(param.device)
             times.append(time.perf_counter() - t0)
-        out[n] = sorted(times[1:])[len(times[1:]) // 2]
+        out[n] = median_high(times[1:])
     return out
 
 
@@ -146,7 +147,7 @@ def measure_plain_generate(
             print(f"plain generate with a {cache} cache failed: {errors[cache]}", file=sys.stderr)
             continue
         per_token = [(run(1 + new_tokens) - run(1)) / new_tokens for _ in range(repeats)]
-        out[cache] = sorted(per_token)[len(per_token) // 2]
+        out[cache] = median_high(per_token)
     return out
 
 
