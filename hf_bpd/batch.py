@@ -26,7 +26,9 @@ cost(B x w), and a bigger batch, already compute-bound on a CPU, verifies smalle
 call's own (`cost.BatchForwardCost`): its first step is a plain one, and every forward is timed, because a
 batch at long contexts costs far more than the one-row start-up curve says. Unless drafted steps yield
 clearly more tokens per second than plain ones (drafting included; `batch_draft_margin`), the call takes
-plain steps, the roots alone (`cost.StepChooser`). Below a window the masks cannot serve past
+plain steps, the roots alone (`cost.StepChooser`); and a drafted step verifies more than its roots only
+where the rows' calibrated estimates expect that to beat the roots alone by the same margin
+(`cost.best_batch_width`). Below a window the masks cannot serve past
 (`support.AttentionWindows.cap`), trees are capped so the cache plus the tree stays within it, as for one
 row. Sampling works row by row (each row's own draws, so the random stream differs from plain batched
 sampling while each row's law is plain sampling's). Streamers and per-token scores are refused for batches.
@@ -235,8 +237,8 @@ def decode_batch(
         share = None if drafter.max_tree_tokens != "auto" else max(1, drafter.tree_budget // len(active))
         # a plain step first, timed: the batch's own one-token cost at its contexts
         drafting = not (batch_cost is not None and not batch_cost.seconds)
-        if chooser is not None:
-            chooser.margin = batch_draft_margin(len(active))  # rows finish: the margin follows those left
+        if chooser is not None:  # rows finish: the margins follow those left
+            chooser.margin = batch_cost.margin = batch_draft_margin(len(active))
         drafting = drafting and (chooser is None or chooser.draft_next(len(active)))
         holes = past_mask.shape[1] - max(real)
         crowded = window is not None and past_mask.shape[1] + (share or drafter.tree_budget) >= window

@@ -269,22 +269,29 @@ def best_tree_size(node_probs: list[float], cost: ForwardCost | LearnedForwardCo
     return best_n
 
 
-def best_batch_width(node_probs: list[list[float]], rows_in_forward: int, cost, max_width: int | None = None) -> int:
+def best_batch_width(
+    node_probs: list[list[float]], rows_in_forward: int, cost, max_width: int | None = None, margin: float = 0.0
+) -> int:
     """One verification forward for a batch: every row's tree is padded to the widest, so the forward holds
     `rows_in_forward` x w tokens (finished rows included) whatever each row drafted. node_probs[b]: row b's
     node acceptance probabilities (as in `best_tree_size`). Returns the width w <= `max_width` maximising
     the batch's expected accepted tokens, sum over rows of their first min(w, n_b) probabilities, per
-    cost(rows x w)."""
+    cost(rows x w); a width above 1 only where its rate beats the roots' alone (w = 1) by `margin`, a share:
+    a wider step also pays for what the forward's cost leaves out (the accepted slots' compaction, the
+    holes rows' different acceptances leave), and its expectation rests on calibrated estimates."""
     widest = max((len(p) for p in node_probs), default=1)
     widest = widest if max_width is None else min(widest, max_width)
-    best_w, best_rate = 1, 0.0
+    best_w, best_rate, roots_rate = 1, 0.0, None
     expected = [0.0] * len(node_probs)
     for w in range(1, widest + 1):
         for b, probs in enumerate(node_probs):
             if w <= len(probs):
                 expected[b] += probs[w - 1]
         rate = sum(expected) / cost(rows_in_forward * w)
-        if rate > best_rate:
+        if roots_rate is None:
+            roots_rate = rate
+            best_rate = (1 + margin) * rate
+        elif rate > best_rate:
             best_w, best_rate = w, rate
     return best_w
 
@@ -300,11 +307,15 @@ class BatchForwardCost:
     first step, so the plain one-token step is always among the timed widths.
     """
 
-    def __init__(self, curve: ForwardCost | LearnedForwardCost, rows: int, rate: float = 0.3) -> None:
+    def __init__(
+        self, curve: ForwardCost | LearnedForwardCost, rows: int, rate: float = 0.3, margin: float = 0.0
+    ) -> None:
         self.curve = curve
         self.rows = rows
         self.rate = rate
         self.seconds: dict[int, float] = {}
+        # the share by which a drafted width must out-yield the roots alone (`best_batch_width`)
+        self.margin = margin
 
     def __call__(self, n: int) -> float:
         """Seconds of a forward of n = rows x width tokens."""

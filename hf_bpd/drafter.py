@@ -576,7 +576,7 @@ class BlockDrafter:
         if batch_cost is None:
             sizes = [best_tree_size(p, self.step_cost) for p in probs]
         else:
-            width = best_batch_width(probs, batch_cost.rows, batch_cost, batch_cost.max_width())
+            width = best_batch_width(probs, batch_cost.rows, batch_cost, batch_cost.max_width(), batch_cost.margin)
             sizes = [min(width, len(tree)) for tree in trees]
         trees = [tree.truncated(n) if n < len(tree) else tree for tree, n in zip(trees, sizes)]
         self._recent_sizes.extend(len(tree) for tree, n in zip(trees, probs) if len(n) > 1)

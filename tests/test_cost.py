@@ -80,6 +80,16 @@ def test_batch_width_trades_every_rows_expected_tokens_against_the_batch_forward
     assert cost.best_batch_width([[1.0], [1.0]], 2, curve) == 1
 
 
+def test_batch_width_above_the_roots_must_beat_them_by_the_margin():
+    # 2 tokens per row cost 1.2 roots-only forwards: rows expecting 1.25 tokens gain 4 %, 1.5 tokens 25 %
+    curve = cost.ForwardCost((1, 2, 64), (1.0, 1.2, 32.0))
+    close, clear = [[1.0, 0.25]], [[1.0, 0.5]]
+    assert cost.best_batch_width(close, 1, curve) == 2  # without a margin the expected 4 % wins
+    assert cost.best_batch_width(close, 1, curve, margin=0.05) == 1  # within the margin: the roots alone
+    assert cost.best_batch_width(clear, 1, curve, margin=0.05) == 2
+    assert cost.best_batch_width(clear, 1, curve, margin=0.3) == 1
+
+
 def test_batch_cost_uses_the_calls_own_timings_and_scales_untimed_widths_by_the_curve():
     curve = cost.ForwardCost((1, 8, 64), (1.0, 1.0, 8.0))
     batch = cost.BatchForwardCost(curve, rows=8)
