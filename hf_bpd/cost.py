@@ -281,15 +281,14 @@ def best_batch_width(
     holes rows' different acceptances leave), and its expectation rests on calibrated estimates."""
     widest = max((len(p) for p in node_probs), default=1)
     widest = widest if max_width is None else min(widest, max_width)
-    best_w, best_rate, roots_rate = 1, 0.0, None
+    best_w, best_rate = 1, 0.0
     expected = [0.0] * len(node_probs)
     for w in range(1, widest + 1):
         for b, probs in enumerate(node_probs):
             if w <= len(probs):
                 expected[b] += probs[w - 1]
         rate = sum(expected) / cost(rows_in_forward * w)
-        if roots_rate is None:
-            roots_rate = rate
+        if w == 1:  # the roots alone: what a wider width must beat by the margin
             best_rate = (1 + margin) * rate
         elif rate > best_rate:
             best_w, best_rate = w, rate
@@ -307,15 +306,14 @@ class BatchForwardCost:
     first step, so the plain one-token step is always among the timed widths.
     """
 
-    def __init__(
-        self, curve: ForwardCost | LearnedForwardCost, rows: int, rate: float = 0.3, margin: float = 0.0
-    ) -> None:
+    def __init__(self, curve: ForwardCost | LearnedForwardCost, rows: int, rate: float = 0.3) -> None:
         self.curve = curve
         self.rows = rows
         self.rate = rate
         self.seconds: dict[int, float] = {}
-        # the share by which a drafted width must out-yield the roots alone (`best_batch_width`)
-        self.margin = margin
+        # the share by which a drafted width must out-yield the roots alone (`best_batch_width`); the batch
+        # loop sets it each step for the rows left (`batch.batch_draft_margin`)
+        self.margin = 0.0
 
     def __call__(self, n: int) -> float:
         """Seconds of a forward of n = rows x width tokens."""
