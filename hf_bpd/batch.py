@@ -63,7 +63,8 @@ from .verify import verify_tree
 
 # A batch's drafted steps gain little over its plain ones where they gain at all (the forward is already
 # compute-bound, and the rows' acceptances average out), so the measured gain is often within the noise of
-# a few step times: drafting is taken only where it out-yields plain steps by this share (`cost.StepChooser`).
+# a few step times: drafting is taken only where it out-yields plain steps by this share (`cost.StepChooser`),
+# and a drafted step's width above its roots only where expected to beat them by it (`cost.best_batch_width`).
 BATCH_DRAFT_MARGIN = 0.05
 # Above 8 rows the margin grows (to 0.10 at 16): each row's tree gets a smaller share of the budget and a
 # drafted step's gain over a plain one shrinks toward the noise of its step times. A guard, not a measured
