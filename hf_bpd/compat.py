@@ -8,6 +8,11 @@ not hand to a `custom_generate` callable. Everything version- or call-path-speci
 - The streamer: `generate` passes a callable `custom_generate` only the arguments its own sampling loop
   lacks, so a `streamer=` given the usual way never reaches it, although `generate` has already put the
   prompt into it. `caller_streamer` finds it in the calling `generate`, so the usual call streams and ends.
+- The last hidden state alone: `output_hidden_states=True` keeps every layer's output of the forward
+  alive until it returns, which on a CPU turns a prefill's freed activations into fresh memory (glibc
+  maps and faults in new pages for them) and makes a batch's prefill slower than `generate`'s own.
+  transformers 5 takes an index there instead (`LAST_HIDDEN_STATE`): only the last layer's is kept, still
+  as `hidden_states[-1]`; models that read the flag as a plain truth value keep them all, as before.
 - The Hub folder: `generate` does not tell a Hub `custom_generate` which repo or folder it came from;
   `calling_generate_argument(model, "custom_generate")` does, so a saved drafter's folder loads itself.
 """
@@ -22,6 +27,8 @@ import sys
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 CACHE_NAMES = ("cache", "past_key_values")
+# `output_hidden_states=` that keeps the last layer's hidden state only (module docstring)
+LAST_HIDDEN_STATE = -1
 
 
 def cache_argument(model) -> str | None:

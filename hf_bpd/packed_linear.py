@@ -19,7 +19,8 @@ Inside a block the float32 CPU `nn.Linear` layers of the wrapped modules run one
 on a packed copy of their weight, made on first use, for every row count where the plan says it is faster
 (BLAS otherwise). A model's shared block (the two ways in above) also runs its `sdpa` attention layers
 on `grouped_attention`: a masked forward of several tokens (a tree, a prompt-lookup draft, a batch step)
-attends on the cached key/value heads instead of copying the cache once per query head. No modeling
+attends on the cached key/value heads instead of copying the cache once per query head, and host memory
+freed by one layer is reused by the next (`host_memory`). No modeling
 file is copied or changed, and outside the block the model is exactly as loaded. The packed kernel rounds
 differently from BLAS, as any other kernel or batch shape does, so an output can differ from plain
 `generate`'s where two logits nearly tie; `benchmarks/speed` measures how often.
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 
 from .cache import cache_file, machine_key, read_cached, write_cached
 from .grouped_attention import grouped_attention
+from .host_memory import reuse_freed_memory
 
 # the row count oneDNN packs for (any count works): the trees `auto` verifies on the dev CPU have 2-16 tokens
 PACK_ROWS = 8
@@ -153,9 +155,10 @@ class PackedLinear:
         self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
         self._depth = 0
         self.plan = plan
-        # a model whose `sdpa` layers run `grouped_attention` inside the block (the shared block of a model)
+        # a model whose `sdpa` layers run `grouped_attention` and whose host memory is reused inside the block
+        # (the shared block of a model)
         self._attention_model = grouped_attention_of
-        self._attention = contextlib.ExitStack()
+        self._model_wide = contextlib.ExitStack()  # grouped attention and host memory, in a shared block
 
     @property
     def plan(self) -> KernelPlan | None:
@@ -234,7 +237,8 @@ class PackedLinear:
             for layer, forward in self._forwards:
                 layer.__dict__["forward"] = forward  # the instance attribute shadows the class's forward
             if self._attention_model is not None:
-                self._attention.enter_context(grouped_attention(self._attention_model))
+                self._model_wide.enter_context(grouped_attention(self._attention_model))
+                self._model_wide.enter_context(reuse_freed_memory())
         self._depth += 1
         _active().append(self)
         return self
@@ -245,7 +249,7 @@ class PackedLinear:
         if self._depth == 0:
             for layer in self.layers:
                 layer.__dict__.pop("forward", None)
-            self._attention.close()
+            self._model_wide.close()
 
 
 KERNEL_PLAN_SIZES = (1, 2, 4, 8, 16, 32, 64, 256)  # rows of one forward: tokens, trees, batches, prefills
@@ -408,7 +412,9 @@ def fast_cpu(model: torch.nn.Module) -> PackedLinear:
     weight for its row count, one row and the prefill included, as measured on this machine and model at
     first use (`.plan`; cached in hf_bpd's cache, so later processes read it; module docstring), and its
     `sdpa` attention layers run masked forwards of several tokens without copying the cache per query
-    head (`grouped_attention`). Assisted
+    head (`grouped_attention`), and freed host memory stays with malloc for the next layer's activations
+    instead of being mapped and faulted in again (`host_memory.reuse_freed_memory`, process-wide while a
+    block is open; the freed heap is handed back when the last block closes). Assisted
     generation with a draft model: open a block for each, `with fast_cpu(model), fast_cpu(assistant_model):`.
     Returns `model`'s shared `PackedLinear` (the one hf_bpd's drafter uses too, so there is one packed
     copy per model): `.packed_bytes` is its memory, `.clear()` frees it. Raises, before any packing, for a

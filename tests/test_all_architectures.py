@@ -5,12 +5,15 @@ the README's summary is rendered from it."""
 from __future__ import annotations
 
 import pytest
+import torch
 from all_architectures import (
     COMMAND,
+    EXACT,
     FAILURES,
     PAGE,
     README,
     REFUSED,
+    build,
     check,
     model_types,
     read_page,
@@ -57,6 +60,24 @@ def test_subset_has_a_refused_and_a_windowed_type():
 
 def test_a_spread_of_rows_is_current():
     assert current(subset()) == [], f"run: {COMMAND} (page: {PAGE})"
+
+
+def test_last_hidden_state_alone_is_the_one_every_hidden_state_ends_with():
+    """hf_bpd asks its forwards for the last hidden state alone (`compat.LAST_HIDDEN_STATE`): on the spread's
+    decoding types it is the last of the hidden states `output_hidden_states=True` returns."""
+    from hf_bpd.compat import LAST_HIDDEN_STATE
+
+    _, rows = read_page()
+    decoded = {r.model_type for r in rows if r.status == EXACT}
+    checked = [t for t in subset() if t in decoded]
+    assert len(checked) >= 15
+    ids = torch.tensor([[5, 9, 13, 17, 3, 11]])
+    for model_type in checked:
+        model = build(model_type)
+        with torch.no_grad():
+            every = model(input_ids=ids, output_hidden_states=True).hidden_states
+            alone = model(input_ids=ids, output_hidden_states=LAST_HIDDEN_STATE).hidden_states
+        assert alone[-1] is not None and torch.equal(alone[-1], every[-1]), model_type
 
 
 @pytest.mark.slow

@@ -1,0 +1,62 @@
+"""host_memory.reuse_freed_memory: inside the block a large freed block is reused without faulting its pages
+in again; outside (and after the outermost block closes) glibc maps and faults a fresh one as before; the
+model's shared fast-kernel block opens it."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import hf_bpd
+from hf_bpd import host_memory
+from hf_bpd.host_memory import reuse_freed_memory
+
+BIG = 64 * 1024 * 1024 // 4  # float32s: above glibc's largest mmap threshold (32 MiB), so mapped outside the block
+PAGES = 64 * 1024 * 1024 // 4096
+
+needs_glibc = pytest.mark.skipif(host_memory.glibc() is None, reason="malloc settings are glibc's")
+
+
+def faults_of_a_second_big_block() -> int:
+    """Minor page faults taken by filling a big block allocated right after an equal one was freed."""
+    torch.empty(BIG).fill_(1.0)  # allocated, touched, freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(BIG).fill_(2.0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@needs_glibc
+def test_freed_memory_is_reused_inside_the_block_only():
+    assert faults_of_a_second_big_block() > PAGES // 2  # a fresh mapping: every page faulted in again
+    with reuse_freed_memory():
+        faults_of_a_second_big_block()  # the heap grows once
+        assert faults_of_a_second_big_block() < PAGES // 10
+    assert faults_of_a_second_big_block() > PAGES // 2
+
+
+@needs_glibc
+def test_nested_blocks_restore_on_the_outermost_exit():
+    with reuse_freed_memory():
+        with reuse_freed_memory():
+            assert host_memory._depth == 2
+        faults_of_a_second_big_block()
+        assert faults_of_a_second_big_block() < PAGES // 10  # still on after the inner block closed
+    assert host_memory._depth == 0
+    assert faults_of_a_second_big_block() > PAGES // 2
+
+
+def test_fast_cpu_block_opens_it():
+    model = tiny_model()
+    with hf_bpd.fast_cpu(model):
+        assert host_memory._depth == 1
+    assert host_memory._depth == 0
+
+
+def test_starting_value_reads_mallocs_environment(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
+    assert host_memory.starting_value(host_memory.M_MMAP_MAX) == 0
+    monkeypatch.delenv("MALLOC_MMAP_MAX_")
+    assert host_memory.starting_value(host_memory.M_MMAP_MAX) == 65536
