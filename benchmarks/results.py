@@ -304,6 +304,22 @@ def render_grouped_attention(report: dict) -> list[str]:
     return lines
 
 
+def render_prefill_memory(report: dict) -> list[str]:
+    """`research.prefill_memory`: a prefill's time and page faults by hidden states kept and malloc setting."""
+    lines = [
+        "| rows | slots | hidden states kept | malloc | median s | × last + default | median minor faults |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["results"]:
+        base = next(v for v in r["variants"] if (v["hidden_states"], v["malloc"]) == ("last", "default"))
+        for v in r["variants"]:
+            lines.append(
+                f"| {r['rows']} | {r['slots']} | {v['hidden_states']} | {v['malloc']} | {v['median_s']:.2f} | "
+                f"{v['median_s'] / base['median_s']:.2f} | {v['median_minor_faults']:,.0f} |"
+            )
+    return lines
+
+
 def render_cost_model(report: dict) -> list[str]:
     """`hf-bpd cost-model`: forward and drafting time by tree size, one table per model shape."""
     lines = []
@@ -383,6 +399,7 @@ RENDERERS = {
     "kernels": render_kernels,
     "host_syncs": render_host_syncs,
     "grouped_attention": render_grouped_attention,
+    "prefill_memory": render_prefill_memory,
     "cost_model": render_cost_model,
     "graph_trees": render_graph_trees,
     "tau_by_predictability": render_tau_by_predictability,

@@ -9,8 +9,9 @@ maximum); on leaving the outermost block the settings the process started with c
 `malloc_trim(0)` hands the freed heap back, so the block's peak does not stay resident.
 
 Process-wide (malloc's settings are the process's) and a no-op where the C library is not glibc.
-`benchmarks/speed` and RESULTS.md measure what it changes; `fast_cpu` and hf_bpd's own decode both open it,
-so plain and drafted decoding are timed under the same allocator.
+`research/prefill_memory.py` measures what it changes (RESULTS.md); `fast_cpu` and hf_bpd's own decode
+both open it (the model's shared `PackedLinear` block), so plain and drafted decoding are timed under the
+same allocator.
 """
 
 from __future__ import annotations
