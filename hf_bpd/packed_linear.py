@@ -20,10 +20,10 @@ on a packed copy of their weight, made on first use, for every row count where t
 (BLAS otherwise). A model's shared block (the two ways in above) also runs its `sdpa` attention layers
 on `grouped_attention`: a masked forward of several tokens (a tree, a prompt-lookup draft, a batch step)
 attends on the cached key/value heads instead of copying the cache once per query head, and host memory
-freed by one layer is reused by the next (`host_memory`). No modeling
-file is copied or changed, and outside the block the model is exactly as loaded. The packed kernel rounds
-differently from BLAS, as any other kernel or batch shape does, so an output can differ from plain
-`generate`'s where two logits nearly tie; `benchmarks/speed` measures how often.
+freed by one layer is reused by the next (`host_memory`). No modeling file is copied or changed, and
+outside the block the model is exactly as loaded. The packed kernel rounds differently from BLAS, as any
+other kernel or batch shape does, so an output can differ from plain `generate`'s where two logits nearly
+tie; `benchmarks/speed` measures how often.
 
 The cost is memory: a second copy of every linear weight the forward uses (about the model's size), kept
 between blocks until `clear()`. The original weights stay: they serve calls outside the block, autograd,
@@ -414,8 +414,8 @@ def fast_cpu(model: torch.nn.Module) -> PackedLinear:
     `sdpa` attention layers run masked forwards of several tokens without copying the cache per query
     head (`grouped_attention`), and freed host memory stays with malloc for the next layer's activations
     instead of being mapped and faulted in again (`host_memory.reuse_freed_memory`, process-wide while a
-    block is open; the freed heap is handed back when the last block closes). Assisted
-    generation with a draft model: open a block for each, `with fast_cpu(model), fast_cpu(assistant_model):`.
+    block is open; the freed heap is handed back when the last block closes). Assisted generation with a
+    draft model: open a block for each, `with fast_cpu(model), fast_cpu(assistant_model):`.
     Returns `model`'s shared `PackedLinear` (the one hf_bpd's drafter uses too, so there is one packed
     copy per model): `.packed_bytes` is its memory, `.clear()` frees it. Raises, before any packing, for a
     model that is not float32 on a CPU or a torch build without oneDNN's packed ops."""
