@@ -59,12 +59,9 @@ def reuse_freed_memory():
     """Inside the block, freed host memory stays with malloc for the next allocation (module docstring).
     Nested and concurrent blocks share one setting: the outermost exit restores it."""
     global _depth
-    libc = glibc()
-    if libc is None:
-        yield
-        return
+    libc = glibc()  # None: blocks are counted, malloc is left alone
     with _LOCK:
-        if _depth == 0:
+        if _depth == 0 and libc is not None:
             libc.mallopt(M_MMAP_MAX, 0)
             libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED)
         _depth += 1
@@ -73,7 +70,7 @@ def reuse_freed_memory():
     finally:
         with _LOCK:
             _depth -= 1
-            if _depth == 0:
+            if _depth == 0 and libc is not None:
                 for param in GLIBC_DEFAULTS:
                     libc.mallopt(param, starting_value(param))
                 libc.malloc_trim(0)
