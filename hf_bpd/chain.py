@@ -14,7 +14,7 @@ import inspect
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from .compat import LAST_HIDDEN_STATE
+from .compat import last_hidden_state_request
 
 
 def state_tensors(cache) -> list[tuple[dict, int]]:
@@ -65,7 +65,7 @@ def verify_chain(model, ids: torch.Tensor, cache, past_mask: torch.Tensor):
     )
     if "logits_to_keep" in inputs:  # some prepare only the last position's logits (Bamba): every one is needed
         inputs["logits_to_keep"] = 0
-    inputs["output_hidden_states"] = LAST_HIDDEN_STATE
+    inputs["output_hidden_states"] = last_hidden_state_request(model)
     return model(**inputs, return_dict=True)
 
 

@@ -13,6 +13,10 @@ not hand to a `custom_generate` callable. Everything version- or call-path-speci
   maps and faults in new pages for them) and makes a batch's prefill slower than `generate`'s own.
   transformers 5 takes an index there instead (`LAST_HIDDEN_STATE`): only the last layer's is kept, still
   as `hidden_states[-1]`; models that read the flag as a plain truth value keep them all, as before.
+  transformers resolves that index against `num_hidden_layers`, so it selects nothing in a model whose
+  layers of one kind may not run (Mllama skips its cross-attention layers on text alone): a model that
+  records its hidden states from layers of several classes is asked for all of them
+  (`last_hidden_state_request`).
 - The Hub folder: `generate` does not tell a Hub `custom_generate` which repo or folder it came from;
   `calling_generate_argument(model, "custom_generate")` does, so a saved drafter's folder loads itself.
 """
@@ -29,6 +33,19 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 CACHE_NAMES = ("cache", "past_key_values")
 # `output_hidden_states=` that keeps the last layer's hidden state only (module docstring)
 LAST_HIDDEN_STATE = -1
+
+
+def last_hidden_state_request(model) -> int | bool:
+    """What to pass `model` as `output_hidden_states=` so that `hidden_states[-1]` is its last hidden state:
+    `LAST_HIDDEN_STATE` where the index is safe, `True` (every layer's) where it may select nothing."""
+    return _last_hidden_state_request_of(type(model))
+
+
+@functools.lru_cache(maxsize=256)
+def _last_hidden_state_request_of(model_class) -> int | bool:
+    recorders = (getattr(model_class, "_can_record_outputs", None) or {}).get("hidden_states")
+    several_layer_kinds = isinstance(recorders, (list, tuple)) and len(recorders) > 1
+    return True if several_layer_kinds else LAST_HIDDEN_STATE
 
 
 def cache_argument(model) -> str | None:

@@ -48,7 +48,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .calibration import SamplingWarp
-from .compat import CACHE_NAMES, GENERATE_CACHE_FIELD, LAST_HIDDEN_STATE, output_cache
+from .compat import CACHE_NAMES, GENERATE_CACHE_FIELD, last_hidden_state_request, output_cache
 from .drafter import BlockDrafter
 from .expansion import GrownTree
 from .static_cache import compact_static_cache, compiled_static_call, graph_tree_size, is_static, static_capacity
@@ -99,14 +99,14 @@ def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.T
     # as `generate`'s first forward: with its multimodal inputs (images), which later steps drop
     first = {"is_first_iteration": True} if _takes_first_iteration(model) else {}
     model_inputs = model.prepare_inputs_for_generation(input_ids, **first, **model_kwargs)
-    model_inputs["output_hidden_states"] = LAST_HIDDEN_STATE
+    model_inputs["output_hidden_states"] = request = last_hidden_state_request(model)
     out = model(**model_inputs, return_dict=True)
     cache = output_cache(out)
     if not isinstance(cache, DynamicCache) and not is_static(cache):
         raise ValueError(f"hf_bpd needs a DynamicCache (the default) or a StaticCache, got {type(cache).__name__}")
     hidden = out.hidden_states[-1] if out.hidden_states else None
     if hidden is None:
-        raise ValueError(f"{type(model).__name__} returns no last hidden state (output_hidden_states=-1)")
+        raise ValueError(f"{type(model).__name__} returns no last hidden state (output_hidden_states={request})")
     if hidden.dim() != 3:
         raise ValueError(
             f"{type(model).__name__} returns last hidden states of shape {tuple(hidden.shape)}, not [batch, tokens, "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .compat import LAST_HIDDEN_STATE, cache_argument
+from .compat import cache_argument, last_hidden_state_request
 from .packed_linear import compiled_forward, contiguous_kv
 from .static_cache import pad_mask_columns
 from .support import AttentionWindows
@@ -86,7 +86,7 @@ def verify_tree(
             position_ids=positions,
             **{cache_argument(model): cache},
             use_cache=True,
-            output_hidden_states=LAST_HIDDEN_STATE,
+            output_hidden_states=last_hidden_state_request(model),
             return_dict=True,
         )
     except Exception as err:  # name the cause: a model that rejects custom masks or position ids

@@ -63,21 +63,26 @@ def test_a_spread_of_rows_is_current():
 
 
 def test_last_hidden_state_alone_is_the_one_every_hidden_state_ends_with():
-    """hf_bpd asks its forwards for the last hidden state alone (`compat.LAST_HIDDEN_STATE`): on the spread's
-    decoding types it is the last of the hidden states `output_hidden_states=True` returns."""
-    from hf_bpd.compat import LAST_HIDDEN_STATE
+    """hf_bpd asks its forwards for the last hidden state alone where that is safe
+    (`compat.last_hidden_state_request`): on the spread's decoding types, and on Mllama (which skips its
+    cross-attention layers on text alone, so an index would select nothing), it is the last of the hidden
+    states `output_hidden_states=True` returns."""
+    from hf_bpd.compat import LAST_HIDDEN_STATE, last_hidden_state_request
 
     _, rows = read_page()
     decoded = {r.model_type for r in rows if r.status == EXACT}
-    checked = [t for t in subset() if t in decoded]
-    assert len(checked) >= 15
+    checked = [t for t in subset() if t in decoded] + ["mllama"]
+    assert len(checked) >= 15 and "mllama" in decoded
+    asked = set()
     ids = torch.tensor([[5, 9, 13, 17, 3, 11]])
     for model_type in checked:
         model = build(model_type)
         with torch.no_grad():
             every = model(input_ids=ids, output_hidden_states=True).hidden_states
-            alone = model(input_ids=ids, output_hidden_states=LAST_HIDDEN_STATE).hidden_states
+            alone = model(input_ids=ids, output_hidden_states=last_hidden_state_request(model)).hidden_states
         assert alone[-1] is not None and torch.equal(alone[-1], every[-1]), model_type
+        asked.add(last_hidden_state_request(model))
+    assert asked == {LAST_HIDDEN_STATE, True}  # both requests are exercised
 
 
 @pytest.mark.slow
