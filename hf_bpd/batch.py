@@ -18,6 +18,14 @@ step. The design keeps that single length and lets rows differ in which cache sl
   cache nears a window the masks cannot serve past, and before the first plain step after drafted ones,
   so that plain steps are timed without the holes drafting left: `cost.StepChooser`).
 
+Finished rows leave the batch (`retire_finished`): plain batched `generate` keeps feeding a finished row
+pad tokens to the end, and so would this loop, each such row costing its share of every later forward
+(on a CPU, where the forward is compute-bound, about 1/B of it). Once what the finished rows would cost
+over the steps left adds up to a whole step, they are dropped from the cache (`Cache.reorder_cache`, one
+copy of it), the mask and the hidden states. Rows that accept more tokens finish sooner, so in a batch
+the accepted tokens of fast rows turn into cheaper forwards for the slow ones. Caches of fixed shape
+(static) keep their rows.
+
 Tree sizes: with a fixed `max_tree_tokens` every row gets that many. With "auto" each unfinished row
 grows a tree of at most the forward-cost curve's largest size divided among them, and one width w is then
 chosen for all rows (`cost.best_batch_width`): the verification forward holds B x w tokens (trees are
@@ -37,6 +45,7 @@ sampling while each row's law is plain sampling's). Streamers and per-token scor
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from dataclasses import dataclass
 
@@ -56,6 +65,7 @@ from .decoding import (
     prompt_mask,
 )
 from .drafter import BlockDrafter, DecodingStats
+from .static_cache import is_static
 from .support import AttentionWindows
 from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, batch_trees
@@ -155,6 +165,21 @@ class HoleLedger:
         self.slot_steps = 0
 
 
+def retire_due(finished_in_cache: int, rows_in_cache: int, steps_left: int) -> bool:
+    """Whether to drop the batch's finished rows before this step: each costs about its share of every
+    forward left (1 / rows of a compute-bound one) and dropping them costs about one copy of the cache, at
+    most about a step; so they go once their share over the steps left adds up to one whole step."""
+    return finished_in_cache > 0 and finished_in_cache * steps_left >= rows_in_cache
+
+
+def drop_rows(cache, past_mask: torch.Tensor, hidden_last: torch.Tensor, keep: list[int]):
+    """Keep only the cache rows `keep` (in that order): the cache (through its own `reorder_cache`, which
+    beam search uses, so every layer kind drops them), the past mask and the last hidden states."""
+    index = torch.tensor(keep, device=past_mask.device)
+    cache.reorder_cache(index)
+    return past_mask.index_select(0, index), hidden_last.index_select(0, index)
+
+
 def squeeze_holes(cache, past_mask: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """Gather every row's real cache slots (in order) to the right end, dropping holes down to the longest
     row (`width` real slots, when the caller knows it on the host: then no synchronisation); returns the
@@ -207,6 +232,9 @@ def decode_batch(
     stop = HostStop.of(stopping_criteria)
     # greedy without processors: one argmax over every row and node, read in one copy per step
     greedy_walk = stop is not None and not do_sample and typical is None and len(logits_processor) == 0
+    # the original row of each cache row: finished rows leave the cache (`retire_finished`), the rest keep order
+    slot_rows = list(range(batch_size))
+    max_length = generation_config.max_length
 
     t0 = time.perf_counter()
     with phase(syncs, "prefill"):
@@ -219,6 +247,7 @@ def decode_batch(
         roots = first.tolist()  # each row's last token, kept on the host
         finished = [bool(stopping_criteria(sequences[b], scores[b : b + 1]).any()) for b in range(batch_size)]
         real = past_mask.long().sum(-1).tolist()  # real tokens per row in the cache, kept on the host
+    can_retire = not is_static(cache)  # a static cache's shape is fixed (and compiled forwards guard on it)
     stats.time_prefill = time.perf_counter() - t0
     stats.new_tokens = batch_size
     for row in rows:
@@ -232,8 +261,17 @@ def decode_batch(
         chooser = drafter.step_chooser(lambda: batch_cost.seconds.get(1), margin=batch_draft_margin(batch_size))
 
     while not all(finished):
-        t0 = time.perf_counter()
         active = [b for b in range(batch_size) if not finished[b]]
+        steps_left = max_length - min(sequences[b].shape[1] for b in active) if max_length else sys.maxsize
+        if can_retire and retire_due(len(slot_rows) - len(active), len(slot_rows), steps_left):
+            with phase(syncs, "cache"):
+                past_mask, hidden_last = drop_rows(cache, past_mask, hidden_last, [slot_rows.index(b) for b in active])
+            slot_rows = active
+            if batch_cost is not None:  # a smaller batch's forwards: timed again, from a plain step
+                batch_cost = BatchForwardCost(drafter.step_cost, len(slot_rows))
+        slot = {b: p for p, b in enumerate(slot_rows)}  # each row's place in the cache
+        in_cache = max(real[b] for b in slot_rows)  # the longest cache row's real slots
+        t0 = time.perf_counter()
         max_depth = None if context is None else max(context - max(real[b] for b in active) - 1, 0)
         share = None if drafter.max_tree_tokens != "auto" else max(1, drafter.tree_budget // len(active))
         # a plain step first, timed: the batch's own one-token cost at its contexts
@@ -241,7 +279,7 @@ def decode_batch(
         if chooser is not None:  # rows finish: the margins follow those left
             chooser.margin = batch_cost.margin = batch_draft_margin(len(active))
         drafting = drafting and (chooser is None or chooser.draft_next(len(active)))
-        holes = past_mask.shape[1] - max(real)
+        holes = past_mask.shape[1] - in_cache
         crowded = window is not None and past_mask.shape[1] + (share or drafter.tree_budget) >= window
         # Plain steps the chooser takes after drafted ones run on a cache without the drafted steps' holes:
         # timed on them, plain steps would look dearer than plain decoding is, keeping drafting ahead where
@@ -253,7 +291,7 @@ def decode_batch(
         if ledger.due(holes, past_mask.shape[1]) or (holes and crowded) or to_plain:
             ledger.squeezed()
             with phase(syncs, "cache"):
-                past_mask = squeeze_holes(cache, past_mask, max(real))
+                past_mask = squeeze_holes(cache, past_mask, in_cache)
             if chooser is not None and drafted_holes:  # not this step's choice: drafting pays for it
                 squeezed = time.perf_counter()
                 chooser.charge_drafting(squeezed - t0)
@@ -266,12 +304,13 @@ def decode_batch(
                 contexts = torch.stack(
                     [torch.nn.functional.pad(s[0], (length - s.shape[1], 0), value=pad) for s in sequences]
                 )
-                drafted = drafter.draft(hidden_last[active], contexts[active], max_depth, share, batch_cost, warp=warp)
+                rows_hidden = hidden_last[[slot[b] for b in active]]
+                drafted = drafter.draft(rows_hidden, contexts[active], max_depth, share, batch_cost, warp=warp)
             else:
                 drafted = drafter.root_trees([roots[b] for b in active])
-            trees: list[DraftTree] = [DraftTree.root_only(pad)] * batch_size
+            trees: list[DraftTree] = [DraftTree.root_only(pad)] * len(slot_rows)  # by cache row
             for b, tree in zip(active, drafted):
-                trees[b] = tree
+                trees[slot[b]] = tree
             batch = batch_trees(trees, pad_token_id=pad, device=device)
         t1 = drafter._sync(device)
         with phase(syncs, "verify"):
@@ -279,10 +318,10 @@ def decode_batch(
         t2 = drafter._sync(device)
         with phase(syncs, "accept"):
             if greedy_walk:
-                results = accept_greedy_rows(trees, out.logits, active, sequences, stop)
+                results = accept_greedy_rows(trees, out.logits, active, slot, sequences, stop)
             else:
                 results = accept_rows(
-                    trees, out.logits, active, sequences, processors, stopping_criteria, stop, do_sample, typical
+                    trees, out.logits, active, slot, sequences, processors, stopping_criteria, stop, do_sample, typical
                 )
             drafter.observe([results[b].nodes for b in active], [results[b].finished for b in active], 0, None)
         t3 = time.perf_counter()
@@ -291,7 +330,9 @@ def decode_batch(
             # host) is the first sync after the forward, so the time up to its end
             batch_cost.observe(batch.input_ids.shape[1], (t2 if device.type == "cpu" else t3) - t1)
         with phase(syncs, "cache"):
-            past_mask, hidden_last = keep_accepted(cache, past_mask, out, results, batch.input_ids.shape[1], real)
+            past_mask, hidden_last = keep_accepted(
+                cache, past_mask, out, results, batch.input_ids.shape[1], real, slot_rows
+            )
         for b, result in results.items():
             sequences[b] = torch.cat([sequences[b], sequences[b].new_tensor([result.tokens])], dim=-1)
             roots[b] = result.tokens[-1]
@@ -299,12 +340,12 @@ def decode_batch(
             rows[b].steps += 1
             rows[b].new_tokens += len(result.tokens)
             rows[b].accepted_lengths.append(len(result.tokens))
-            rows[b].tree_sizes.append(len(trees[b]))
+            rows[b].tree_sizes.append(len(trees[slot[b]]))
         t4 = time.perf_counter()
         if chooser is not None:  # the whole step (the accept read the tokens: on an accelerator too, t4 is after it)
             chooser.observe(drafting, sum(len(r.tokens) for r in results.values()), t4 - t0)
         added = sum(len(r.tokens) for r in results.values())
-        stats.record_batch_step((t1, t2, t3, t4), drafting, added, sum(len(trees[b]) for b in active))
+        stats.record_batch_step((t1, t2, t3, t4), drafting, added, sum(len(trees[slot[b]]) for b in active))
 
     if syncs is not None:
         stats.host_syncs = dict(syncs.counts)
@@ -316,6 +357,7 @@ def accept_rows(
     trees: list[DraftTree],
     logits: torch.Tensor,
     active: list[int],
+    slot: dict[int, int],
     sequences: list[torch.Tensor],
     processors: list[LogitsProcessorList],
     stopping_criteria: StoppingCriteriaList,
@@ -324,35 +366,52 @@ def accept_rows(
     typical: tuple[float, float] | None,
 ) -> dict[int, AcceptResult]:
     """Each active row's walk through its tree (`decoding.accept_tree`), with the processors cut to that
-    row (`row_processors`): sampled rows draw row by row."""
+    row (`row_processors`): sampled rows draw row by row. `trees` and `logits` are by cache row, row b's
+    at `slot[b]`; the rest by the call's rows."""
     return {
-        b: accept_tree(trees[b], logits[b], sequences[b], processors[b], stopping_criteria, do_sample, typical, stop)
+        b: accept_tree(
+            trees[slot[b]], logits[slot[b]], sequences[b], processors[b], stopping_criteria, do_sample, typical, stop
+        )
         for b in active
     }
 
 
 def accept_greedy_rows(
-    trees: list[DraftTree], logits: torch.Tensor, active: list[int], sequences: list[torch.Tensor], stop: HostStop
+    trees: list[DraftTree],
+    logits: torch.Tensor,
+    active: list[int],
+    slot: dict[int, int],
+    sequences: list[torch.Tensor],
+    stop: HostStop,
 ) -> dict[int, AcceptResult]:
     """`accept_rows` for greedy decoding without processors: the base model's token at every node of every
     row in one argmax and one copy to the host, then each row's walk there (`decoding.accept_greedy`)."""
-    choices = logits.argmax(dim=-1).tolist()  # [B][N], finished rows' too: one read, no gather before it
-    return {b: accept_greedy(trees[b], logits[b], sequences[b].shape[1], stop, choices[b]) for b in active}
+    choices = logits.argmax(dim=-1).tolist()  # [rows in cache][N], finished rows' too: one read, no gather
+    return {
+        b: accept_greedy(trees[slot[b]], logits[slot[b]], sequences[b].shape[1], stop, choices[slot[b]]) for b in active
+    }
 
 
 def keep_accepted(
-    cache, past_mask: torch.Tensor, out, results: dict[int, AcceptResult], num_tree: int, real: list[int]
+    cache,
+    past_mask: torch.Tensor,
+    out,
+    results: dict[int, AcceptResult],
+    num_tree: int,
+    real: list[int],
+    slot_rows: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """After a verification of `num_tree` slots per row: keep each row's accepted nodes (its first slots;
     K - k_b holes after them, K the most any row kept; a finished row keeps holes only), counting them into
-    `real` (host-side real tokens per row). Returns the new past mask and each row's last hidden state."""
+    `real` (host-side real tokens per row of the call). `slot_rows`: the call's row in each cache row.
+    Returns the new past mask and each cache row's last hidden state."""
     batch_size = past_mask.shape[0]
-    nodes = [results[b].nodes if b in results else [0] for b in range(batch_size)]
+    nodes = [results[b].nodes if b in results else [0] for b in slot_rows]
     width = max(len(n) for n in nodes)
     keep = [n + [n[-1]] * (width - len(n)) for n in nodes]
-    slots = [[1] * len(n) + [0] * (width - len(n)) if b in results else [0] * width for b, n in enumerate(nodes)]
+    slots = [[1] * len(n) + [0] * (width - len(n)) if b in results else [0] * width for b, n in zip(slot_rows, nodes)]
     for b in results:
-        real[b] += len(nodes[b])
+        real[b] += len(results[b].nodes)
     device = past_mask.device
     # nothing to move when every row kept its whole tree in order (plain steps: each row its root)
     if width < num_tree or any(k != list(range(width)) for k in keep):

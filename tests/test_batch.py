@@ -182,6 +182,38 @@ def test_squeeze_holes_keeps_each_rows_real_slots_in_order():
     assert cache.layers[0].keys[1, 0, :, 0].tolist() == [6.0, 8.0, 9.0, 10.0, 11.0]
 
 
+def test_finished_rows_leave_the_cache_once_they_would_cost_a_step_and_the_rest_stay_exact(monkeypatch):
+    import hf_bpd.batch as batch_module
+
+    drops = []  # (cache rows before, rows kept)
+    drop = batch_module.drop_rows
+    monkeypatch.setattr(
+        batch_module,
+        "drop_rows",
+        lambda cache, mask, hidden, keep: drops.append((mask.shape[0], list(keep))) or drop(cache, mask, hidden, keep),
+    )
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = drafter_for(model)
+    batch = left_padded(prompts_for(6, 3))
+    _, free = both(model, batch, drafter, max_new_tokens=40)
+    eos = free[2, batch["input_ids"].shape[1] + 3].item()  # row 2 ends early; others may too
+    drops.clear()
+    ref, out = both(model, batch, drafter, max_new_tokens=40, eos_token_id=eos)
+    assert out.tolist() == ref.tolist()
+    assert drops and drops[0][0] == 6 and len(drops[0][1]) < 6  # finished rows left a 6-row cache
+    for (_, keep), (later_rows, _) in zip(drops, drops[1:]):
+        assert later_rows == len(keep)  # each drop starts from the cache the last one left
+    assert drafter.stats.rows[2].new_tokens < 40
+
+
+def test_retiring_finished_rows_weighs_their_share_of_the_steps_left_against_a_step():
+    from hf_bpd.batch import retire_due
+
+    assert not retire_due(0, 8, 100)  # nothing finished
+    assert retire_due(1, 8, 8) and not retire_due(1, 8, 7)  # 1/8 of each of 8 steps: one step
+    assert retire_due(4, 8, 2) and not retire_due(4, 8, 1)
+
+
 def test_the_hole_ledger_squeezes_once_the_holes_have_cost_one_copy_of_the_cache():
     from hf_bpd.batch import HoleLedger
 
