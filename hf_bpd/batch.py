@@ -18,7 +18,7 @@ step. The design keeps that single length and lets rows differ in which cache sl
   cache nears a window the masks cannot serve past, and before the first plain step after drafted ones,
   so that plain steps are timed without the holes drafting left: `cost.StepChooser`).
 
-Finished rows leave the batch (`retire_finished`): plain batched `generate` keeps feeding a finished row
+Finished rows leave the batch (`retire_due`, `drop_rows`): plain batched `generate` keeps feeding a finished row
 pad tokens to the end, and so would this loop, each such row costing its share of every later forward
 (on a CPU, where the forward is compute-bound, about 1/B of it). Once what the finished rows would cost
 over the steps left adds up to a whole step, they are dropped from the cache (`Cache.reorder_cache`, one
@@ -232,7 +232,7 @@ def decode_batch(
     stop = HostStop.of(stopping_criteria)
     # greedy without processors: one argmax over every row and node, read in one copy per step
     greedy_walk = stop is not None and not do_sample and typical is None and len(logits_processor) == 0
-    # the original row of each cache row: finished rows leave the cache (`retire_finished`), the rest keep order
+    # the original row of each cache row: finished rows leave the cache (`drop_rows`), the rest keep order
     slot_rows = list(range(batch_size))
     max_length = generation_config.max_length
 
