@@ -23,8 +23,7 @@ pad tokens to the end, and so would this loop, each such row costing its share o
 (on a CPU, where the forward is compute-bound, about 1/B of it). Once what the finished rows would cost
 over the steps left adds up to a whole step, they are dropped from the cache (`Cache.reorder_cache`, one
 copy of it), the mask and the hidden states. Rows that accept more tokens finish sooner, so in a batch
-the accepted tokens of fast rows turn into cheaper forwards for the slow ones. Caches of fixed shape
-(static) keep their rows.
+the accepted tokens of fast rows turn into cheaper forwards for the slow ones.
 
 Tree sizes: with a fixed `max_tree_tokens` every row gets that many. With "auto" each unfinished row
 grows a tree of at most the forward-cost curve's largest size divided among them, and one width w is then
@@ -45,7 +44,6 @@ sampling while each row's law is plain sampling's). Streamers and per-token scor
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from dataclasses import dataclass
 
@@ -65,7 +63,6 @@ from .decoding import (
     prompt_mask,
 )
 from .drafter import BlockDrafter, DecodingStats
-from .static_cache import is_static
 from .support import AttentionWindows
 from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, batch_trees
@@ -234,7 +231,7 @@ def decode_batch(
     greedy_walk = stop is not None and not do_sample and typical is None and len(logits_processor) == 0
     # the original row of each cache row: finished rows leave the cache (`drop_rows`), the rest keep order
     slot_rows = list(range(batch_size))
-    max_length = generation_config.max_length
+    slot = {b: b for b in slot_rows}  # each row's place in the cache
 
     t0 = time.perf_counter()
     with phase(syncs, "prefill"):
@@ -247,7 +244,6 @@ def decode_batch(
         roots = first.tolist()  # each row's last token, kept on the host
         finished = [bool(stopping_criteria(sequences[b], scores[b : b + 1]).any()) for b in range(batch_size)]
         real = past_mask.long().sum(-1).tolist()  # real tokens per row in the cache, kept on the host
-    can_retire = not is_static(cache)  # a static cache's shape is fixed (and compiled forwards guard on it)
     stats.time_prefill = time.perf_counter() - t0
     stats.new_tokens = batch_size
     for row in rows:
@@ -262,14 +258,13 @@ def decode_batch(
 
     while not all(finished):
         active = [b for b in range(batch_size) if not finished[b]]
-        steps_left = max_length - min(sequences[b].shape[1] for b in active) if max_length else sys.maxsize
-        if can_retire and retire_due(len(slot_rows) - len(active), len(slot_rows), steps_left):
+        steps_left = generation_config.max_length - min(sequences[b].shape[1] for b in active)
+        if retire_due(len(slot_rows) - len(active), len(slot_rows), steps_left):
             with phase(syncs, "cache"):
-                past_mask, hidden_last = drop_rows(cache, past_mask, hidden_last, [slot_rows.index(b) for b in active])
-            slot_rows = active
+                past_mask, hidden_last = drop_rows(cache, past_mask, hidden_last, [slot[b] for b in active])
+            slot_rows, slot = active, {b: p for p, b in enumerate(active)}
             if batch_cost is not None:  # a smaller batch's forwards: timed again, from a plain step
                 batch_cost = BatchForwardCost(drafter.step_cost, len(slot_rows))
-        slot = {b: p for p, b in enumerate(slot_rows)}  # each row's place in the cache
         in_cache = max(real[b] for b in slot_rows)  # the longest cache row's real slots
         t0 = time.perf_counter()
         max_depth = None if context is None else max(context - max(real[b] for b in active) - 1, 0)
