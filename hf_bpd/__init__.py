@@ -1,6 +1,6 @@
 """hf_bpd: lossless blockwise parallel decoding (Kim et al., 2024) as a transformers plugin."""
 
-from .drafter import BlockDrafter, DecodingStats, Rescorer
+from .drafter import BlockDrafter, Rescorer
 from .generation import generate
 from .heads import BlockDraftHeads, BlockDraftHeadsConfig
 from .joint import load_joint_model
@@ -10,6 +10,7 @@ from .packed_linear import fast_cpu
 from .rescoring.composed import ComposedRescorer
 from .rescoring.neural import NeuralRescorer
 from .rescoring.ngram import ContextNgram, NgramLM, NgramRescorer
+from .stats import DecodingStats
 from .tree import DraftTree
 
 __version__ = "0.1.0"

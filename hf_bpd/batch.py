@@ -62,10 +62,11 @@ from .decoding import (
     prefill,
     prompt_mask,
 )
-from .drafter import BlockDrafter, DecodingStats
+from .drafter import BlockDrafter
+from .stats import DecodingStats
 from .support import AttentionWindows
 from .syncs import HostSyncCounter, phase
-from .tree import DraftTree, batch_trees
+from .tree import DraftTree, batch_trees, root_batch
 from .verify import verify_tree
 
 # A batch's drafted steps gain little over its plain ones where they gain at all (the forward is already
@@ -301,24 +302,30 @@ def decode_batch(
                 )
                 rows_hidden = hidden_last[[slot[b] for b in active]]
                 drafted = drafter.draft(rows_hidden, contexts[active], max_depth, share, batch_cost, warp=warp)
-            else:
-                drafted = drafter.root_trees([roots[b] for b in active])
-            trees: list[DraftTree] = [DraftTree.root_only(pad)] * len(slot_rows)  # by cache row
-            for b, tree in zip(active, drafted):
-                trees[slot[b]] = tree
-            batch = batch_trees(trees, pad_token_id=pad, device=device)
+                trees: list[DraftTree] | None = [DraftTree.root_only(pad)] * len(slot_rows)  # by cache row
+                for b, tree in zip(active, drafted):
+                    trees[slot[b]] = tree
+                batch = batch_trees(trees, pad_token_id=pad, device=device)
+            else:  # the roots alone, as tensors: no tree objects unless a walk needs them (`accept_rows`)
+                trees, root_tokens = None, [pad if finished[b] else roots[b] for b in slot_rows]
+                batch = root_batch(root_tokens, device)
         t1 = drafter._sync(device)
         with phase(syncs, "verify"):
             out = verify_tree(model, batch, cache, past_mask, windows)
         t2 = drafter._sync(device)
         with phase(syncs, "accept"):
-            if greedy_walk:
+            if greedy_walk and trees is None:
+                results = accept_greedy_roots(out.logits, active, slot, sequences, stop)
+            elif greedy_walk:
                 results = accept_greedy_rows(trees, out.logits, active, slot, sequences, stop)
             else:
+                if trees is None:
+                    trees = [DraftTree.root_only(token) for token in root_tokens]
                 results = accept_rows(
                     trees, out.logits, active, slot, sequences, processors, stopping_criteria, stop, do_sample, typical
                 )
-            drafter.observe([results[b].nodes for b in active], [results[b].finished for b in active], 0, None)
+            if drafting:  # a plain step verified nothing drafted: nothing to learn
+                drafter.observe([results[b].nodes for b in active], [results[b].finished for b in active], 0, None)
         t3 = time.perf_counter()
         if batch_cost is not None:
             # on a CPU the forward's own time; on an accelerator the accept (which reads the logits on the
@@ -335,12 +342,12 @@ def decode_batch(
             rows[b].steps += 1
             rows[b].new_tokens += len(result.tokens)
             rows[b].accepted_lengths.append(len(result.tokens))
-            rows[b].tree_sizes.append(len(trees[slot[b]]))
+            rows[b].tree_sizes.append(batch.sizes[slot[b]])
         t4 = time.perf_counter()
         if chooser is not None:  # the whole step (the accept read the tokens: on an accelerator too, t4 is after it)
             chooser.observe(drafting, sum(len(r.tokens) for r in results.values()), t4 - t0)
         added = sum(len(r.tokens) for r in results.values())
-        stats.record_batch_step((t1, t2, t3, t4), drafting, added, sum(len(trees[slot[b]]) for b in active))
+        stats.record_batch_step((t1, t2, t3, t4), drafting, added, sum(batch.sizes[slot[b]] for b in active))
 
     if syncs is not None:
         stats.host_syncs = dict(syncs.counts)
@@ -385,6 +392,19 @@ def accept_greedy_rows(
     return {
         b: accept_greedy(trees[slot[b]], logits[slot[b]], sequences[b].shape[1], stop, choices[slot[b]]) for b in active
     }
+
+
+def accept_greedy_roots(
+    logits: torch.Tensor, active: list[int], slot: dict[int, int], sequences: list[torch.Tensor], stop: HostStop
+) -> dict[int, AcceptResult]:
+    """`accept_greedy_rows` for a plain step (every cache row verified its root alone, `tree.root_batch`):
+    one argmax over every row's logits and one copy to the host; each row's token is its bonus token."""
+    choices = logits[:, 0].argmax(dim=-1).tolist()
+    results = {}
+    for b in active:
+        token, raw = choices[slot[b]], [logits[slot[b], 0].float()]
+        results[b] = AcceptResult([0], [token], raw, raw, stop(sequences[b].shape[1] + 1, token))
+    return results
 
 
 def keep_accepted(

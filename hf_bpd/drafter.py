@@ -14,7 +14,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -43,6 +42,7 @@ from .packed_linear import (
     linear_context,
     wants_packed_linear,
 )
+from .stats import DecodingStats
 from .tree import DraftTree
 
 RECENT_STEPS = 16  # steps whose tree sizes bound how far "previous" heads grow a tree that will be cut
@@ -61,76 +61,6 @@ class Rescorer(Protocol):
     """
 
     def __call__(self, lattice: Lattice, context: torch.Tensor) -> list[list[ScoredPath]]: ...
-
-
-@dataclass
-class DecodingStats:
-    """What one `generate` call did. `steps` counts base-model forwards after prefill (one per tree);
-    `accepted_lengths[i]` is the number of tokens step i added (accepted drafts + the base model's own
-    token). Times are seconds summed over steps, per phase."""
-
-    steps: int = 0
-    new_tokens: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)
-    tree_sizes: list[int] = field(default_factory=list)
-    plain_steps: int = 0  # steps that verified the roots alone, drafting nothing (`cost.StepChooser`)
-    time_prefill: float = 0.0
-    time_heads: float = 0.0
-    time_rescore: float = 0.0
-    time_tree: float = 0.0
-    time_verify: float = 0.0
-    time_accept: float = 0.0
-    time_cache: float = 0.0
-    rows: list[DecodingStats] = field(default_factory=list)  # batches: each row's own steps and tokens
-    host_syncs: dict[str, int] = field(default_factory=dict)  # by phase, when counted (count_host_syncs)
-    replayed: int = 0  # tokens re-read after a recurrent state was restored (`recurrent.py`)
-
-    @property
-    def forwards(self) -> int:
-        """Base-model forward passes, prefill included (plain greedy decoding: one per new token)."""
-        return self.steps + 1
-
-    @property
-    def block_efficiency(self) -> float:
-        """tau = new tokens / base-model forwards (prefill included): exactly 1.0 for plain decoding,
-        up to h + 1 with h heads."""
-        return self.new_tokens / self.forwards if self.new_tokens else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        """Mean tokens per verification step (excludes the prefill's token)."""
-        return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
-
-    def record_batch_step(self, times: tuple[float, float, float, float], drafted: bool, new: int, nodes: int) -> None:
-        """One step of a batch loop (`batch.py`, `recurrent.py`): `times` its clock readings before the
-        forward, after it, after the accept and after the cache work; `new` tokens and `nodes` verified over
-        all rows."""
-        t1, t2, t3, t4 = times
-        self.time_verify += t2 - t1
-        self.time_accept += t3 - t2
-        self.time_cache += t4 - t3
-        self.steps += 1
-        self.plain_steps += not drafted
-        self.new_tokens += new
-        self.accepted_lengths.append(new)
-        self.tree_sizes.append(nodes)
-
-    def host_syncs_per_step(self) -> dict[str, float]:
-        """Device-to-host synchronisations per decoding step, by phase (the prefill's are per call), when
-        the drafter counted them (`BlockDrafter.count_host_syncs`; `syncs.py`)."""
-        n = max(self.steps, 1)
-        return {k: v if k == "prefill" else v / n for k, v in self.host_syncs.items()}
-
-    def time_per_step(self) -> dict[str, float]:
-        n = max(self.steps, 1)
-        return {
-            "heads": self.time_heads / n,
-            "rescore": self.time_rescore / n,
-            "lattice_tree": self.time_tree / n,
-            "verify_forward": self.time_verify / n,
-            "accept": self.time_accept / n,
-            "cache_compaction": self.time_cache / n,
-        }
 
 
 LATTICE_FLOOR = -1e4  # log-probability of a lattice token sampling never draws (outside the nucleus)

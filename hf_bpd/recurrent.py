@@ -47,7 +47,8 @@ from .calibration import SamplingWarp
 from .chain import drop_last, restore, snapshot, state_tensors, verify_chain
 from .compat import GENERATE_CACHE_FIELD
 from .decoding import HostStop, accept_tree, choose_tokens, prefill, prompt_mask
-from .drafter import BlockDrafter, DecodingStats
+from .drafter import BlockDrafter
+from .stats import DecodingStats
 from .support import AttentionWindows
 from .tree import DraftTree
 

@@ -198,3 +198,11 @@ def batch_trees(
         depths[b, :m] = torch.tensor(tree.depths)
         mask[b, :m, :m] = tree.ancestor_mask()
     return TreeBatch(ids.to(device), depths.to(device), mask.to(device), [len(t) for t in trees])
+
+
+def root_batch(roots: Sequence[int], device: torch.device) -> TreeBatch:
+    """A plain step's model inputs: each row's root alone (`batch_trees` of root-only trees, built as three
+    tensors without a tree object per row)."""
+    ids = torch.tensor(list(roots), dtype=torch.long, device=device)[:, None]
+    ones = torch.ones((ids.shape[0], 1, 1), dtype=torch.bool, device=device)
+    return TreeBatch(ids, torch.zeros_like(ids), ones, [1] * ids.shape[0])

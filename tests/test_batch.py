@@ -133,6 +133,37 @@ def test_plain_steps_leave_the_cache_alone_and_drafted_steps_compact_it(monkeypa
     assert calls and all(n == 8 for n in calls)
 
 
+def test_plain_steps_feed_the_roots_alone_and_every_row_stays_exact(monkeypatch):
+    """A plain step (the step chooser's, with "auto" trees) verifies each row's root as three tensors
+    (`tree.root_batch`), no tree per row: greedy reads every row's token in one copy per step, rows
+    finishing at eos get pad tokens as in plain generate, and processors still see each row's own sequence."""
+    import hf_bpd.batch
+    from hf_bpd.cost import BatchForwardCost, ForwardCost
+
+    built = []
+    batch_trees = hf_bpd.batch.batch_trees
+    monkeypatch.setattr(hf_bpd.batch, "batch_trees", lambda *a, **k: built.append(1) or batch_trees(*a, **k))
+    # every token costs the same and no drafted node is sure: drafting never pays, every step is plain
+    monkeypatch.setattr(BatchForwardCost, "observe", lambda self, w, s: self.seconds.update({w: 0.05 * self.rows * w}))
+    model = tiny_model("llama", eos_token_id=None)
+    sizes = (1, 2, 4, 8, 16)
+    drafter = drafter_for(model, forward_cost=ForwardCost(sizes, tuple(0.05 * n for n in sizes)))
+    drafter.max_tree_tokens = "auto"
+    drafter.count_host_syncs = True
+    batch = left_padded(prompts_for(6, 3))
+    _, free = both(model, batch, drafter, max_new_tokens=30)
+    eos = free[2, batch["input_ids"].shape[1] + 7].item()  # a token one row makes mid-way
+    for options in ({}, dict(eos_token_id=eos), dict(repetition_penalty=1.3)):
+        built.clear()
+        ref, out = both(model, batch, drafter, max_new_tokens=30, **options)
+        assert out.tolist() == ref.tolist(), options
+        stats = drafter.stats
+        assert stats.plain_steps > 0 and len(built) == stats.steps - stats.plain_steps, options
+        if not options or "eos_token_id" in options:  # greedy without processors: one read per step
+            assert stats.host_syncs_per_step()["accept"] == 1.0, (options, stats.host_syncs)
+    assert len({r.new_tokens for r in drafter.stats.rows}) == 1  # (the last call: no eos)
+
+
 def test_right_padding_and_holes_are_refused_before_any_forward():
     model = tiny_model("llama")
     drafter = drafter_for(model)

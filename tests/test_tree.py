@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_bpd import DraftTree
-from hf_bpd.tree import TreeBatch, batch_trees
+from hf_bpd.tree import TreeBatch, batch_trees, root_batch
 
 
 def brute_ancestors(parents: list[int]) -> torch.Tensor:
@@ -234,3 +234,13 @@ def test_batch_trees_pad_token_and_equal_sizes():
 def test_tensor_tokens_merge_like_ints():
     tree = DraftTree.from_paths(0, [torch.tensor([1, 2]), torch.tensor([1, 2]), (1, 3)], 100)
     assert tree.tokens == [0, 1, 2, 3] and tree.parents == [-1, 0, 1, 1]
+
+
+def test_root_batch_equals_the_batch_of_root_only_trees():
+    roots = [5, 0, 17]
+    fast = root_batch(roots, torch.device("cpu"))
+    slow = batch_trees([DraftTree.root_only(r) for r in roots], pad_token_id=0, device=torch.device("cpu"))
+    for name in ("input_ids", "depths", "tree_mask"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert fast.sizes == slow.sizes == [1, 1, 1]
