@@ -37,10 +37,12 @@ configurations is in [docs/history.md](docs/history.md).
 
 Conventions: the model is {MODEL}, unless a section says otherwise. τ (block efficiency) = new tokens /
 base-model forwards, prefill included. Speedup = the FASTEST plain `generate`'s time / the method's time on
-the same turns in the same run (methods interleaved per prompt): plain greedy, or plain greedy on
-`hf_bpd.fast_cpu`'s kernels (`greedy_fast`), whichever was faster, as the line under each table says.
-Claims whose run had no fast-kernel baseline divide by plain eager greedy and say so: on a CPU where the
-packed kernels are faster, they overstate hf_bpd against the fastest plain decoding. "hf_bpd" is the
+the same turns in the same run (methods interleaved per prompt): plain greedy, plain greedy on
+`hf_bpd.fast_cpu`'s kernels (`greedy_fast`) or plain greedy through `torch.compile` with inductor freezing
+(`greedy_compiled`), whichever of those the run had was fastest, as the line under each table says (the
+same for sampling and batches). Claims whose run had no fast-kernel baseline divide by plain eager greedy
+and say so: on a CPU where the packed kernels are faster, they overstate hf_bpd against the fastest plain
+decoding. "hf_bpd" is the
 shipped default drafter (`hf_bpd.load_packaged_drafter()`) unless the settings line says otherwise. Every
 hf_bpd output is compared token for token with plain greedy `generate`; the "identical" line says how many
 turns matched.
