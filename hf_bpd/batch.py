@@ -302,25 +302,25 @@ def decode_batch(
                 )
                 rows_hidden = hidden_last[[slot[b] for b in active]]
                 drafted = drafter.draft(rows_hidden, contexts[active], max_depth, share, batch_cost, warp=warp)
-                trees: list[DraftTree] | None = [DraftTree.root_only(pad)] * len(slot_rows)  # by cache row
+                trees = [DraftTree.root_only(pad)] * len(slot_rows)  # by cache row
                 for b, tree in zip(active, drafted):
                     trees[slot[b]] = tree
                 batch = batch_trees(trees, pad_token_id=pad, device=device)
             else:  # the roots alone, as tensors: no tree objects unless a walk needs them (`accept_rows`)
-                trees, root_tokens = None, [pad if finished[b] else roots[b] for b in slot_rows]
+                root_tokens = [pad if finished[b] else roots[b] for b in slot_rows]
                 batch = root_batch(root_tokens, device)
         t1 = drafter._sync(device)
         with phase(syncs, "verify"):
             out = verify_tree(model, batch, cache, past_mask, windows)
         t2 = drafter._sync(device)
         with phase(syncs, "accept"):
-            if greedy_walk and trees is None:
+            if greedy_walk and not drafting:
                 results = accept_greedy_roots(out.logits, active, slot, sequences, stop)
             elif greedy_walk:
                 results = accept_greedy_rows(trees, out.logits, active, slot, sequences, stop)
             else:
-                if trees is None:
-                    trees = [DraftTree.root_only(token) for token in root_tokens]
+                if not drafting:
+                    trees = drafter.root_trees(root_tokens)
                 results = accept_rows(
                     trees, out.logits, active, slot, sequences, processors, stopping_criteria, stop, do_sample, typical
                 )
