@@ -23,13 +23,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from hf_bpd.tools.bench import PLAIN_METHODS, environment, load_journal, merged_environment
+from hf_bpd.tools.bench import _fastest_plain, _turn, environment, load_journal, merged_environment
 
 PHASES = ("heads", "rescore", "lattice_tree", "verify_forward", "accept", "cache_compaction")
-
-
-def _turn(record: dict) -> tuple:
-    return record.get("question_id"), record["row"], record["turn"]
 
 
 def budget(records: list[dict], methods: list[str]) -> dict:
@@ -44,8 +40,7 @@ def budget(records: list[dict], methods: list[str]) -> dict:
         t["tokens"] += r["tokens"]
         t["seconds"] += r["seconds"]
         t["forwards"] += r["forwards"]
-    plain = [m for m in methods if m in PLAIN_METHODS] or methods[:1]
-    base = min(plain, key=lambda m: totals[m]["seconds"])
+    base = _fastest_plain(records, methods)  # as `hf-bpd bench` picks it
     per_token = totals[base]["seconds"] / totals[base]["tokens"]  # the plain method's seconds per token
     out = {"turns": len(complete), "fastest_plain": base, "plain_ms_per_token": 1000 * per_token, "methods": {}}
     for m in methods:
