@@ -289,6 +289,27 @@ def render_kernels(report: dict) -> list[str]:
     return lines
 
 
+def render_regional_compile(report: dict) -> list[str]:
+    """`research.regional_compile`: forward times of packed eager against regionally compiled decoder layers."""
+    variants = {"packed_eager": report["packed_eager"], "regional": report["regional"]}
+    if "regional_grouped" in report:
+        variants["regional_grouped"] = report["regional_grouped"]
+    sizes = list(report["packed_eager"]["forward_ms"])
+    lines = [
+        "| forward | " + " | ".join(f"{n} tok ms" for n in sizes) + " | compile s | graphs | recompile-limit hits "
+        "| largest logit difference |",
+        "|" + " --- |" * (5 + len(sizes)),
+    ]
+    for name, v in variants.items():
+        times = " | ".join(f"{v['forward_ms'][n]:.1f}" for n in sizes)
+        extra = "| | |"  # packed eager compiles nothing
+        if "compile_seconds" in v:
+            extra = f"{v['compile_seconds']:.1f} | {v['graphs']} | {v['recompile_limit_hits']} | "
+            extra += f"{v['max_logit_difference']:.1e}"
+        lines.append(f"| {name} | {times} | {extra} |")
+    return lines
+
+
 def render_grouped_attention(report: dict) -> list[str]:
     """`research.grouped_attention_cost`: a verification forward's time by width, sdpa against grouped attention."""
     lines = [
@@ -422,6 +443,7 @@ def render_speed_budget(report: dict) -> list[str]:
 
 RENDERERS = {
     "speed_budget": render_speed_budget,
+    "regional_compile": render_regional_compile,
     "hybrid": render_hybrid,
     "bench": render_bench,
     "replay": render_replay,
