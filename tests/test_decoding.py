@@ -267,6 +267,41 @@ def test_stats_are_consistent():
     }
 
 
+def test_growth_by_previous_heads_counts_as_heads_time_when_sampling(monkeypatch):
+    """A sampled step grows its tree inside the drafter's tree phase; that growth is the heads' time (as in
+    a fused greedy step), not the tree's. A fake clock in the drafter module makes each growth cost 1 s."""
+    from types import SimpleNamespace
+
+    from hf_bpd import drafter as drafter_module
+
+    now = [0.0]
+
+    def perf_counter():
+        now[0] += 1e-6
+        return now[0]
+
+    monkeypatch.setattr(drafter_module, "time", SimpleNamespace(perf_counter=perf_counter))
+    growths, grow = [], BlockDrafter.grow
+
+    def costly_grow(self, *args, **kwargs):
+        growths.append(1)
+        now[0] += 1.0
+        return grow(self, *args, **kwargs)
+
+    monkeypatch.setattr(BlockDrafter, "grow", costly_grow)
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(random_heads(model, num_heads=3, token_input="previous", std=0.05), 3, 8)
+    assert drafter.grows_on_device
+    torch.manual_seed(0)
+    model.generate(
+        torch.tensor([[5, 6, 7]]), do_sample=True, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter
+    )
+    s = drafter.stats
+    assert len(growths) == s.steps > 0
+    assert s.time_heads == pytest.approx(len(growths), abs=1e-3)
+    assert 0 <= s.time_tree < 1e-3
+
+
 def test_max_tree_tokens_one_is_plain_decoding():
     model = tiny_model("llama", eos_token_id=None)
     drafter = BlockDrafter(random_heads(model), top_k=3, max_tree_tokens=1)
