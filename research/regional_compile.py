@@ -14,8 +14,9 @@ file:
   head packed outside the layers;
 - `regional_grouped`: the same with hf_bpd's grouped attention inside the compiled layers.
 For each: the forward of n tokens on a 256-token cache (`cost.ForwardTimer`, the call verification makes),
-the compilation time, the graphs dynamo compiled and whether the recompile limit was hit, and the largest
-logit difference against packed eager on a 40-token prompt. Run with nothing else on the machine.
+the compilation time, the graphs dynamo compiled, how often its recompile limit sent a function to eager,
+and the largest logit difference against packed eager on a 40-token prompt. Run with nothing else on the
+machine.
 """
 
 import argparse
