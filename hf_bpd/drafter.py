@@ -140,7 +140,6 @@ class BlockDrafter:
         self._measured_cost = False  # forward_cost was measured by `prepare` (not given): re-measured on rebinding
         self.setup: dict = {}  # one-time start-up work of the last `prepare` that did any (forward-cost curve)
         self._recent_sizes: deque[int] = deque(maxlen=RECENT_STEPS)  # sizes of the last sized trees
-        self._growth_seconds = 0.0  # the last `tree` call's growth by "previous" heads: heads time (`draft`)
         self._in_use = threading.Lock()
 
     @classmethod
@@ -417,14 +416,13 @@ class BlockDrafter:
         budget = self.tree_budget if max_tokens is None else max(1, min(self.tree_budget, max_tokens))
         growth = self._growth_budget(budget, 8 if batch_cost is None else 2)
         roots = context[:, -1].tolist() if host_context is None else [row[-1] for row in host_context]  # one copy
-        self._growth_seconds = 0.0
         if self.heads.conditions_on_draft and grown is None and self.grows_on_device and not rescored:
             # every row's tree grown in one call and read in one copy: a batch reads the heads' and the
             # softmax layer's weights once per round, not once per row
             t0 = time.perf_counter()
             grown_trees = self.grow(hidden_last, context[:, -1], growth, max_depth, warp)  # moves hidden_last itself
             grown = GrownTree.rows_on_host(roots, grown_trees.flat().tolist())
-            self._growth_seconds += time.perf_counter() - t0  # the copy waited for the growth
+            self.stats.time_heads += time.perf_counter() - t0  # the copy waited for the growth
         trees, node_arcs = [], []
         self._verified = []
         for b, root in enumerate(roots):
@@ -459,7 +457,7 @@ class BlockDrafter:
                     warp,
                     before_root=None if row is None or len(row) < 2 else row[-2],
                 )
-                self._growth_seconds += time.perf_counter() - t0  # its rounds read their children on the host
+                self.stats.time_heads += time.perf_counter() - t0  # its rounds read their children on the host
             else:
                 arcs = self._fill_from_lattice(tree, lattice, b, budget, max_depth, estimates)
             if self.context_lookup and arcs is not None:
@@ -605,17 +603,18 @@ class BlockDrafter:
             lattice = self.lattice(hidden_last, context[:, -1], context, lattice_warp) if needs_lattice else None
         t1 = self._sync(hidden_last.device)
         rescored = self.rescore(lattice, context)
+        heads_before = self.stats.time_heads
         t2 = time.perf_counter()
         with self._heads_context:
             trees = self.tree(
                 lattice, context, max_depth, rescored, hidden_last, max_tokens, batch_cost, warp, host_context, grown
             )
         t3 = time.perf_counter()
-        # "previous" heads run inside `tree`, growing it: their time is heads time wherever the growth
-        # happens (a fused greedy step grows the next tree in its accept phase and counts it there as heads)
-        self.stats.time_heads += t1 - t0 + self._growth_seconds
+        # "previous" heads grow the tree inside `tree`, which books that as heads time (as a fused greedy
+        # step's accept does, `decoding.accept_greedy_and_grow`): the tree phase is the rest
+        self.stats.time_tree += t3 - t2 - (self.stats.time_heads - heads_before)
+        self.stats.time_heads += t1 - t0
         self.stats.time_rescore += t2 - t1
-        self.stats.time_tree += t3 - t2 - self._growth_seconds
         return trees
 
 

@@ -28,6 +28,7 @@ from typing import Optional
 from unittest import mock
 
 import torch
+import torch._dynamo as dynamo
 
 import hf_bpd.grouped_attention as grouped_module
 from hf_bpd.cost import ForwardTimer
@@ -72,8 +73,6 @@ def forward_ms(timer: ForwardTimer, block, sizes, repeats: int) -> dict[int, flo
 
 def measure_regional(model, timer: ForwardTimer, head: PackedLinear, probe, reference, args) -> dict:
     """Compile (from a reset dynamo) and time the regionally compiled decoder as it stands."""
-    import torch._dynamo as dynamo
-
     dynamo.reset()
     dynamo.utils.counters.clear()
     limit_hits = LimitWarnings()
