@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--processes must be at least 1")
     if not args.data.is_file():
         parser.error(f"--data {args.data} is not a file")
+    env = environment("cpu", "float32")  # taken before the runs: the result file it goes in is not written yet
     with tempfile.TemporaryDirectory(prefix="inductor_cache_") as tmp:
         cache_dir = Path(tmp) / "cache"
         cache_dir.mkdir()
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             run["cache"] = "cold (empty folder)" if i == 0 else "warm (the processes before wrote it)"
             runs.append(run)
             print(f"process {i}: {run}", flush=True)
-    report = {"environment": environment(), "args": {k: str(v) for k, v in vars(args).items()}, "processes": runs}
+    report = {"environment": env, "args": {k: str(v) for k, v in vars(args).items()}, "processes": runs}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     return 0
