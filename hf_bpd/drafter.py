@@ -258,17 +258,17 @@ class BlockDrafter:
         breaks none of its guards). A no-op where the heads cannot be packed or `packed_linear=False`."""
         model_kernels = self.linear_context
         if isinstance(model_kernels, PackedLinear):
-            shapes = getattr(model_kernels.plan, "shapes", None)  # None: packed at every row count
-            if shapes is None:
+            model_plan = model_kernels.plan
+            if not isinstance(model_plan, KernelPlan):  # None: packed at every row count
                 return PackedLinear(self.heads)
         elif compiled_forward(model) and wants_packed_linear(self.heads, self.packed_linear):
-            shapes = {}
+            model_plan = KernelPlan({})
         else:
             return contextlib.nullcontext()
         tied = self.heads.__dict__.get("_tied_weight")  # the LM-head rows the heads borrow (`bind`)
         extra = () if tied is None else (tied,)
-        own = cached_kernel_plan(self.heads, extra_weights=extra)[0].shapes  # measured as the model's were
-        return PackedLinear(self.heads, plan=KernelPlan({**shapes, **own}))
+        own = cached_kernel_plan(self.heads, extra_weights=extra)[0]  # measured as the model's were
+        return PackedLinear(self.heads, plan=model_plan.merged(own))
 
     @contextlib.contextmanager
     def exclusive(self):

@@ -3,9 +3,11 @@
 Why: BLAS can treat the skinny matrices of decoding badly on a CPU. A one-token forward runs every weight
 through a matrix-vector kernel, and 2 to 16 rows through a GEMM that may re-pack each weight on every
 call. oneDNN with each weight reordered once into its blocked layout (what `torch.compile` does on a CPU)
-avoids that. Which one wins depends on the processor and the row count (on some CPUs packing wins at
-every count, on others BLAS wins for one row), so the choice is measured on the model itself, once per
-machine (`KernelPlan`, `cached_kernel_plan`). `RESULTS.md` has the measured costs.
+avoids that, and on x86-64 with AVX2 hf_bpd's own `streamed_linear` kernel streams each weight once for
+up to 12 rows with its arithmetic overlapped. Which one wins depends on the processor, the weight shape
+and the row count, so the choice is measured on the model itself, once per machine (`KernelPlan`,
+`cached_kernel_plan`), and each shape keeps one packed copy (oneDNN's or the streamed kernel's panels).
+`RESULTS.md` has the measured costs.
 
 Two ways in, one packed copy per model (`fast_cpu(model)` and the drafter share it):
 - `with hf_bpd.fast_cpu(model): model.generate(...)`: any `generate` call (greedy, sampling, beams,
@@ -39,12 +41,13 @@ import threading
 import time
 import weakref
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from . import streamed_linear
 from .cache import cache_file, machine_key, read_cached, write_cached
 from .grouped_attention import grouped_attention
 from .host_memory import reuse_freed_memory
@@ -106,23 +109,47 @@ class RowPlan:
         return ", ".join(parts)
 
 
+ONEDNN, STREAMED = "onednn", "streamed"  # the packed copy a weight shape keeps (`KernelPlan.formats`)
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """Which kernel serves each linear call: a `RowPlan` per weight shape (out, in), measured on the model
     itself (`measure_kernel_plan`): a large output layer that streams from memory and a small layer that
     stays in the CPU's caches can want different kernels at the same row count. A shape not measured
-    stays with BLAS."""
+    stays with BLAS. `formats` says which packed copy a shape keeps, one per shape: oneDNN's blocked
+    weight (`ONEDNN`, the default) or `streamed_linear`'s panels (`STREAMED`); its `RowPlan` says for
+    which row counts that copy beats BLAS."""
 
     shapes: dict[tuple[int, int], RowPlan]
+    formats: dict[tuple[int, int], str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.formats.values()) - {ONEDNN, STREAMED}
+        if unknown:
+            raise ValueError(f"unknown packed formats {sorted(unknown)}: {ONEDNN!r} or {STREAMED!r}")
 
     def __call__(self, rows: int, shape: tuple[int, ...]) -> bool:
         plan = self.shapes.get(tuple(shape))
         return plan is not None and plan(rows)
 
+    def format(self, shape: tuple[int, ...]) -> str:
+        """The packed copy weights of `shape` keep."""
+        return self.formats.get(tuple(shape), ONEDNN)
+
+    def merged(self, other: KernelPlan) -> KernelPlan:
+        """This plan with `other`'s shapes added (`other` wins where both have one)."""
+        return KernelPlan({**self.shapes, **other.shapes}, {**self.formats, **other.formats})
+
     @property
     def description(self) -> str:
-        """e.g. "49152x576: BLAS for 1 rows, packed for 2+ rows; 576x576: BLAS for 1+ rows"."""
-        return "; ".join(f"{o}x{i}: {plan.description}" for (o, i), plan in sorted(self.shapes.items(), reverse=True))
+        """e.g. "49152x576: BLAS for 1 rows, packed for 2+ rows; 576x576: BLAS for 1+ rows"; a shape on
+        `streamed_linear`'s panels says "streamed" where others say "packed"."""
+        parts = []
+        for (o, i), plan in sorted(self.shapes.items(), reverse=True):
+            kind = "streamed" if self.format((o, i)) == STREAMED else "packed"
+            parts.append(f"{o}x{i}: {plan.description.replace('packed', kind)}")
+        return "; ".join(parts)
 
     @property
     def packs_anything(self) -> bool:
@@ -151,8 +178,9 @@ class PackedLinear:
             raise RuntimeError("this torch build has no oneDNN packed linear ops (torch.ops.mkldnn)")
         self.layers = [m for module in modules for m in module.modules() if type(m) is torch.nn.Linear]
         self._all_forwards = [(layer, functools.partial(self.linear, layer)) for layer in self.layers]  # made once
-        # id(weight) -> (weight, its _version when packed, packed weight or None when it cannot be served)
-        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
+        # id(weight) -> (weight, its _version when packed, packed weight or None when it cannot be served,
+        # its format: ONEDNN or STREAMED)
+        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor | None, str]] = {}
         self._depth = 0
         self.plan = plan
         # a model whose `sdpa` layers run `grouped_attention` and whose host memory is reused inside the block
@@ -191,11 +219,17 @@ class PackedLinear:
         self._packed.clear()
 
     def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """`weight` in oneDNN's blocked layout, packed on first use and again after an in-place change; None
+        """`weight` in the plan's packed format for its shape (oneDNN's blocked layout unless the plan says
+        `STREAMED`), packed on first use and again after an in-place change or a new plan; None
         for a weight it cannot serve (not a plain 2D float32 CPU tensor). Checked once per packing, not
         per call."""
+        return self._entry(weight)[2]
+
+    def _entry(self, weight: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None, str]:
+        format_of = getattr(self._plan, "format", None)  # None: no plan, or a test's callable
+        kind = ONEDNN if format_of is None else format_of(weight.shape)
         entry = self._packed.get(id(weight))
-        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+        if entry is None or entry[0] is not weight or entry[1] != weight._version or entry[3] != kind:
             servable = (
                 type(weight) in (torch.Tensor, torch.nn.Parameter)
                 and weight.dim() == 2
@@ -203,10 +237,15 @@ class PackedLinear:
                 and weight.device.type == "cpu"
                 and weight.layout == torch.strided
             )
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS) if servable else None
-            entry = (weight, weight._version, packed)
+            packed = None
+            if servable:
+                if kind == STREAMED:
+                    packed = streamed_linear.pack(weight)
+                else:
+                    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+            entry = (weight, weight._version, packed, kind)
             self._packed[id(weight)] = entry
-        return entry[2]
+        return entry
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`F.linear(x, weight, bias)`, on the packed weight where servable (float32 on the CPU, outside
@@ -221,8 +260,10 @@ class PackedLinear:
             and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"))
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         ):
-            packed = self.packed(weight)
+            _, _, packed, kind = self._entry(weight)
             if packed is not None:
+                if kind == STREAMED:
+                    return streamed_linear.linear(x, packed, weight.shape[0], bias)
                 rows = x.reshape(-1, x.shape[-1])  # a 1D input is one row
                 out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
                 return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -255,6 +296,9 @@ class PackedLinear:
 KERNEL_PLAN_SIZES = (1, 2, 4, 8, 16, 32, 64, 256)  # rows of one forward: tokens, trees, batches, prefills
 # packed weights must beat BLAS by this factor to be used: a tie within noise keeps BLAS, which costs no copy
 PACKED_MARGIN = 0.97
+# the most rows `streamed_linear` is measured at: it re-reads each panel once per 12 rows, a kernel for
+# decoding's few rows, not for prefills (where BLAS and oneDNN run at the CPU's arithmetic rate)
+STREAMED_MAX_ROWS = 64
 
 
 @torch.no_grad()
@@ -262,12 +306,15 @@ def measure_kernel_plan(
     model, sizes=KERNEL_PLAN_SIZES, repeats: int = 5, extra_weights: tuple[torch.Tensor, ...] = ()
 ) -> KernelPlan:
     """For each weight shape of `model`'s linear layers (and of `extra_weights`, linears that are no
-    `nn.Linear`, such as heads' borrowed LM-head rows) and each row count in `sizes`, whether the weights
-    of that shape, all of them in turn as a forward runs them (so they stream from memory as they do
-    there), are faster on oneDNN's packed copies than on BLAS: medians of `repeats` passes each, the two
-    kernels alternating so that drift hits both alike. The linears are timed on their own, not through
-    the model's forward: the choice concerns them only, and any architecture (windows, recurrent state,
-    multimodal parts) is measured the same way."""
+    `nn.Linear`, such as heads' borrowed LM-head rows) and each row count in `sizes`, which kernel runs
+    the weights of that shape fastest, all of them in turn as a forward runs them (so they stream from
+    memory as they do there): BLAS, oneDNN's packed copies, or `streamed_linear`'s panels (where that
+    kernel is available, up to `STREAMED_MAX_ROWS` rows); medians of `repeats` passes each, the kernels
+    alternating so that drift hits them alike. A shape keeps one packed copy: the format that saves more
+    over BLAS across the row counts of decoding (at most 16 rows), used where it beats BLAS by
+    `PACKED_MARGIN`. The linears are timed on their own, not through the model's forward: the choice
+    concerns them only, and any architecture (windows, recurrent state, multimodal parts) is measured the
+    same way."""
     packed = PackedLinear(model)  # its own copies, packed at every row count: freed when this returns
     weights = {id(layer.weight): (layer.weight, layer.bias) for layer in packed.layers}
     weights.update({id(w): (w, None) for w in extra_weights})
@@ -275,20 +322,34 @@ def measure_kernel_plan(
     for weight, bias in weights.values():
         if packed.packed(weight) is not None:
             by_shape.setdefault(tuple(weight.shape), []).append((weight, bias))
+    streams = streamed_linear.available()
     g = torch.Generator().manual_seed(0)  # a private stream: measuring must not move a user's seeded sampling
-    plans = {}
+    plans, formats = {}, {}
     for shape, group in by_shape.items():
-        faster = []
+        panels = {id(w): streamed_linear.pack(w) for w, _ in group} if streams else {}  # freed after the shape
+
+        def on_panels(x, weight, bias, panels=panels):
+            return streamed_linear.linear(x, panels[id(weight)], weight.shape[0], bias)
+
+        times: dict[str, list[float]] = {"blas": [], ONEDNN: [], STREAMED: []}
         for n in sizes:
             x = torch.randn(n, shape[1], generator=g)
-            runs = [
-                (_linear_pass(group, x, torch.nn.functional.linear), _linear_pass(group, x, packed.apply))
-                for _ in range(repeats + 1)
-            ][1:]  # the first pass warms up
-            blas, onednn = (sorted(r[k] for r in runs)[len(runs) // 2] for k in (0, 1))
-            faster.append(onednn < PACKED_MARGIN * blas)
-        plans[shape] = RowPlan(tuple(sizes), tuple(faster))
-    return KernelPlan(plans)
+            kernels = {"blas": torch.nn.functional.linear, ONEDNN: packed.apply}
+            if streams and n <= STREAMED_MAX_ROWS:
+                kernels[STREAMED] = on_panels
+            runs = [{k: _linear_pass(group, x, f) for k, f in kernels.items()} for _ in range(repeats + 1)][1:]
+            for k in times:  # the first pass above warmed up
+                times[k].append(sorted(r[k] for r in runs)[len(runs) // 2] if k in kernels else float("inf"))
+        kind = STREAMED if streams and _saving(times, STREAMED, sizes) > _saving(times, ONEDNN, sizes) else ONEDNN
+        plans[shape] = RowPlan(tuple(sizes), tuple(t < PACKED_MARGIN * b for t, b in zip(times[kind], times["blas"])))
+        if kind == STREAMED:
+            formats[shape] = STREAMED
+    return KernelPlan(plans, formats)
+
+
+def _saving(times: dict[str, list[float]], kind: str, sizes, most_rows: int = 16) -> float:
+    """What `kind` saves over BLAS at the row counts of decoding (at most `most_rows`), summed as shares."""
+    return sum(max(0.0, 1 - t / blas) for n, t, blas in zip(sizes, times[kind], times["blas"]) if n <= most_rows)
 
 
 def _linear_pass(weights: list[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor, linear) -> float:
@@ -301,7 +362,8 @@ def _linear_pass(weights: list[tuple[torch.Tensor, torch.Tensor | None]], x: tor
 
 def kernel_plan_key(model) -> dict:
     """What a kernel plan depends on: the model's architecture and the machine (`cache.machine_key`)."""
-    return {**machine_key(model), "sizes": list(KERNEL_PLAN_SIZES), "by": "weight shape"}
+    kernels = ["blas", ONEDNN, *([STREAMED] if streamed_linear.available() else [])]
+    return {**machine_key(model), "sizes": list(KERNEL_PLAN_SIZES), "by": "weight shape", "kernels": kernels}
 
 
 def cached_kernel_plan(
@@ -316,12 +378,14 @@ def cached_kernel_plan(
     stored = None if refresh else read_cached(path, key)
     if stored is not None:
         try:
-            shapes = {(o, i): RowPlan(tuple(stored["sizes"]), tuple(packed)) for o, i, packed in stored["shapes"]}
-            return KernelPlan(shapes), path, False
+            sizes = tuple(stored["sizes"])
+            shapes = {(o, i): RowPlan(sizes, tuple(packed)) for o, i, packed, _ in stored["shapes"]}
+            formats = {(o, i): kind for o, i, _, kind in stored["shapes"] if kind != ONEDNN}
+            return KernelPlan(shapes, formats), path, False
         except (KeyError, TypeError, ValueError):
             pass  # from another format: measure again
     plan = measure_kernel_plan(model, extra_weights=extra_weights)
-    shapes = [[o, i, list(row.packed)] for (o, i), row in plan.shapes.items()]
+    shapes = [[o, i, list(row.packed), plan.format((o, i))] for (o, i), row in plan.shapes.items()]
     write_cached(path, {"key": key, "sizes": list(KERNEL_PLAN_SIZES), "shapes": shapes, "measured": time.time()})
     return plan, path, True
 
@@ -408,9 +472,9 @@ def fast_cpu(model: torch.nn.Module) -> PackedLinear:
         with hf_bpd.fast_cpu(model):
             model.generate(**inputs, max_new_tokens=128)  # greedy, sampling, beams, prompt lookup ...
 
-    Every float32 `nn.Linear` of `model` runs the faster of BLAS and oneDNN on a packed copy of its
-    weight for its row count, one row and the prefill included, as measured on this machine and model at
-    first use (`.plan`; cached in hf_bpd's cache, so later processes read it; module docstring), and its
+    Every float32 `nn.Linear` of `model` runs the fastest of BLAS, oneDNN on a packed copy of its weight
+    and `streamed_linear`'s panels (on AVX2 CPUs) for its shape and row count, one row and the prefill
+    included, as measured on this machine and model at first use (`.plan`; cached in hf_bpd's cache, so later processes read it; module docstring), and its
     `sdpa` attention layers run masked forwards of several tokens without copying the cache per query
     head (`grouped_attention`), and freed host memory stays with malloc for the next layer's activations
     instead of being mapped and faulted in again (`host_memory.reuse_freed_memory`, process-wide while a

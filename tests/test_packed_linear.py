@@ -308,8 +308,9 @@ def test_kernel_plan_is_measured_once_per_machine_and_model(tmp_path, monkeypatc
     assert all(rows.sizes == KERNEL_PLAN_SIZES for rows in plan.shapes.values())
     again, path2, measured2 = cached_kernel_plan(tiny_model("llama", seed=5))  # same architecture
     assert (again, path2, measured2) == (plan, path, False)
-    assert cached_kernel_plan(model, refresh=True)[2] is True
-    assert fast_cpu(model).plan == plan  # fast_cpu and the drafters use the cached plan
+    remeasured, _, measured3 = cached_kernel_plan(model, refresh=True)  # timings: may differ from the first
+    assert measured3 is True
+    assert fast_cpu(model).plan == remeasured  # fast_cpu and the drafters use the cached plan
 
 
 @pytest.mark.parametrize(

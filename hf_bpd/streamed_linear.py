@@ -1,0 +1,95 @@
+"""A float32 linear kernel for the few rows of decoding (one token, a draft tree, a small batch) on x86-64
+CPUs with AVX2 and FMA: one candidate of the measured kernel plan (`packed_linear.KernelPlan`), beside
+BLAS and oneDNN's packed weights.
+
+Why: at 1 to ~12 rows a linear layer should cost about one read of its weight from memory, since the
+arithmetic is small. BLAS and oneDNN run these shapes well below that on some CPUs: the weight is
+streamed and the arithmetic done one after the other rather than overlapped. This kernel packs each weight
+once into panels of 8 output columns laid out in the order they are read, computes each panel for up to
+12 rows at once (one AVX2 accumulator per row) and asks for the panel's next lines before it needs them
+(`csrc/streamed_linear.cpp`). Every output is one FMA chain along the input in order, so a row gives the
+same numbers alone or among others (the plan may still send different row counts to different kernels).
+Whether it wins is measured per weight shape and row count on the machine (`measure_kernel_plan`); the
+numbers are in RESULTS.md.
+
+The C++ source is built on first use by torch's extension loader (a compiler and ninja are needed; the
+build is cached by torch, in `TORCH_EXTENSIONS_DIR` or `~/.cache/torch_extensions`). Where the CPU lacks
+AVX2/FMA, the build fails or its results disagree with `F.linear`, `available()` is False and the plan
+keeps to BLAS and oneDNN; `unavailable_reason()` says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
+PANEL = 8  # output columns per packed panel (csrc: kPanel)
+
+
+@functools.cache
+def _extension():
+    """The built extension module, or the reason it cannot be had (a string)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"needs an x86-64 CPU, this is {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"needs AVX2 and FMA, this CPU offers {capability}"
+    if not SOURCE.is_file():
+        return f"its source {SOURCE} is missing from the installation"
+    from torch.utils.cpp_extension import load
+
+    # the source's hash in the name: an edited kernel is built again, never an old build loaded
+    digest = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
+    try:
+        module = load(
+            name=f"hf_bpd_streamed_linear_{digest}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-mavx2", "-mfma"],
+            verbose=False,
+        )
+    except Exception as err:  # any build failure (compiler, ninja, headers): the plan keeps the other kernels
+        return f"its C++ build failed ({type(err).__name__}: {str(err).strip().splitlines()[-1][:200]})"
+    g = torch.Generator().manual_seed(0)  # never the global stream: a user's seeded sampling must not move
+    weight, x = torch.randn(21, 37, generator=g), torch.randn(13, 37, generator=g)
+    if not torch.allclose(module.linear(x, module.pack(weight), 21), F.linear(x, weight), rtol=1e-4, atol=1e-4):
+        return "its results disagree with F.linear on this machine"
+    return module
+
+
+def available() -> bool:
+    """The kernel is built (now, or earlier and cached) and agrees with `F.linear` here."""
+    return not isinstance(_extension(), str)
+
+
+def unavailable_reason() -> str | None:
+    """Why `available()` is False (None when it is True)."""
+    ext = _extension()
+    return ext if isinstance(ext, str) else None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] (float32, CPU) in the kernel's layout, [ceil(N / 8), K, 8]: the same bytes as the
+    weight, padded to whole panels."""
+    return _module().pack(weight.detach())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for `packed = pack(weight)`: x [..., K] float32 on the CPU."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = _module().linear(rows, packed, out_features)
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def _module():
+    ext = _extension()
+    if isinstance(ext, str):
+        raise RuntimeError(f"hf_bpd's streamed linear kernel is unavailable: {ext}")
+    return ext

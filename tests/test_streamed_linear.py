@@ -1,0 +1,132 @@
+"""The streamed linear kernel (`hf_bpd.streamed_linear`): F.linear's numbers for any row count and shape,
+one FMA chain per output (a row's result does not depend on the rows beside it), and its place in the
+kernel plan (`packed_linear`): a shape the plan gives to it keeps its panels as its one packed copy, a plan
+measured without it never names it, and the cached plan keeps each shape's format."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+
+from hf_bpd import streamed_linear
+from hf_bpd.packed_linear import (
+    KERNEL_PLAN_SIZES,
+    ONEDNN,
+    STREAMED,
+    KernelPlan,
+    PackedLinear,
+    RowPlan,
+    cached_kernel_plan,
+    measure_kernel_plan,
+    packed_linear_available,
+)
+
+# the machines this project runs on (CI included) are x86-64 with AVX2: there the kernel must build
+pytestmark = pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="the kernel needs AVX2 and FMA"
+)
+
+
+def test_the_kernel_builds_here():
+    assert streamed_linear.available(), streamed_linear.unavailable_reason()
+    assert streamed_linear.unavailable_reason() is None
+
+
+@pytest.mark.parametrize("out_features,in_features", [(8, 16), (21, 37), (192, 576), (1, 3)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 12, 13, 16, 40])
+def test_matches_f_linear_for_any_row_count_and_shape(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    packed = streamed_linear.pack(weight)
+    assert packed.shape == ((out_features + 7) // 8, in_features, 8)
+    got = streamed_linear.linear(x, packed, out_features)
+    assert got.shape == (rows, out_features)
+    # another summation order than BLAS's: equal up to float32 rounding of sums of up to 576 unit-scale terms
+    close = {"rtol": 1e-5, "atol": 1e-4}
+    torch.testing.assert_close(got, F.linear(x, weight), **close)
+    torch.testing.assert_close(
+        streamed_linear.linear(x, packed, out_features, bias), F.linear(x, weight, bias), **close
+    )
+
+
+def test_keeps_leading_dimensions_and_takes_a_one_dimensional_input():
+    g = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(24, 16, generator=g), torch.randn(2, 3, 16, generator=g)
+    packed = streamed_linear.pack(weight)
+    torch.testing.assert_close(streamed_linear.linear(x, packed, 24), F.linear(x, weight))
+    torch.testing.assert_close(streamed_linear.linear(x[0, 0], packed, 24), F.linear(x[0, 0], weight))
+
+
+def test_a_row_gives_the_same_bits_alone_or_among_others():
+    g = torch.Generator().manual_seed(2)
+    weight, x = torch.randn(64, 100, generator=g), torch.randn(16, 100, generator=g)
+    packed = streamed_linear.pack(weight)
+    together = streamed_linear.linear(x, packed, 64)
+    for i in range(16):
+        assert torch.equal(streamed_linear.linear(x[i : i + 1], packed, 64)[0], together[i])
+
+
+def test_refuses_a_packed_weight_that_does_not_fit():
+    packed = streamed_linear.pack(torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match="does not match"):
+        streamed_linear.linear(torch.randn(2, 9), packed, 16)
+    with pytest.raises(RuntimeError, match="does not match"):
+        streamed_linear.linear(torch.randn(2, 8), packed, 24)
+
+
+@pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
+def test_a_plan_that_streams_a_shape_keeps_panels_as_its_one_packed_copy():
+    torch.manual_seed(0)
+    layer, other = torch.nn.Linear(16, 24), torch.nn.Linear(24, 8)
+    rows = RowPlan((1, 4), (True, True))
+    plan = KernelPlan({(24, 16): rows, (8, 24): rows}, {(24, 16): STREAMED})
+    assert plan.format((24, 16)) == STREAMED and plan.format((8, 24)) == ONEDNN
+    assert plan.description == "24x16: streamed for 1+ rows; 8x24: packed for 1+ rows"
+    model = torch.nn.Sequential(layer, other)
+    mode = PackedLinear(model, plan=plan)
+    x = torch.randn(3, 16)
+    with mode, torch.no_grad():
+        got = model(x)
+    torch.testing.assert_close(got, other(layer(x)))
+    panels = mode.packed(layer.weight)
+    assert panels.shape == (3, 16, 8)  # the kernel's layout, not oneDNN's
+    assert mode.packed_bytes == 3 * 16 * 8 * 4 + mode.packed(other.weight).numel() * 4
+    with pytest.raises(ValueError, match="unknown packed formats"):
+        KernelPlan({(24, 16): rows}, {(24, 16): "int8"})
+
+
+@pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
+def test_merged_plans_keep_each_shapes_format():
+    a = KernelPlan({(4, 4): RowPlan((1,), (True,))}, {(4, 4): STREAMED})
+    b = KernelPlan({(8, 4): RowPlan((1,), (True,))})
+    merged = a.merged(b)
+    assert set(merged.shapes) == {(4, 4), (8, 4)}
+    assert merged.format((4, 4)) == STREAMED and merged.format((8, 4)) == ONEDNN
+
+
+@pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
+def test_a_plan_measured_without_the_kernel_never_names_it(monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setattr(streamed_linear, "available", lambda: False)
+    plan = measure_kernel_plan(model, sizes=(1, 8), repeats=1)
+    assert plan.formats == {} and set(plan.shapes) == {tuple(m.weight.shape) for m in PackedLinear(model).layers}
+
+
+@pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
+def test_the_cached_plan_keeps_each_shapes_format(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    sizes = KERNEL_PLAN_SIZES
+    measured = {
+        s: RowPlan(sizes, (True,) * (len(sizes) - 1) + (False,))
+        for s in {tuple(m.weight.shape) for m in PackedLinear(model).layers}
+    }
+    streamed_shape = next(iter(measured))
+    fake = KernelPlan(measured, {streamed_shape: STREAMED})
+    monkeypatch.setattr("hf_bpd.packed_linear.measure_kernel_plan", lambda model, extra_weights=(): fake)
+    plan, _, was_measured = cached_kernel_plan(model)
+    assert was_measured and plan == fake
+    again, _, was_measured = cached_kernel_plan(model)
+    assert not was_measured and again == fake and again.format(streamed_shape) == STREAMED
