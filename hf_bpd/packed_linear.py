@@ -474,7 +474,8 @@ def fast_cpu(model: torch.nn.Module) -> PackedLinear:
 
     Every float32 `nn.Linear` of `model` runs the fastest of BLAS, oneDNN on a packed copy of its weight
     and `streamed_linear`'s panels (on AVX2 CPUs) for its shape and row count, one row and the prefill
-    included, as measured on this machine and model at first use (`.plan`; cached in hf_bpd's cache, so later processes read it; module docstring), and its
+    included, as measured on this machine and model at first use (`.plan`; cached in hf_bpd's cache, so
+    later processes read it; module docstring), and its
     `sdpa` attention layers run masked forwards of several tokens without copying the cache per query
     head (`grouped_attention`), and freed host memory stays with malloc for the next layer's activations
     instead of being mapped and faulted in again (`host_memory.reuse_freed_memory`, process-wide while a
