@@ -159,7 +159,9 @@ def forward_cost_key(model, packed_linear: bool | None = None, sizes=DEFAULT_SIZ
         **machine_key(model),
         "packed_linear": wants_packed_linear(model, packed_linear),
         "compiled_forward": compiled_forward(model),
-        "kernels": "plan",  # curves from before the measured kernel plan are measured again
+        # curves from before the measured kernel plan, and from before it could choose the streamed kernel, are
+        # measured again
+        "kernels": "plan with streamed_linear",
         "timed_as": "verify_tree",  # and those from before the timing made decoding's own call
         "fit": "isotonic, rounds",  # and those fitted otherwise
         "sizes": list(sizes),
