@@ -310,6 +310,19 @@ def render_regional_compile(report: dict) -> list[str]:
     return lines
 
 
+def render_compile_cache(report: dict) -> list[str]:
+    """`research.compile_cache`: compilation seconds per process on one inductor cache folder, cold then warm."""
+    methods = list(report["processes"][0]["compile_seconds"])
+    lines = [
+        "| process | inductor cache | " + " | ".join(f"{m} compile s" for m in methods) + " | process wall s |",
+        "|" + " --- |" * (3 + len(methods)),
+    ]
+    for i, run in enumerate(report["processes"]):
+        seconds = " | ".join(f"{run['compile_seconds'][m]:.0f}" for m in methods)
+        lines.append(f"| {i + 1} | {run['cache']} | {seconds} | {run['wall_seconds']:.0f} |")
+    return lines
+
+
 def render_grouped_attention(report: dict) -> list[str]:
     """`research.grouped_attention_cost`: a verification forward's time by width, sdpa against grouped attention."""
     lines = [
@@ -444,6 +457,7 @@ def render_speed_budget(report: dict) -> list[str]:
 RENDERERS = {
     "speed_budget": render_speed_budget,
     "regional_compile": render_regional_compile,
+    "compile_cache": render_compile_cache,
     "hybrid": render_hybrid,
     "bench": render_bench,
     "replay": render_replay,
