@@ -323,6 +323,38 @@ def render_compile_cache(report: dict) -> list[str]:
     return lines
 
 
+def render_streamed_kernel(report: dict) -> list[str]:
+    """`research.streamed_kernel`: every linear weight once per kernel by row count, and the verification
+    forward under kernel plans without and with the streamed kernel."""
+    linears, forward = report["linears"], report["forward_ms"]
+    sizes = list(linears["ms"])
+    lines = [
+        f"Every linear weight of the model once ({linears['weights_mb']:.0f} MB; reading them once, `sum`: "
+        f"{linears['read_ms']:.1f} ms), ms by rows:",
+        "",
+        "| kernel | " + " | ".join(f"{n} rows" for n in sizes) + " |",
+        "|" + " --- |" * (1 + len(sizes)),
+    ]
+    for kernel in linears["ms"][sizes[0]]:
+        lines.append(f"| {kernel} | " + " | ".join(f"{linears['ms'][n][kernel]:.1f}" for n in sizes) + " |")
+    lines += [
+        "",
+        "Verification forward of n tokens on a 256-token cache, ms, under each kernel plan (interleaved):",
+        "",
+        "| plan | " + " | ".join(f"{n} tok" for n in forward) + " |",
+        "|" + " --- |" * (1 + len(forward)),
+    ]
+    for plan in forward[next(iter(forward))]:
+        lines.append(f"| {plan} | " + " | ".join(f"{forward[n][plan]:.1f}" for n in forward) + " |")
+    lines += [
+        "",
+        *(f"- plan {name}: {description}" for name, description in report["plans"].items()),
+        f"- largest logit difference between the two plans on one 8-token forward: "
+        f"{report['max_logit_difference']:.1e}; same argmax: {'yes' if report['same_argmax'] else 'no'}",
+    ]
+    return lines
+
+
 def render_grouped_attention(report: dict) -> list[str]:
     """`research.grouped_attention_cost`: a verification forward's time by width, sdpa against grouped attention."""
     lines = [
@@ -458,6 +490,7 @@ RENDERERS = {
     "speed_budget": render_speed_budget,
     "regional_compile": render_regional_compile,
     "compile_cache": render_compile_cache,
+    "streamed_kernel": render_streamed_kernel,
     "hybrid": render_hybrid,
     "bench": render_bench,
     "replay": render_replay,

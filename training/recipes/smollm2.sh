@@ -97,8 +97,10 @@ python -m hf_bpd.training.ship --heads "$RUNS/heads7" --distilled training/data/
 echo '{"top_k": 10, "max_tree_tokens": "auto", "context_lookup": 10, "context_copy": false}' \
   > hf_bpd/assets/smollm2/drafter.json
 # 6j. the model card, model_cards/smollm2-135m-instruct.md: its τ table is the README's speed claim for this
-#     drafter (the run's summary recorded as hf_bpd/assets/smollm2/bench.json), every shipped card written again
-python -m hf_bpd.training.ship --to hf_bpd/assets/smollm2 --bench benchmarks/speed/fastest_plain_dev_amd.json --cards
+#     drafter (the run's summary recorded as hf_bpd/assets/smollm2/bench.json), every shipped card written again;
+#     since the streamed linear kernel joined the kernel plan (session 38) that is the 40-row run on it, until
+#     all of dev is run again on it
+python -m hf_bpd.training.ship --to hf_bpd/assets/smollm2 --bench benchmarks/speed/streamed_spread40_amd.json --cards
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
