@@ -198,6 +198,11 @@ class PackedLinear:
     @plan.setter
     def plan(self, plan: KernelPlan | None) -> None:
         self._plan = plan
+        # a copy packed in another format than the new plan gives its shape is marked stale (packed again on
+        # its next use), so the per-call path never has to look the format up
+        for key, (weight, _, packed, kind) in list(self._packed.items()):
+            if kind != self._format(weight.shape):
+                self._packed[key] = (weight, -1, packed, kind)
         shapes = getattr(plan, "shapes", None)  # another callable (a test's): every layer
         self._forwards = [
             (layer, forward)
@@ -225,11 +230,15 @@ class PackedLinear:
         per call."""
         return self._entry(weight)[2]
 
-    def _entry(self, weight: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None, str]:
+    def _format(self, shape: tuple[int, ...]) -> str:
+        """The packed format of weights of `shape` under the current plan."""
         format_of = getattr(self._plan, "format", None)  # None: no plan, or a test's callable
-        kind = ONEDNN if format_of is None else format_of(weight.shape)
+        return ONEDNN if format_of is None else format_of(shape)
+
+    def _entry(self, weight: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None, str]:
         entry = self._packed.get(id(weight))
-        if entry is None or entry[0] is not weight or entry[1] != weight._version or entry[3] != kind:
+        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+            kind = self._format(weight.shape)
             servable = (
                 type(weight) in (torch.Tensor, torch.nn.Parameter)
                 and weight.dim() == 2

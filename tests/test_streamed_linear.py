@@ -130,3 +130,20 @@ def test_the_cached_plan_keeps_each_shapes_format(tmp_path, monkeypatch):
     assert was_measured and plan == fake
     again, _, was_measured = cached_kernel_plan(model)
     assert not was_measured and again == fake and again.format(streamed_shape) == STREAMED
+
+
+@pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
+def test_a_new_plan_that_streams_a_shape_repacks_its_weights_on_next_use():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 24)
+    rows = RowPlan((1,), (True,))
+    mode = PackedLinear(layer, plan=KernelPlan({(24, 16): rows}))
+    x = torch.randn(2, 16)
+    with mode, torch.no_grad():
+        layer(x)
+    assert mode.packed(layer.weight).dim() == 2  # oneDNN's blocked copy
+    mode.plan = KernelPlan({(24, 16): rows}, {(24, 16): STREAMED})
+    with mode, torch.no_grad():
+        got = layer(x)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+    assert mode.packed(layer.weight).shape == (3, 16, 8) and len(mode) == 1
