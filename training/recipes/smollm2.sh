@@ -98,9 +98,9 @@ echo '{"top_k": 10, "max_tree_tokens": "auto", "context_lookup": 10, "context_co
   > hf_bpd/assets/smollm2/drafter.json
 # 6j. the model card, model_cards/smollm2-135m-instruct.md: its τ table is the README's speed claim for this
 #     drafter (the run's summary recorded as hf_bpd/assets/smollm2/bench.json), every shipped card written again;
-#     since the streamed linear kernel joined the kernel plan (session 38) that is the 40-row run on it, until
-#     all of dev is run again on it
-python -m hf_bpd.training.ship --to hf_bpd/assets/smollm2 --bench benchmarks/speed/streamed_spread40_amd.json --cards
+#     since the streamed linear kernel joined the kernel plan (session 38) that is the all-of-dev run on it
+#     (claim speed_streamed_dev_amd)
+python -m hf_bpd.training.ship --to hf_bpd/assets/smollm2 --bench benchmarks/speed/streamed_dev_amd.json --cards
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
