@@ -8,7 +8,9 @@ Phases, each a plain function below (gpt-fast style):
   verify_tree    ONE forward over the tree on the existing cache: 4D tree mask + depth-based position ids
                  (`verify.py`: the forward-cost timer makes that very call too)
   accept_tree    walk the tree along the base model's own choices: its processed greedy token, or (sampling)
-                 one draw from its processed distribution at each reached node
+                 one draw from its processed distribution at each reached node (fused with the next tree's
+                 growth into one host copy per step: `accept_greedy_and_grow`, and for sampling on an
+                 accelerator `sampled_walk.accept_sampled_and_grow`)
   compact_cache  keep only the accepted tree positions in the KV cache
 
 Sampling is exact. The drafts are deterministic, so the rule is the plain one: at the root, draw y from the
@@ -39,34 +41,23 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionAndFullAttentionLayer
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .accept import AcceptResult, HostStop
 from .calibration import SamplingWarp
 from .compat import CACHE_NAMES, GENERATE_CACHE_FIELD, last_hidden_state_request, output_cache
 from .drafter import BlockDrafter
 from .expansion import GrownTree
+from .sampled_walk import accept_sampled_and_grow, walk_serves
 from .static_cache import compact_static_cache, compiled_static_call, graph_tree_size, is_static, static_capacity
 from .support import AttentionWindows
 from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, TreeBatch, batch_trees
 from .verify import verify_tree
-
-
-@dataclass
-class AcceptResult:
-    """One row's outcome of a verification step."""
-
-    nodes: list[int]  # tree nodes whose KV entries are kept (root first)
-    tokens: list[int]  # new tokens appended to the sequence (len(nodes) of them unless stopped early)
-    scores: list[torch.Tensor]  # processed scores of each new token, [vocab]
-    logits: list[torch.Tensor]  # raw logits of each new token, [vocab]
-    finished: bool
 
 
 def prompt_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
@@ -162,33 +153,6 @@ def typical_child(tree: DraftTree, node: int, scores: torch.Tensor, epsilon: flo
     return children[best] if p[best] > threshold else None
 
 
-@dataclass(frozen=True)
-class HostStop:
-    """`generate`'s usual stopping criteria (max length, eos tokens) evaluated on the host from a sequence
-    length and a token: exactly what `MaxLengthCriteria` and `EosTokenCriteria` decide, without a tensor
-    per token (each would be a device-to-host synchronisation)."""
-
-    max_length: int | None
-    eos: frozenset[int]
-
-    @classmethod
-    def of(cls, stopping_criteria: StoppingCriteriaList) -> HostStop | None:
-        """The host form of `stopping_criteria`, or None when it holds any other criterion (stop strings,
-        time limits, a user's own): those run as `generate` runs them."""
-        max_length, eos = None, set()
-        for criterion in stopping_criteria:
-            if type(criterion) is MaxLengthCriteria:
-                max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
-            elif type(criterion) is EosTokenCriteria:
-                eos.update(criterion.eos_token_id.view(-1).tolist())
-            else:
-                return None
-        return cls(max_length, frozenset(eos))
-
-    def __call__(self, length: int, token: int) -> bool:
-        return token in self.eos or (self.max_length is not None and length >= self.max_length)
-
-
 def accept_greedy(
     tree: DraftTree, logits: torch.Tensor, length: int, stop: HostStop, choices: list[int] | None = None
 ) -> AcceptResult:
@@ -281,7 +245,8 @@ def accept_tree(
     accept children by Medusa's typical acceptance instead (`typical_child`; module docstring). `stop`:
     the criteria's host form where they have one (`HostStop.of`): greedy steps without processors then
     take `accept_greedy`, same tokens with one synchronisation, and every other walk checks it on the host
-    (one synchronisation per reached node: its token).
+    (one synchronisation per reached node: its token; `sampled_walk.py` makes a sampled step's draws on the
+    device with one).
     """
     if stop is not None and not do_sample and typical is None and len(logits_processor) == 0:
         return accept_greedy(tree, logits, sequence.shape[1], stop)
@@ -377,6 +342,16 @@ def decode(
         and drafter.grows_on_device
         and (windows is None or windows.cap is None)
     )
+    # sampled steps walk on the device where that walk serves them (`sampled_walk.py`), growing the next
+    # tree in the same copy as greedy steps do
+    fuse_sampled = (
+        stop is not None
+        and do_sample
+        and typical is None
+        and (drafter.fused_sampling if drafter.fused_sampling is not None else input_ids.device.type != "cpu")
+        and walk_serves(logits_processor, input_ids.device)
+    )
+    grow_sampled = fuse_sampled and drafter.grows_on_device and (windows is None or windows.cap is None)
     grown, next_drafts = None, None  # the next step's tree, grown during the last step, and its decision
     stats.time_prefill = time.perf_counter() - t0
     stats.new_tokens = 1
@@ -421,10 +396,15 @@ def decode(
         t2 = drafter._sync(input_ids.device)
         heads_before = stats.time_heads  # a fused accept grows the next tree: heads time, not accept time
         with phase(syncs, "accept"):
-            if fuse:  # decide the next step now: its tree is grown before this copy
+            if fuse or fuse_sampled:  # decide the next step now: its tree is grown before this copy
                 next_drafts = chooser is None or chooser.draft_next()
-            if next_drafts:
-                depth = None if context is None else max(context - past_len - len(trees[0]) - 1, 0)
+            depth = None if context is None else max(context - past_len - len(trees[0]) - 1, 0)
+            if fuse_sampled:
+                grow = grow_sampled and next_drafts
+                result, grown = accept_sampled_and_grow(
+                    drafter, trees[0], batch, out, input_ids, logits_processor, stop, grow, depth, warp
+                )
+            elif next_drafts:
                 result, grown = accept_greedy_and_grow(drafter, trees[0], batch, out, input_ids.shape[1], stop, depth)
             else:
                 result = accept_tree(

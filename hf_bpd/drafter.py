@@ -136,6 +136,10 @@ class BlockDrafter:
         # count device-to-host synchronisations by phase into stats.host_syncs (a test's or measurement's
         # setting: counting costs a Python call per torch call, so a timed run leaves it off)
         self.count_host_syncs = False
+        # sampled steps walk the tree on the device with one copy per step (`sampled_walk.py`): None ("auto")
+        # on accelerators only, where each read stalls the device; on a CPU reading a token costs nothing
+        # and the host walk makes fewer draws. True or False forces it (a test's or measurement's setting)
+        self.fused_sampling: bool | None = None
         self._bound_to: tuple[int, bool] | None = None  # (id of the model, whether its forward was compiled)
         self._measured_cost = False  # forward_cost was measured by `prepare` (not given): re-measured on rebinding
         self.setup: dict = {}  # one-time start-up work of the last `prepare` that did any (forward-cost curve)

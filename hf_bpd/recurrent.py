@@ -42,11 +42,12 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .accept import HostStop
 from .batch import HoleLedger, row_processors, squeeze_holes
 from .calibration import SamplingWarp
 from .chain import drop_last, restore, snapshot, state_tensors, verify_chain
 from .compat import GENERATE_CACHE_FIELD
-from .decoding import HostStop, accept_tree, choose_tokens, prefill, prompt_mask
+from .decoding import accept_tree, choose_tokens, prefill, prompt_mask
 from .drafter import BlockDrafter
 from .stats import DecodingStats
 from .support import AttentionWindows

@@ -3,8 +3,10 @@
     python -m research.host_syncs --output benchmarks/syncs/smollm2.json
 
 Counted on a CPU with `BlockDrafter.count_host_syncs` (`hf_bpd/syncs.py`): the same calls that would make
-a GPU's host wait. One Spec-Bench dev prompt per category (first turns), untimed (counting slows every
-torch call). Outputs are checked against plain `generate` (greedy; seeded sampling).
+a GPU's host wait. Sampling twice: as the shipped drafter runs it on a CPU (the host walk, one read per
+reached node) and with the device walk it takes on an accelerator (`BlockDrafter.fused_sampling`). One
+Spec-Bench dev prompt per category (first turns), untimed (counting slows every torch call). Outputs are
+checked against plain `generate` (greedy; seeded sampling).
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from hf_bpd.jsonl import read_jsonl
 from hf_bpd.models import chat_inputs, load_model
 from hf_bpd.tools.bench import DEFAULT_DATA, environment, select_rows
 
+# name -> (generate's decoding arguments, the drafter's `fused_sampling`: None is the shipped "auto", which
+# on a CPU walks sampled steps on the host; True takes the device walk an accelerator gets, `sampled_walk.py`)
 SETTINGS = {
-    "greedy": {"do_sample": False},
-    "sampling T=0.7 top-p 0.9": {"do_sample": True, "temperature": 0.7, "top_p": 0.9},
+    "greedy": ({"do_sample": False}, None),
+    "sampling T=0.7 top-p 0.9": ({"do_sample": True, "temperature": 0.7, "top_p": 0.9}, None),
+    "sampling T=0.7 top-p 0.9, device walk": ({"do_sample": True, "temperature": 0.7, "top_p": 0.9}, True),
 }
 
 
@@ -39,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model("packaged")
     rows = select_rows(read_jsonl(args.data), None, args.per_category, None)
     report = {"environment": env, "args": vars(args), "settings": {}}
-    for name, decoding in SETTINGS.items():
+    for name, (decoding, fused_sampling) in SETTINGS.items():
         drafter = hf_bpd.load_packaged_drafter()
         drafter.count_host_syncs = True
+        drafter.fused_sampling = fused_sampling
         counts, steps, identical = Counter(), 0, 0
         for i, row in enumerate(rows):
             inputs = chat_inputs(tokenizer, [{"role": "user", "content": row["turns"][0]}])

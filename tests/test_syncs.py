@@ -9,7 +9,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 import hf_bpd
-from hf_bpd.decoding import HostStop
+from hf_bpd.accept import HostStop
 from hf_bpd.syncs import HostSyncCounter
 
 
