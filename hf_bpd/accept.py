@@ -1,5 +1,6 @@
-"""What one verification step of a row accepted (`AcceptResult`), and `generate`'s usual stopping criteria
-decided on the host (`HostStop`): shared by the accept walks of `decoding.py` and `sampled_walk.py`."""
+"""What one verification step of a row accepted (`AcceptResult`), the token `generate` picks from processed
+scores (`choose_tokens`), and `generate`'s usual stopping criteria decided on the host (`HostStop`): shared
+by the accept walks of `decoding.py` and `sampled_walk.py`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ class AcceptResult:
     scores: list[torch.Tensor]  # processed scores of each new token, [vocab]
     logits: list[torch.Tensor]  # raw logits of each new token, [vocab]
     finished: bool
+
+
+def choose_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """Processed scores `[B, V]` -> the token `generate` picks for each row `[B]`: the argmax, or one draw
+    from their softmax made exactly as `generate`'s sampling loop makes it (so a seed gives the same draws)."""
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    probs = torch.nn.functional.softmax(scores, dim=-1)
+    return torch.multinomial(probs, num_samples=1).squeeze(1)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionAndFullAttentionLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .accept import AcceptResult, HostStop
+from .accept import AcceptResult, HostStop, choose_tokens
 from .calibration import SamplingWarp
 from .compat import CACHE_NAMES, GENERATE_CACHE_FIELD, last_hidden_state_request, output_cache
 from .drafter import BlockDrafter
@@ -109,15 +109,6 @@ def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.T
 
 def _takes_first_iteration(model) -> bool:
     return "is_first_iteration" in inspect.signature(model.prepare_inputs_for_generation).parameters
-
-
-def choose_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
-    """Processed scores `[B, V]` -> the token `generate` picks for each row `[B]`: the argmax, or one draw
-    from their softmax made exactly as `generate`'s sampling loop makes it (so a seed gives the same draws)."""
-    if not do_sample:
-        return scores.argmax(dim=-1)
-    probs = torch.nn.functional.softmax(scores, dim=-1)
-    return torch.multinomial(probs, num_samples=1).squeeze(1)
 
 
 TYPICAL_ACCEPTANCE = (0.09, 0.3)  # Medusa's (epsilon, delta)
@@ -333,15 +324,10 @@ def decode(
     capacity = static_capacity(cache)  # a static cache: trees fit its free slots (`static_cache.py`)
     static_call = None if capacity is None else compiled_static_call(model, generation_config, model_kwargs)
     chooser = drafter.step_chooser()  # plain steps where drafting does not pay ("auto" trees)
+    # the next tree can be grown inside a step's accept, before its length is known
+    grows_next = drafter.grows_on_device and (windows is None or windows.cap is None)
     # greedy steps read their tokens and the next tree in one copy (`accept_greedy_and_grow`)
-    fuse = (
-        stop is not None
-        and not do_sample
-        and typical is None
-        and len(logits_processor) == 0
-        and drafter.grows_on_device
-        and (windows is None or windows.cap is None)
-    )
+    fuse = stop is not None and not do_sample and typical is None and len(logits_processor) == 0 and grows_next
     # sampled steps walk on the device where that walk serves them (`sampled_walk.py`), growing the next
     # tree in the same copy as greedy steps do
     fuse_sampled = (
@@ -351,7 +337,7 @@ def decode(
         and (drafter.fused_sampling if drafter.fused_sampling is not None else input_ids.device.type != "cpu")
         and walk_serves(logits_processor, input_ids.device)
     )
-    grow_sampled = fuse_sampled and drafter.grows_on_device and (windows is None or windows.cap is None)
+    grow_sampled = fuse_sampled and grows_next
     grown, next_drafts = None, None  # the next step's tree, grown during the last step, and its decision
     stats.time_prefill = time.perf_counter() - t0
     stats.new_tokens = 1

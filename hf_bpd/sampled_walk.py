@@ -46,7 +46,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from .accept import AcceptResult, HostStop
+from .accept import AcceptResult, HostStop, choose_tokens
 from .drafter import BlockDrafter
 from .expansion import GrownTree
 from .tree import DraftTree, TreeBatch
@@ -107,16 +107,16 @@ def accept_sampled_and_grow(
     drawn, at, matched, scores, states = [], [], [], [], []
     for _ in range(max(tree.depths) + 1):
         node_scores = processors(sequence, logits.index_select(0, node).float())
-        token = torch.multinomial(torch.softmax(node_scores, dim=-1), num_samples=1)  # [1, 1], as `generate`
+        token = choose_tokens(node_scores, do_sample=True)  # [1], as `generate` draws it
         states.append(generator.get_state())
-        child = (parents == node) & (input_ids == token[0])
+        child = (parents == node) & (input_ids == token)
         found = child.any(0, keepdim=True)
-        drawn.append(token[0])
+        drawn.append(token)
         at.append(node)
         matched.append(found)
         scores.append(node_scores[0])
         node = torch.where(found, child.long().argmax(0, keepdim=True), node)
-        sequence = torch.cat([sequence, token], dim=-1)
+        sequence = torch.cat([sequence, token[:, None]], dim=-1)
     drawn, at, matched = torch.cat(drawn), torch.cat(at), torch.cat(matched)
     depth = len(drawn)
     values = [drawn.double(), at.double(), matched.double()]
