@@ -22,6 +22,7 @@ from statistics import median_high
 
 import torch
 
+from . import streamed_linear
 from .cache import cache_root, key_file_name, machine_key, read_cached, write_cached
 from .chain import drop_last, restore, snapshot, state_tensors, verify_chain
 from .compat import cache_argument
@@ -159,9 +160,9 @@ def forward_cost_key(model, packed_linear: bool | None = None, sizes=DEFAULT_SIZ
         **machine_key(model),
         "packed_linear": wants_packed_linear(model, packed_linear),
         "compiled_forward": compiled_forward(model),
-        # curves from before the measured kernel plan, and from before it could choose the streamed kernel, are
-        # measured again
-        "kernels": "plan with streamed_linear",
+        # curves from before the measured kernel plan, from before it could choose the streamed kernel, and from
+        # another version of that kernel are measured again
+        "kernels": f"plan with streamed_linear {streamed_linear.version()}",
         "timed_as": "verify_tree",  # and those from before the timing made decoding's own call
         "fit": "isotonic, rounds",  # and those fitted otherwise
         "sizes": list(sizes),

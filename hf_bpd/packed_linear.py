@@ -371,7 +371,7 @@ def _linear_pass(weights: list[tuple[torch.Tensor, torch.Tensor | None]], x: tor
 
 def kernel_plan_key(model) -> dict:
     """What a kernel plan depends on: the model's architecture and the machine (`cache.machine_key`)."""
-    kernels = ["blas", ONEDNN, *([STREAMED] if streamed_linear.available() else [])]
+    kernels = ["blas", ONEDNN, *([f"{STREAMED} {streamed_linear.version()}"] if streamed_linear.available() else [])]
     return {**machine_key(model), "sizes": list(KERNEL_PLAN_SIZES), "by": "weight shape", "kernels": kernels}
 
 

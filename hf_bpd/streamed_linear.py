@@ -3,14 +3,15 @@ CPUs with AVX2 and FMA: one candidate of the measured kernel plan (`packed_linea
 BLAS and oneDNN's packed weights.
 
 Why: at 1 to ~12 rows a linear layer should cost about one read of its weight from memory, since the
-arithmetic is small. BLAS and oneDNN run these shapes well below that on some CPUs: the weight is
-streamed and the arithmetic done one after the other rather than overlapped. This kernel packs each weight
-once into panels of 8 output columns laid out in the order they are read, computes each panel for up to
-12 rows at once (one AVX2 accumulator per row) and asks for the panel's next lines before it needs them
-(`csrc/streamed_linear.cpp`). Every output is one FMA chain along the input in order, so a row gives the
-same numbers alone or among others (the plan may still send different row counts to different kernels).
-Whether it wins is measured per weight shape and row count on the machine (`measure_kernel_plan`); the
-numbers are in RESULTS.md.
+arithmetic is small. BLAS and oneDNN run these shapes well below that on some CPUs: the weight is streamed
+and the arithmetic done one after the other rather than overlapped. This kernel packs each weight once
+into panels of 8 output columns laid out in the order they are read, computes each panel for up to 12 rows
+at once (one AVX2 accumulator per row; for fewer rows several panels at once, so that enough independent
+FMA chains keep the CPU's FMA units busy while the weight streams in) and asks for the panels' next lines
+before it needs them (`csrc/streamed_linear.cpp`). Every output is one FMA chain along the input in order,
+so a row gives the same numbers alone or among others (the plan may still send different row counts to
+different kernels). Whether it wins is measured per weight shape and row count on the machine
+(`measure_kernel_plan`); the numbers are in RESULTS.md.
 
 The C++ source is built on first use by torch's extension loader (a compiler and ninja are needed; the
 build is cached by torch, in `TORCH_EXTENSIONS_DIR` or `~/.cache/torch_extensions`). Where the CPU lacks
@@ -45,7 +46,7 @@ def _extension():
     from torch.utils.cpp_extension import load
 
     # the source's hash in the name: an edited kernel is built again, never an old build loaded
-    digest = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
+    digest = version()
     try:
         module = load(
             name=f"hf_bpd_streamed_linear_{digest}",
@@ -60,6 +61,13 @@ def _extension():
     if not torch.allclose(module.linear(x, module.pack(weight), 21), F.linear(x, weight), rtol=1e-4, atol=1e-4):
         return "its results disagree with F.linear on this machine"
     return module
+
+
+@functools.cache
+def version() -> str | None:
+    """A digest of the kernel's source (None where it is missing): what measurements made with the kernel
+    (kernel plans, forward-cost curves) are keyed by, so an edited kernel is measured again."""
+    return hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10] if SOURCE.is_file() else None
 
 
 def available() -> bool:

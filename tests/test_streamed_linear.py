@@ -59,13 +59,15 @@ def test_keeps_leading_dimensions_and_takes_a_one_dimensional_input():
     torch.testing.assert_close(streamed_linear.linear(x[0, 0], packed, 24), F.linear(x[0, 0], weight))
 
 
-def test_a_row_gives_the_same_bits_alone_or_among_others():
+@pytest.mark.parametrize("out_features", [64, 100])  # 8 whole panels; 13 panels, the last of 4 columns
+def test_a_row_gives_the_same_bits_alone_or_among_others(out_features):
+    # fewer rows take several panels per pass (and a weight's last panels fewer): every count from 1 to 16
     g = torch.Generator().manual_seed(2)
-    weight, x = torch.randn(64, 100, generator=g), torch.randn(16, 100, generator=g)
+    weight, x = torch.randn(out_features, 100, generator=g), torch.randn(16, 100, generator=g)
     packed = streamed_linear.pack(weight)
-    together = streamed_linear.linear(x, packed, 64)
-    for i in range(16):
-        assert torch.equal(streamed_linear.linear(x[i : i + 1], packed, 64)[0], together[i])
+    alone = torch.cat([streamed_linear.linear(x[i : i + 1], packed, out_features) for i in range(16)])
+    for rows in range(2, 17):
+        assert torch.equal(streamed_linear.linear(x[:rows], packed, out_features), alone[:rows]), rows
 
 
 def test_refuses_a_packed_weight_that_does_not_fit():

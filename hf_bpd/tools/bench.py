@@ -532,6 +532,8 @@ PLAIN_METHODS = (
     "greedy_compiled",
     "sample_compiled",
     "greedy_static",
+    "greedy_static_fast",
+    "sample_static_fast",
     "sample_static",
 )
 
@@ -961,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         # a static cache: plain generate's fastest decoding on a GPU, and hf_bpd on the same cache
         "greedy_static": lambda: static_cache_method(model, decoding),
+        "greedy_static_fast": lambda: fast_cpu_method(static_cache_method(model, decoding), model),
         "hf_bpd_static": lambda: bpd_method(
             model, drafter.with_rescorer(drafter.rescorer), "hf_bpd_static", {**decoding, **STATIC}
         ),
