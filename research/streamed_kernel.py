@@ -11,15 +11,21 @@ each weight once per 12 rows with the arithmetic overlapped. This measures, in o
 - `forward`: the verification forward of n tokens on a 256-token cache (`cost.ForwardTimer`, the call
   decoding makes) under two kernel plans measured here, one without the streamed kernel (the plan before
   it existed) and one with it (today's), interleaved so that drift hits both alike;
-- the plans themselves, and the largest difference of their logits on one 8-token forward.
+- the plans themselves, and the largest difference of their logits on one 8-token forward;
+- with `--previous REV`: the kernel's source at git revision REV built beside today's (same panel
+  layout), as one more kernel in `linears` and as today's plan run on it in `forward` (interleaved too):
+  what an edit of the kernel changed, and whether its outputs stayed the same bits.
 Run with nothing else on the machine; no claim rests on one run of it alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from unittest import mock
@@ -34,9 +40,39 @@ from hf_bpd.packed_linear import PACK_ROWS, PackedLinear, measure_kernel_plan
 from hf_bpd.tools.bench import environment
 
 
-def linear_passes(model, sizes: list[int], repeats: int) -> dict:
+def previous_kernel(rev: str):
+    """The streamed kernel's source at git revision `rev`, built as its own extension module."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:hf_bpd/csrc/streamed_linear.cpp"], check=True, capture_output=True, text=True
+    ).stdout
+    from torch.utils.cpp_extension import load
+
+    path = Path(tempfile.mkdtemp()) / "streamed_linear_previous.cpp"
+    path.write_text(source)
+    name = "hf_bpd_streamed_linear_previous_" + hashlib.sha1(source.encode()).hexdigest()[:10]
+    return load(name=name, sources=[str(path)], extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False)
+
+
+class OnKernel:
+    """A `PackedLinear` block whose streamed linears run on another build of the kernel while inside it."""
+
+    def __init__(self, block: PackedLinear, module) -> None:
+        self.block, self.module = block, module
+
+    def __enter__(self):
+        self.patch = mock.patch.object(streamed_linear, "_module", lambda: self.module)
+        self.patch.start()
+        return self.block.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self.block.__exit__(*exc)
+        self.patch.stop()
+
+
+def linear_passes(model, sizes: list[int], repeats: int, previous=None) -> dict:
     """Median ms to run every linear weight of `model` once on n rows, per kernel and n; `read_ms`: one
-    `sum` over every weight (the memory floor)."""
+    `sum` over every weight (the memory floor). `previous`: another build of the streamed kernel, timed as
+    "streamed_previous" (and checked to give the same bits)."""
     weights = [m.weight.detach() for m in model.modules() if type(m) is torch.nn.Linear]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
     panels = [streamed_linear.pack(w) for w in weights]
@@ -45,6 +81,8 @@ def linear_passes(model, sizes: list[int], repeats: int) -> dict:
         "onednn": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
         "streamed": lambda x, i: streamed_linear.linear(x, panels[i], weights[i].shape[0]),
     }
+    if previous is not None:
+        kernels["streamed_previous"] = lambda x, i: previous.linear(x, panels[i], weights[i].shape[0])
     g = torch.Generator().manual_seed(0)
     out = {"weights_mb": sum(w.numel() * 4 for w in weights) / 1e6, "ms": {}}
     for n in sizes:
@@ -57,6 +95,12 @@ def linear_passes(model, sizes: list[int], repeats: int) -> dict:
                     kernel(xs[w.shape[1]], i)
                 times[name].append(time.perf_counter() - t0)
         out["ms"][n] = {k: statistics.median(v[1:]) * 1000 for k, v in times.items()}
+        if previous is not None:
+            out.setdefault("same_bits_as_previous", {})[n] = all(
+                torch.equal(kernels["streamed"](xs[w.shape[1]], i), kernels["streamed_previous"](xs[w.shape[1]], i))
+                for i, w in enumerate(weights)
+            )
+        print(n, out["ms"][n], flush=True)
     reads = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
@@ -73,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--previous", help="a git revision whose streamed kernel to time beside today's")
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
     if not streamed_linear.available():
@@ -81,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     model, _ = load_model(args.model, dtype="float32", device="cpu")
     report = {"environment": env, "args": {k: str(v) for k, v in vars(args).items()}}
-    report["linears"] = linear_passes(model, args.sizes, args.repeats)
+    previous = previous_kernel(args.previous) if args.previous else None
+    report["linears"] = linear_passes(model, args.sizes, args.repeats, previous)
     with_streamed = measure_kernel_plan(model)
     with mock.patch.object(streamed_linear, "available", lambda: False):
         without = measure_kernel_plan(model)
@@ -90,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         "without_streamed": PackedLinear(model, plan=without, grouped_attention_of=model),
         "with_streamed": PackedLinear(model, plan=with_streamed, grouped_attention_of=model),
     }
+    if previous is not None:  # today's plan with the streamed linears on the previous kernel
+        blocks["with_streamed_previous"] = OnKernel(
+            PackedLinear(model, plan=with_streamed, grouped_attention_of=model), previous
+        )
     timer = ForwardTimer(model, args.context)
     report["forward_ms"] = {}
     for n in args.sizes:
@@ -106,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             logits[name] = model(input_ids=ids).logits
     report["max_logit_difference"] = float((logits["with_streamed"] - logits["without_streamed"]).abs().max())
     report["same_argmax"] = bool(torch.equal(logits["with_streamed"].argmax(-1), logits["without_streamed"].argmax(-1)))
+    if previous is not None:
+        report["same_logits_as_previous"] = bool(torch.equal(logits["with_streamed"], logits["with_streamed_previous"]))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     return 0
