@@ -352,6 +352,13 @@ def render_streamed_kernel(report: dict) -> list[str]:
         f"- largest logit difference between the two plans on one 8-token forward: "
         f"{report['max_logit_difference']:.1e}; same argmax: {'yes' if report['same_argmax'] else 'no'}",
     ]
+    if "same_bits_as_previous" in linears:  # `--previous REV`: an earlier build of the kernel beside today's
+        same = all(linears["same_bits_as_previous"].values())
+        lines.append(
+            f"- `streamed_previous` (the kernel at {report['args']['previous']}) against today's: the same bits on "
+            f"every weight at every row count: {'yes' if same else 'no'}; the same logits on one 8-token forward "
+            f"under today's plan: {'yes' if report['same_logits_as_previous'] else 'no'}"
+        )
     return lines
 
 
