@@ -43,17 +43,8 @@ def _extension():
         return f"needs AVX2 and FMA, this CPU offers {capability}"
     if not SOURCE.is_file():
         return f"its source {SOURCE} is missing from the installation"
-    from torch.utils.cpp_extension import load
-
-    # the source's hash in the name: an edited kernel is built again, never an old build loaded
-    digest = version()
     try:
-        module = load(
-            name=f"hf_bpd_streamed_linear_{digest}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-mavx2", "-mfma"],
-            verbose=False,
-        )
+        module = build(SOURCE)
     except Exception as err:  # any build failure (compiler, ninja, headers): the plan keeps the other kernels
         return f"its C++ build failed ({type(err).__name__}: {str(err).strip().splitlines()[-1][:200]})"
     g = torch.Generator().manual_seed(0)  # never the global stream: a user's seeded sampling must not move
@@ -63,11 +54,24 @@ def _extension():
     return module
 
 
+def build(source: Path):
+    """The kernel's C++ `source` built with torch's extension loader (raises where the build fails). The
+    source's digest is in the module's name: an edited kernel is built again, never an old build loaded."""
+    from torch.utils.cpp_extension import load
+
+    name = f"hf_bpd_streamed_linear_{_digest(source)}"
+    return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False)
+
+
+def _digest(source: Path) -> str:
+    return hashlib.sha1(source.read_bytes()).hexdigest()[:10]
+
+
 @functools.cache
 def version() -> str | None:
     """A digest of the kernel's source (None where it is missing): what measurements made with the kernel
     (kernel plans, forward-cost curves) are keyed by, so an edited kernel is measured again."""
-    return hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10] if SOURCE.is_file() else None
+    return _digest(SOURCE) if SOURCE.is_file() else None
 
 
 def available() -> bool:

@@ -21,7 +21,6 @@ Run with nothing else on the machine; no claim rests on one run of it alone.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import subprocess
@@ -45,12 +44,9 @@ def previous_kernel(rev: str):
     source = subprocess.run(
         ["git", "show", f"{rev}:hf_bpd/csrc/streamed_linear.cpp"], check=True, capture_output=True, text=True
     ).stdout
-    from torch.utils.cpp_extension import load
-
     path = Path(tempfile.mkdtemp()) / "streamed_linear_previous.cpp"
     path.write_text(source)
-    name = "hf_bpd_streamed_linear_previous_" + hashlib.sha1(source.encode()).hexdigest()[:10]
-    return load(name=name, sources=[str(path)], extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False)
+    return streamed_linear.build(path)
 
 
 class OnKernel:
