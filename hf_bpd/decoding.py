@@ -176,7 +176,7 @@ def greedy_last_node(tree: TreeBatch, parents: torch.Tensor, choices: torch.Tens
     drafted token on its path is the base model's choice at the node before it, and the reached nodes
     form one chain, so the walk ends at the deepest. `parents [N]` (the root's: -1), `choices [N]` the
     argmax at each node. Returns `[1]` (long)."""
-    ids, depths, ancestors = tree.input_ids[0], tree.depths[0], tree.tree_mask[0]
+    ids, depths, ancestors = tree.row(0)
     matched = ids == choices[parents.clamp_min(0)]
     matched[0] = True
     reached = ~(ancestors & ~matched[None, :]).any(-1)

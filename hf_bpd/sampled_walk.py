@@ -99,7 +99,7 @@ def accept_sampled_and_grow(
     With `grow`, the next step's tree is grown from the walk's last node and read in the same copy
     (`max_depth`, `warp`: `BlockDrafter.grow`'s). Returns the step's result and the grown tree for
     `BlockDrafter.draft(grown=...)` (None when not grown or when decoding stops inside the walk)."""
-    input_ids, logits, hidden = batch.input_ids[0], out.logits[0], out.hidden_states[-1][0]
+    input_ids, logits, hidden = batch.row(0)[0], out.logits[0], out.hidden_states[-1][0]
     device = logits.device
     generator = default_generator(device)
     parents = torch.tensor(tree.parents, device=device)

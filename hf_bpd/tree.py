@@ -182,6 +182,13 @@ class TreeBatch:
     tree_mask: torch.Tensor
     sizes: list[int]
 
+    def row(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row `b`'s own nodes, without the padding: (input_ids [n], depths [n], tree_mask [n, n]). What is
+        combined with a tree's own tensors (its parents) must be cut to them: a compiled forward's trees
+        are padded to a fixed size (`static_cache.graph_tree_size`)."""
+        n = self.sizes[b]
+        return self.input_ids[b, :n], self.depths[b, :n], self.tree_mask[b, :n, :n]
+
 
 def batch_trees(
     trees: Sequence[DraftTree], pad_token_id: int, device: torch.device, pad_to: int | None = None

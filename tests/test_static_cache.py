@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_heads, tiny_model
+from conftest import random_heads, spec_bench_prompts, tiny_model
 from transformers import StaticCache
 
 import hf_bpd
 import hf_bpd.decoding as decoding
 from hf_bpd import BlockDrafter, BlockDraftHeads
 from hf_bpd.compat import GENERATE_CACHE_FIELD, cache_argument
+from hf_bpd.models import chat_inputs
 from hf_bpd.static_cache import GRAPH_TREE_SIZES, compact_static_cache, graph_tree_size, static_capacity
 
 
@@ -113,3 +114,47 @@ def test_static_caches_the_loop_would_not_decode_exactly_are_refused_before_any_
             torch.tensor([[5, 6, 7]]), max_new_tokens=5, custom_generate=hf_bpd.generate, assistant=drafter, cache=small
         )
     assert calls == []
+
+
+@pytest.mark.parametrize("fused_sampling", [False, True])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_previous_heads_on_padded_trees_give_plain_static_generate_s_tokens(monkeypatch, do_sample, fused_sampling):
+    # a GPU user's call, run on the CPU: trees padded to graph sizes (the compiled call stood in by the eager
+    # forward) with heads that read the previous token, so greedy steps take the fused walk
+    # (`accept_greedy_and_grow`) and sampled steps the device walk when `fused_sampling`: both combine the
+    # padded batch's tensors with the unpadded tree's
+    model = tiny_model("llama", eos_token_id=None)
+    monkeypatch.setattr(decoding, "compiled_static_call", lambda m, config, kwargs: m.__call__)
+    heads = random_heads(model, num_heads=4, token_input="previous", std=0.05)
+    drafter = BlockDrafter(heads, top_k=3, max_tree_tokens=11)
+    drafter.fused_sampling = fused_sampling
+    assert drafter.grows_on_device
+    sample = dict(do_sample=True, temperature=0.8, top_k=20) if do_sample else dict(do_sample=False)
+    for seed, ids in enumerate(([[5, 6, 7]], [[9, 3, 4, 8, 11, 12]])):
+        ids = torch.tensor(ids)
+        torch.manual_seed(seed)
+        ref = generate(model, ids, max_new_tokens=40, **sample)
+        torch.manual_seed(seed)
+        out = generate(model, ids, drafter, max_new_tokens=40, **sample)
+        assert out.tolist() == ref.tolist()
+        padded = [n for n in drafter.stats.tree_sizes if n not in GRAPH_TREE_SIZES]
+        assert padded, "no tree was padded: the test would not exercise the padded path"
+
+
+@pytest.mark.real
+def test_shipped_drafter_on_padded_static_trees_gives_plain_static_generate_s_tokens(smollm2, monkeypatch):
+    # the shipped heads (previous-token input: the fused greedy walk) and the device sampled walk, as a GPU
+    # call runs them: trees padded to graph sizes, the compiled call stood in by the eager forward; a fixed
+    # tree budget instead of "auto" (whose forward-cost curve is the cost module's, not this path's, to test)
+    model, tokenizer = smollm2
+    monkeypatch.setattr(decoding, "compiled_static_call", lambda m, config, kwargs: m.__call__)
+    drafter = hf_bpd.load_packaged_drafter(max_tree_tokens=12)
+    drafter.fused_sampling = True
+    inputs = chat_inputs(tokenizer, [{"role": "user", "content": spec_bench_prompts(1)[0]}])
+    for seed, sample in enumerate((dict(do_sample=False), dict(do_sample=True, temperature=0.7, top_p=0.9))):
+        torch.manual_seed(seed)
+        ref = generate(model, inputs["input_ids"], max_new_tokens=32, **sample)
+        torch.manual_seed(seed)
+        out = generate(model, inputs["input_ids"], drafter, max_new_tokens=32, **sample)
+        assert out.tolist() == ref.tolist()
+        assert any(n not in GRAPH_TREE_SIZES for n in drafter.stats.tree_sizes)  # padded trees were verified
