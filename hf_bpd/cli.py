@@ -1,4 +1,4 @@
-"""`hf-bpd` command line: demo, distill, train-heads, export, ..."""
+"""`hf-bpd` command line: demo, calibrate, distill, train-heads, export, ..."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
         "demo": "hf_bpd.tools.demo",
+        "calibrate": "hf_bpd.tools.calibrate",
         "bench": "hf_bpd.tools.bench",
         "analyze": "hf_bpd.tools.analyze",
         "replay": "hf_bpd.tools.replay",

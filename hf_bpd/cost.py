@@ -16,14 +16,15 @@ import math
 import time
 from bisect import bisect_left
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median_high
 
 import torch
 
-from . import streamed_linear
-from .cache import cache_root, key_file_name, machine_key, read_cached, write_cached
+from . import log, streamed_linear
+from .cache import cache_root, key_file_name, machine_key, measured_once
 from .chain import drop_last, restore, snapshot, state_tensors, verify_chain
 from .compat import cache_argument
 from .packed_linear import compiled_forward, contiguous_kv, linear_context, wants_packed_linear
@@ -63,7 +64,12 @@ class ForwardCost:
 
 @torch.no_grad()
 def measure_forward_cost(
-    model, sizes=DEFAULT_SIZES, context: int = 256, repeats: int = 5, packed_linear: bool | None = None
+    model,
+    sizes=DEFAULT_SIZES,
+    context: int = 256,
+    repeats: int = 3,
+    packed_linear: bool | None = None,
+    progress: bool = False,
 ) -> ForwardCost:
     """Median time of a forward of N tokens on a `context`-token cache, with the tree-style 4D mask, run
     the way verification runs it (`packed_linear`: as the drafter's setting), fitted non-decreasing in N.
@@ -72,10 +78,17 @@ def measure_forward_cost(
     size's repeats in a row, so a burst of load elsewhere on the machine lands on every size alike instead
     of making one size look cheap or dear. A wider forward does the narrower one's work and more, so a
     curve where 4 tokens cost less than 1 is noise; left in, it would size trees as if width were free.
-    The medians are therefore fitted by isotonic regression (`isotonic`)."""
+    The medians are therefore fitted by isotonic regression (`isotonic`). `progress`: draw a bar
+    (`log.progress`)."""
     packed = linear_context(model, packed_linear)  # resolved once, outside the timed forwards
     timer = ForwardTimer(model, context)
-    runs = [[timer.once(n, packed) for n in sizes] for _ in range(repeats + 1)][1:]
+    runs = []
+    with log.progress((repeats + 1) * len(sizes), "forward-cost curve") if progress else nullcontext() as bar:
+        for _ in range(repeats + 1):
+            runs.append([timer.once(n, packed) for n in sizes])
+            if bar is not None:
+                bar.update(len(sizes))
+    runs = runs[1:]
     medians = [median_high(by_size) for by_size in zip(*runs)]
     return ForwardCost(tuple(sizes), tuple(isotonic(medians)))
 
@@ -186,20 +199,24 @@ def cached_forward_cost(
     """The forward-cost curve of `model` on this machine, measured once and then read from hf_bpd's cache
     (`cache.cache_root()/forward_cost/`), keyed by `forward_cost_key`. Returns (curve, cache file,
     whether it was measured now). Only tree sizes depend on it, never a token; the drafter's
-    `LearnedForwardCost` corrects it online with the forwards it times. `refresh` measures again."""
+    `LearnedForwardCost` corrects it online with the forwards it times, and drops it from the cache where
+    they contradict it (`BlockDrafter.review_forward_cost`). A curve measured on a busy machine is
+    measured again (`cache.measured_once`); `refresh` measures again."""
     key = forward_cost_key(model, packed_linear, sizes)
     path = forward_cost_cache_file(key)
-    stored = None if refresh else read_cached(path, key)
-    if stored is not None:
-        try:
-            return ForwardCost(tuple(stored["sizes"]), tuple(stored["seconds"])), path, False
-        except (KeyError, TypeError, ValueError):
-            pass  # from another format: measure again
-    curve = measure_forward_cost(model, sizes, packed_linear=packed_linear)
-    write_cached(
-        path, {"key": key, "sizes": list(curve.sizes), "seconds": list(curve.seconds), "measured": time.time()}
-    )
-    return curve, path, True
+
+    def measure() -> dict:
+        curve = measure_forward_cost(model, sizes, packed_linear=packed_linear, progress=True)
+        return {"sizes": list(curve.sizes), "seconds": list(curve.seconds)}
+
+    what = f"the forward-cost curve of {type(model).__name__}"
+    record, measured = measured_once(path, key, measure, what, refresh)
+    try:
+        curve = ForwardCost(tuple(record["sizes"]), tuple(record["seconds"]))
+    except (KeyError, TypeError, ValueError):  # a record of another format: measured again
+        record, measured = measured_once(path, key, measure, what, refresh=True)
+        curve = ForwardCost(tuple(record["sizes"]), tuple(record["seconds"]))
+    return curve, path, measured
 
 
 class LearnedForwardCost:
@@ -227,6 +244,13 @@ class LearnedForwardCost:
         self.stale_rate = stale_rate
         self.factors: dict[int, float] = {}
         self.overall: float | None = None
+        self.timed: dict[int, int] = {}  # forwards timed per bucket
+
+    def disagreement(self, min_timed: int = 3) -> float:
+        """How far decoding's timed forwards put the curve off, as a factor >= 1: the largest of each
+        bucket's factor or its inverse, over buckets timed at least `min_timed` times (1.0: none were)."""
+        factors = [f for b, f in self.factors.items() if self.timed.get(b, 0) >= min_timed]
+        return max((max(f, 1 / f) for f in factors), default=1.0)
 
     def _bucket(self, n: int) -> int:
         i = bisect_left(self.curve.sizes, n)
@@ -242,6 +266,7 @@ class LearnedForwardCost:
     def observe(self, n: int, seconds: float) -> None:
         """One timed verification forward of `n` tree tokens."""
         bucket, ratio = self._bucket(n), seconds / self.curve(n)
+        self.timed[bucket] = self.timed.get(bucket, 0) + 1
         self.factors[bucket] = _running_mean(self.factors.get(bucket), ratio, self.rate)
         self.overall = _running_mean(self.overall, ratio, self.rate)
         for other in self.factors:

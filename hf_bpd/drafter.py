@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from .cache import forget
 from .calibration import GREEDY, HEADS, SAMPLED, AcceptanceCalibration, Arc, SamplingWarp
 from .cost import (
     BatchForwardCost,
@@ -33,6 +34,7 @@ from .cost import (
 from .expansion import GrownTree, chain_lattice, expand_tree, grow_on_device
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
+from .log import logger
 from .lookup import lookup_continuation, merge_lookup
 from .packed_linear import (
     KernelPlan,
@@ -45,6 +47,9 @@ from .packed_linear import (
 from .stats import DecodingStats
 from .tree import DraftTree
 
+# a measured forward-cost curve this far off the forwards decoding timed is measured again
+# (`review_forward_cost`): well above what a longer context than the measurement's adds
+CONTRADICTED = 2.0
 RECENT_STEPS = 16  # steps whose tree sizes bound how far "previous" heads grow a tree that will be cut
 
 
@@ -142,6 +147,9 @@ class BlockDrafter:
         self.fused_sampling: bool | None = None
         self._bound_to: tuple[int, bool] | None = None  # (id of the model, whether its forward was compiled)
         self._measured_cost = False  # forward_cost was measured by `prepare` (not given): re-measured on rebinding
+        # decoding contradicted the measured curve: measure it at the next call; and whether that happened in this
+        # binding (`review_forward_cost`)
+        self._remeasure_cost = self._cost_remeasured = False
         self.setup: dict = {}  # one-time start-up work of the last `prepare` that did any (forward-cost curve)
         self._recent_sizes: deque[int] = deque(maxlen=RECENT_STEPS)  # sizes of the last sized trees
         self._in_use = threading.Lock()
@@ -228,11 +236,17 @@ class BlockDrafter:
     def num_heads(self) -> int:
         return self.heads.num_heads
 
-    def prepare(self, model) -> None:
-        """Bind the heads to `model` (checks they fit it) and start fresh stats. Called by `generate`.
+    def prepare(self, model, remeasure: bool = False) -> None:
+        """Bind the heads to `model` (checks they fit it) and start fresh stats. Called by `generate`; call it
+        before the first `generate` to do the one-time work up front (logged by the `hf_bpd` logger): on a CPU,
+        building the streamed kernel and measuring the kernel plan, and for "auto" trees the forward-cost
+        curve, each once per machine and model, then read from hf_bpd's cache (`hf-bpd calibrate` does this
+        for a packaged model). `remeasure`: measure the curve again instead of reading the cache.
         Binding again when `model.forward` has been compiled (or uncompiled) since: the kernels change
         (`packed_linear.compiled_forward`), so a forward-cost curve this drafter measured is measured again."""
         binding = (id(model), compiled_forward(model))
+        if remeasure:
+            self._bound_to = None
         if self._bound_to != binding:
             self.heads.bind(model)
             # the heads read the last hidden state: with a model split over devices (device_map) they go
@@ -242,18 +256,47 @@ class BlockDrafter:
             self.heads.eval()
             self.linear_context = linear_context(model, self.packed_linear)
             self._heads_context = self._heads_kernels(model)
-            if self.max_tree_tokens == "auto" and (self.forward_cost is None or self._measured_cost):
-                # measured once per machine, model and kernels, then read from the cache (`cost.cached_forward_cost`)
-                t0 = time.perf_counter()
-                self.forward_cost, path, measured = cached_forward_cost(model, packed_linear=self.packed_linear)
-                self.setup = {"forward_cost_file": str(path), "measured": measured, "seconds": time.perf_counter() - t0}
-                self._measured_cost = True
             self._bound_to = binding
+            self._remeasure_cost = self._cost_remeasured = False
+            if self.max_tree_tokens == "auto" and (self.forward_cost is None or self._measured_cost):
+                self._measure_forward_cost(model, refresh=remeasure)
+        elif self._remeasure_cost:  # `review_forward_cost` dropped it after the last call
+            self._measure_forward_cost(model)
+            self._remeasure_cost, self._cost_remeasured = False, True
             if self.rescorer is not None and hasattr(self.rescorer, "bind"):
                 self.rescorer.bind(model)
         self.stats = DecodingStats()
         if self.rescorer is not None and hasattr(self.rescorer, "reset"):
             self.rescorer.reset()
+
+    def _measure_forward_cost(self, model, refresh: bool = False) -> None:
+        """The forward-cost curve "auto" trees are sized by: measured once per machine, model and kernels,
+        then read from the cache (`cost.cached_forward_cost`; `refresh`: measured again)."""
+        t0 = time.perf_counter()
+        self.forward_cost, path, measured = cached_forward_cost(
+            model, packed_linear=self.packed_linear, refresh=refresh
+        )
+        self.setup = {"forward_cost_file": str(path), "measured": measured, "seconds": time.perf_counter() - t0}
+        self._measured_cost = True
+
+    def review_forward_cost(self) -> None:
+        """After a `generate` call: where the verification forwards decoding timed put the measured curve off
+        by more than `CONTRADICTED` (a curve measured beside other work, or read from a cache another load
+        left), drop it from the cache and measure it again when the next call starts (once per binding:
+        after that, `LearnedForwardCost` corrects it online). Only the speed depends on it, never a token."""
+        cost = self._learned_cost
+        if not self._measured_cost or self._cost_remeasured or cost is None or cost.curve is not self.forward_cost:
+            return
+        off = cost.disagreement()
+        if off > CONTRADICTED:
+            logger.warning(
+                "the forward-cost curve in %s is %.1fx off the forwards decoding timed: it is dropped and measured "
+                "again when the next call starts",
+                self.setup.get("forward_cost_file"),
+                off,
+            )
+            forget(Path(self.setup["forward_cost_file"]))
+            self._remeasure_cost = True
 
     def _heads_kernels(self, model) -> contextlib.AbstractContextManager:
         """The context the heads run in: their own linears, and the LM-head rows they borrow, on packed

@@ -108,3 +108,4 @@ def _prepared(model, drafter: BlockDrafter):
     drafter.prepare(model)
     with drafter.linear_context:
         yield
+    drafter.review_forward_cost()

@@ -47,8 +47,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import streamed_linear
-from .cache import cache_file, machine_key, read_cached, write_cached
+from . import log, streamed_linear
+from .cache import cache_file, machine_key, measured_once
 from .grouped_attention import grouped_attention
 from .host_memory import reuse_freed_memory
 
@@ -302,58 +302,91 @@ class PackedLinear:
             self._model_wide.close()
 
 
-KERNEL_PLAN_SIZES = (1, 2, 4, 8, 16, 32, 64, 256)  # rows of one forward: tokens, trees, batches, prefills
+# rows of one forward (tokens, trees, batches); more rows (prefills) take the 64-row decision: on the dev
+# CPU the decisions at 64 and 256 rows agreed for every shape of both packaged models, and timing 256 rows
+# took a third of the plan's time
+KERNEL_PLAN_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # packed weights must beat BLAS by this factor to be used: a tie within noise keeps BLAS, which costs no copy
 PACKED_MARGIN = 0.97
 # the most rows `streamed_linear` is measured at: it re-reads each panel once per 12 rows, a kernel for
-# decoding's few rows, not for prefills (where BLAS and oneDNN run at the CPU's arithmetic rate)
-STREAMED_MAX_ROWS = 64
+# decoding's few rows, not for prefills (where BLAS and oneDNN run at the CPU's arithmetic rate); on the dev
+# CPU it never beat BLAS at 32 or 64 rows, and timing it there cost a sixth of the plan's time
+STREAMED_MAX_ROWS = 16
+# the bytes of one shape's weights a kernel plan times (`streaming_sample`): twice a large server CPU's
+# last-level cache, so the sample streams from memory as a forward's weights do
+SAMPLE_BYTES = 64 << 20
 
 
 @torch.no_grad()
 def measure_kernel_plan(
-    model, sizes=KERNEL_PLAN_SIZES, repeats: int = 5, extra_weights: tuple[torch.Tensor, ...] = ()
+    model,
+    sizes=KERNEL_PLAN_SIZES,
+    repeats: int = 3,
+    extra_weights: tuple[torch.Tensor, ...] = (),
+    progress: bool = False,
 ) -> KernelPlan:
-    """For each weight shape of `model`'s linear layers (and of `extra_weights`, linears that are no
-    `nn.Linear`, such as heads' borrowed LM-head rows) and each row count in `sizes`, which kernel runs
-    the weights of that shape fastest, all of them in turn as a forward runs them (so they stream from
-    memory as they do there): BLAS, oneDNN's packed copies, or `streamed_linear`'s panels (where that
+    """For each weight shape of `model`'s linear layers (and of `extra_weights`, linears that are no `nn.Linear`,
+    such as heads' borrowed LM-head rows) and each row count in `sizes`, which kernel runs the weights of that
+    shape fastest, timed in turn as a forward runs them (a sample of them that still streams from memory as they
+    do there, `streaming_sample`): BLAS, oneDNN's packed copies, or `streamed_linear`'s panels (where that
     kernel is available, up to `STREAMED_MAX_ROWS` rows); medians of `repeats` passes each, the kernels
-    alternating so that drift hits them alike. A shape keeps one packed copy: the format that saves more
-    over BLAS across the row counts of decoding (at most 16 rows), used where it beats BLAS by
-    `PACKED_MARGIN`. The linears are timed on their own, not through the model's forward: the choice
-    concerns them only, and any architecture (windows, recurrent state, multimodal parts) is measured the
-    same way."""
+    alternating so that drift hits them alike. A shape keeps one packed copy: the format that saves more over
+    BLAS across the row counts of decoding (at most 16 rows), used where it beats BLAS by `PACKED_MARGIN`. The
+    linears are timed on their own, not through the model's forward: the choice concerns them only, and any
+    architecture (windows, recurrent state, multimodal parts) is measured the same way. `progress`: draw a bar
+    (`log.progress`)."""
     packed = PackedLinear(model)  # its own copies, packed at every row count: freed when this returns
     weights = {id(layer.weight): (layer.weight, layer.bias) for layer in packed.layers}
     weights.update({id(w): (w, None) for w in extra_weights})
     by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
     for weight, bias in weights.values():
-        if packed.packed(weight) is not None:
-            by_shape.setdefault(tuple(weight.shape), []).append((weight, bias))
-    streams = streamed_linear.available()
+        by_shape.setdefault(tuple(weight.shape), []).append((weight, bias))
+    by_shape = {shape: streaming_sample(group) for shape, group in by_shape.items()}
+    by_shape = {shape: group for shape, group in by_shape.items() if packed.packed(group[0][0]) is not None}
+    for group in by_shape.values():
+        for weight, _ in group:
+            packed.packed(weight)
     g = torch.Generator().manual_seed(0)  # a private stream: measuring must not move a user's seeded sampling
     plans, formats = {}, {}
-    for shape, group in by_shape.items():
-        panels = {id(w): streamed_linear.pack(w) for w, _ in group} if streams else {}  # freed after the shape
-
-        def on_panels(x, weight, bias, panels=panels):
-            return streamed_linear.linear(x, panels[id(weight)], weight.shape[0], bias)
-
-        times: dict[str, list[float]] = {"blas": [], ONEDNN: [], STREAMED: []}
-        for n in sizes:
-            x = torch.randn(n, shape[1], generator=g)
-            kernels = {"blas": torch.nn.functional.linear, ONEDNN: packed.apply}
-            if streams and n <= STREAMED_MAX_ROWS:
-                kernels[STREAMED] = on_panels
-            runs = [{k: _linear_pass(group, x, f) for k, f in kernels.items()} for _ in range(repeats + 1)][1:]
-            for k in times:  # the first pass above warmed up
-                times[k].append(sorted(r[k] for r in runs)[len(runs) // 2] if k in kernels else float("inf"))
-        kind = STREAMED if streams and _saving(times, STREAMED, sizes) > _saving(times, ONEDNN, sizes) else ONEDNN
-        plans[shape] = RowPlan(tuple(sizes), tuple(t < PACKED_MARGIN * b for t, b in zip(times[kind], times["blas"])))
-        if kind == STREAMED:
-            formats[shape] = STREAMED
+    with log.progress(len(by_shape) * len(sizes), "CPU kernel plan") if progress else contextlib.nullcontext() as bar:
+        for shape, group in by_shape.items():
+            plans[shape], kind = _shape_plan(group, packed, sizes, repeats, g, bar)
+            if kind == STREAMED:
+                formats[shape] = STREAMED
     return KernelPlan(plans, formats)
+
+
+def streaming_sample(group: list, min_bytes: int = SAMPLE_BYTES) -> list:
+    """Evenly spaced weights of one shape's `group` that hold at least `min_bytes` (all where they hold
+    less): timed in turn, they stream from memory as the whole group does in a forward, and each kernel's
+    speed on a weight does not depend on which weight of the shape it is."""
+    weight = group[0][0]
+    count = min(len(group), -(-min_bytes // (weight.numel() * weight.element_size())))
+    return [group[i * len(group) // count] for i in range(count)]
+
+
+def _shape_plan(group, packed: PackedLinear, sizes, repeats: int, g: torch.Generator, bar) -> tuple[RowPlan, str]:
+    """`measure_kernel_plan` for the (weight, bias) pairs of one shape: their row plan and packed format.
+    `bar`: a progress bar stepped once per row count, or None."""
+    streams = streamed_linear.available()
+    panels = {id(w): streamed_linear.pack(w) for w, _ in group} if streams else {}  # freed on return
+
+    def on_panels(x, weight, bias):
+        return streamed_linear.linear(x, panels[id(weight)], weight.shape[0], bias)
+
+    times: dict[str, list[float]] = {"blas": [], ONEDNN: [], STREAMED: []}
+    for n in sizes:
+        x = torch.randn(n, group[0][0].shape[1], generator=g)
+        kernels = {"blas": torch.nn.functional.linear, ONEDNN: packed.apply}
+        if streams and n <= STREAMED_MAX_ROWS:
+            kernels[STREAMED] = on_panels
+        runs = [{k: _linear_pass(group, x, f) for k, f in kernels.items()} for _ in range(repeats + 1)][1:]
+        for k in times:  # the first pass above warmed up
+            times[k].append(sorted(r[k] for r in runs)[len(runs) // 2] if k in kernels else float("inf"))
+        if bar is not None:
+            bar.update(1)
+    kind = STREAMED if streams and _saving(times, STREAMED, sizes) > _saving(times, ONEDNN, sizes) else ONEDNN
+    return RowPlan(tuple(sizes), tuple(t < PACKED_MARGIN * b for t, b in zip(times[kind], times["blas"]))), kind
 
 
 def _saving(times: dict[str, list[float]], kind: str, sizes, most_rows: int = 16) -> float:
@@ -384,19 +417,25 @@ def cached_kernel_plan(
     whether it was measured now)."""
     key = kernel_plan_key(model)
     path = cache_file("kernel_plan", key)
-    stored = None if refresh else read_cached(path, key)
-    if stored is not None:
-        try:
-            sizes = tuple(stored["sizes"])
-            shapes = {(o, i): RowPlan(sizes, tuple(packed)) for o, i, packed, _ in stored["shapes"]}
-            formats = {(o, i): kind for o, i, _, kind in stored["shapes"] if kind != ONEDNN}
-            return KernelPlan(shapes, formats), path, False
-        except (KeyError, TypeError, ValueError):
-            pass  # from another format: measure again
-    plan = measure_kernel_plan(model, extra_weights=extra_weights)
-    shapes = [[o, i, list(row.packed), plan.format((o, i))] for (o, i), row in plan.shapes.items()]
-    write_cached(path, {"key": key, "sizes": list(KERNEL_PLAN_SIZES), "shapes": shapes, "measured": time.time()})
-    return plan, path, True
+
+    def measure() -> dict:
+        plan = measure_kernel_plan(model, extra_weights=extra_weights, progress=True)
+        shapes = [[o, i, list(row.packed), plan.format((o, i))] for (o, i), row in plan.shapes.items()]
+        return {"sizes": list(KERNEL_PLAN_SIZES), "shapes": shapes}
+
+    def parse(record: dict) -> KernelPlan:
+        sizes = tuple(record["sizes"])
+        shapes = {(o, i): RowPlan(sizes, tuple(packed)) for o, i, packed, _ in record["shapes"]}
+        formats = {(o, i): kind for o, i, _, kind in record["shapes"] if kind != ONEDNN}
+        return KernelPlan(shapes, formats)
+
+    what = f"the CPU kernel plan of {type(model).__name__}"
+    record, measured = measured_once(path, key, measure, what, refresh)
+    try:
+        return parse(record), path, measured
+    except (KeyError, TypeError, ValueError):  # a record of another format: measured again
+        record, measured = measured_once(path, key, measure, what, refresh=True)
+        return parse(record), path, measured
 
 
 def active_packed_linear() -> PackedLinear | None:

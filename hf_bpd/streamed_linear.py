@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import log
+
 SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
 PANEL = 8  # output columns per packed panel (csrc: kPanel)
 
@@ -44,7 +46,8 @@ def _extension():
     if not SOURCE.is_file():
         return f"its source {SOURCE} is missing from the installation"
     try:
-        module = build(SOURCE)
+        with log.logged("building the streamed linear kernel (once per machine, cached by torch)"):
+            module = build(SOURCE)
     except Exception as err:  # any build failure (compiler, ninja, headers): the plan keeps the other kernels
         return f"its C++ build failed ({type(err).__name__}: {str(err).strip().splitlines()[-1][:200]})"
     g = torch.Generator().manual_seed(0)  # never the global stream: a user's seeded sampling must not move

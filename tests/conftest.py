@@ -70,6 +70,13 @@ def random_heads(model, num_heads: int = 3, seed: int = 0, std: float = 0.3, **k
 
 
 @pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """Other processes' load is unknown to the tests (`machine_load.OtherLoad` reads None), so a measurement
+    is cached whatever else runs on the machine: the tests of busy measurements set the load they need."""
+    monkeypatch.setattr("hf_bpd.machine_load._busy_seconds", lambda: None)
+
+
+@pytest.fixture(autouse=True)
 def private_forward_cost_cache(tmp_path, monkeypatch):
     """Measured forward-cost curves go to a folder of this test, not the user's cache: a test of "auto"
     trees measures its model instead of reading a curve another test or run left."""

@@ -306,9 +306,9 @@ def traced_graphs(monkeypatch):
         return compile_(fn, dynamic=dynamic, backend=lambda g, _: graphs.append(g) or g.forward)
 
     monkeypatch.setattr(torch, "compile", traced)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     torch._dynamo.reset()
-    yield graphs
+    with torch._dynamo.config.patch(recompile_limit=8):  # torch's own way: put back on exit
+        yield graphs
     torch._dynamo.reset()
 
 

@@ -1,6 +1,7 @@
 """The forward-cost curve that sizes `auto` trees is measured once per machine and model, then cached."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,75 @@ def test_forward_cost_times_every_size_per_round_and_fits_a_curve_never_cheaper_
     assert order == [1, 2, 4] * 4  # rounds over the sizes, the first a warm-up
     # medians 0.10, 0.12, 0.09: the dip at 4 tokens is pooled with 2 tokens' time
     assert curve.seconds == pytest.approx((0.10, 0.105, 0.105))
+
+
+def other_processes_using(cores: float):
+    """`machine_load._busy_seconds` on a machine where other processes keep `cores` cores busy."""
+    return lambda: (cores * time.perf_counter(), 0.0)
+
+
+def test_a_curve_measured_on_a_busy_machine_is_used_but_measured_again_by_the_next_process(monkeypatch):
+    import os
+
+    import hf_bpd.machine_load as machine_load
+
+    model = tiny_model("qwen2")
+    every_core = float(os.cpu_count())  # busy whatever this process's thread count
+    monkeypatch.setattr(machine_load, "_busy_seconds", other_processes_using(every_core))
+    busy_curve, path, measured = cost.cached_forward_cost(model, packed_linear=False, sizes=(1, 2))
+    stored = json.loads(path.read_text())
+    assert measured and stored["busy"] is True and stored["other_cores"] == pytest.approx(every_core, rel=0.01)
+    assert cost.cached_forward_cost(model, packed_linear=False, sizes=(1, 2))[2] is True  # not kept as final
+
+    monkeypatch.setattr(machine_load, "_busy_seconds", other_processes_using(0.02))  # idle: daemons only
+    assert cost.cached_forward_cost(model, packed_linear=False, sizes=(1, 2))[2] is True
+    assert json.loads(path.read_text())["busy"] is False
+    assert cost.cached_forward_cost(model, packed_linear=False, sizes=(1, 2))[2] is False  # kept now
+
+
+def test_a_cached_curve_that_decoding_contradicts_is_dropped_and_measured_again(monkeypatch, caplog):
+    # a curve cached while the machine was loaded: every size 1,000 s, flat (decoding's forwards of the tiny
+    # model take milliseconds); a quiet measurement then gives a curve decoding agrees with
+    model = tiny_model("llama", eos_token_id=None)
+    measured_curves = []
+
+    def quiet_measurement(model_, sizes=cost.DEFAULT_SIZES, **kwargs):
+        measured_curves.append(cost.ForwardCost(tuple(sizes), tuple(0.002 * (1 + n / 8) for n in sizes)))
+        return measured_curves[-1]
+
+    key = cost.forward_cost_key(model, packed_linear=None)
+    path = cost.forward_cost_cache_file(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    loaded = {"sizes": list(cost.DEFAULT_SIZES), "seconds": [1000.0] * len(cost.DEFAULT_SIZES)}
+    path.write_text(json.dumps({"key": key, **loaded, "busy": False}))
+    monkeypatch.setattr(cost, "measure_forward_cost", quiet_measurement)
+    drafter = BlockDrafter(random_heads(model), top_k=2, max_tree_tokens="auto")
+    ids = torch.tensor([[5, 6, 7]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=24)
+
+    def run():
+        return model.generate(
+            ids, do_sample=False, max_new_tokens=24, custom_generate=hf_bpd.generate, assistant=drafter
+        )
+
+    with caplog.at_level("WARNING", logger="hf_bpd"):
+        assert run().tolist() == ref.tolist()
+    assert drafter.setup["measured"] is False and drafter.forward_cost.seconds[0] == 1000.0  # read from the cache
+    assert not path.exists()  # contradicted by decoding: dropped
+    assert any("off the forwards decoding timed" in r.getMessage() for r in caplog.records)
+
+    assert run().tolist() == ref.tolist()  # the next call measures it again and keeps it
+    assert len(measured_curves) == 1 and drafter.forward_cost == measured_curves[0]
+    assert json.loads(path.read_text())["seconds"] == list(measured_curves[0].seconds)
+    assert run().tolist() == ref.tolist()
+    assert len(measured_curves) == 1  # once per binding: a curve measured again is corrected online only
+
+
+def test_one_time_measurements_are_logged_with_their_duration(caplog):
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(random_heads(model), top_k=2, max_tree_tokens="auto", packed_linear=False)
+    with caplog.at_level("INFO", logger="hf_bpd"):
+        drafter.prepare(model)
+    lines = [r.getMessage() for r in caplog.records if r.name == "hf_bpd"]
+    assert any(line.startswith("measuring the forward-cost curve of LlamaForCausalLM") for line in lines)
+    assert any("forward-cost curve" in line and "done in" in line for line in lines)

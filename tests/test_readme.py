@@ -33,3 +33,17 @@ def test_ci_runs_the_readme_first_command_in_a_fresh_venv_with_empty_caches():
     assert "python -m venv" in before and 'source "$fresh/venv/bin/activate"' in before
     for cache in ("HF_HOME=", "XDG_CACHE_HOME=", "PIP_CACHE_DIR="):
         assert cache in before
+
+
+def test_ci_runs_the_readme_test_command_in_the_fresh_venv_with_empty_caches():
+    """The test command too runs where nothing installed earlier on the machine can hide a missing or too-old
+    dependency: the venv made for the run is active for the whole script (activated outside any subshell),
+    and the test step gets caches of its own."""
+    demo, tests = readme_commands()
+    lines = ci_lines()
+    activated = lines.index('source "$fresh/venv/bin/activate"')
+    assert activated < lines.index("(") < lines.index(demo)  # at the top level, before the demo's subshell
+    between = "\n".join(lines[lines.index(demo) : lines.index(tests)])
+    assert "deactivate" not in "\n".join(lines)
+    for cache in ("HF_HOME=", "XDG_CACHE_HOME=", "TORCH_EXTENSIONS_DIR="):
+        assert cache in between
