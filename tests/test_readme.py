@@ -1,5 +1,6 @@
-"""The README's test command is exactly what CI runs."""
+"""The README's test command is exactly what CI runs; the README stays short and its links resolve."""
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,3 +48,18 @@ def test_ci_runs_the_readme_test_command_in_the_fresh_venv_with_empty_caches():
     assert "deactivate" not in "\n".join(lines)
     for cache in ("HF_HOME=", "XDG_CACHE_HOME=", "TORCH_EXTENSIONS_DIR="):
         assert cache in between
+
+
+def test_readme_is_at_most_200_lines():
+    """A newcomer reads the README in five minutes: longer material goes to docs/ and is linked from it."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail to docs/"
+
+
+def test_readme_and_docs_local_links_resolve():
+    """Every relative link of the README and of the docs pages names a file that exists."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to missing {target}"

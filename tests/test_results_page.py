@@ -38,3 +38,22 @@ def test_readme_numbers_come_only_from_the_generated_block():
     outside = text.split(begin)[0] + text.split(end)[1]
     assert not re.search(r"τ\s*(=|of)?\s*\d\.\d", outside)
     assert not re.search(r"\d\.\d+\s*×", outside)
+
+
+def test_superseded_claims_name_a_current_claim_and_leave_results_md():
+    """RESULTS.md holds the current claims, one per question; a claim another run replaced names that claim in
+    `superseded_by` and is shown on docs/results-archive.md instead."""
+    claims = json.loads((ROOT / "benchmarks" / "claims.json").read_text())
+    by_id = {c["id"]: c for c in claims}
+    assert len(by_id) == len(claims)
+    results = (ROOT / "RESULTS.md").read_text()
+    archive = (ROOT / "docs" / "results-archive.md").read_text()
+    for claim in claims:
+        heading = f"## {claim['title']}\n"
+        new = claim.get("superseded_by")
+        if new is None:
+            assert heading in results and heading not in archive, claim["id"]
+            continue
+        assert new in by_id and new != claim["id"] and not by_id[new].get("superseded_by"), (claim["id"], new)
+        assert heading in archive and heading not in results, claim["id"]
+    assert not any(c.get("superseded_by") for c in claims if c.get("readme")), "the README quotes current claims"

@@ -127,7 +127,9 @@ def test_the_cached_plan_keeps_each_shapes_format(tmp_path, monkeypatch):
     }
     streamed_shape = next(iter(measured))
     fake = KernelPlan(measured, {streamed_shape: STREAMED})
-    monkeypatch.setattr("hf_bpd.packed_linear.measure_kernel_plan", lambda model, extra_weights=(), progress=False: fake)
+    monkeypatch.setattr(
+        "hf_bpd.packed_linear.measure_kernel_plan", lambda model, extra_weights=(), progress=False: fake
+    )
     plan, _, was_measured = cached_kernel_plan(model)
     assert was_measured and plan == fake
     again, _, was_measured = cached_kernel_plan(model)
