@@ -64,7 +64,7 @@ from .decoding import (
 )
 from .drafter import BlockDrafter
 from .stats import DecodingStats
-from .support import AttentionWindows
+from .support import AttentionWindows, drafting_context
 from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, batch_trees, root_batch
 from .verify import verify_tree
@@ -219,6 +219,7 @@ def decode_batch(
     stats = drafter.stats
     batch_size, device = input_ids.shape[0], input_ids.device
     context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    context = drafting_context(model, context, input_ids.shape[1])  # below a LongRoPE switch (`support.py`)
     do_sample = bool(generation_config.do_sample)
     warp = SamplingWarp.from_config(generation_config)
     rows = [DecodingStats() for _ in range(batch_size)]

@@ -54,7 +54,7 @@ from .drafter import BlockDrafter
 from .expansion import GrownTree
 from .sampled_walk import accept_sampled_and_grow, walk_serves
 from .static_cache import compact_static_cache, compiled_static_call, graph_tree_size, is_static, static_capacity
-from .support import AttentionWindows
+from .support import AttentionWindows, drafting_context, index_position_block, index_position_room
 from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, TreeBatch, batch_trees
 from .verify import verify_tree
@@ -306,7 +306,7 @@ def decode(
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     all_scores: list[torch.Tensor] = []
     all_logits: list[torch.Tensor] = []
-    context = getattr(model.config, "max_position_embeddings", None)
+    context = drafting_context(model, getattr(model.config, "max_position_embeddings", None), prompt_len)
     syncs = HostSyncCounter() if drafter.count_host_syncs else None  # a test's or measurement's, never timed
     stop = HostStop.of(stopping_criteria)
     t0 = time.perf_counter()
@@ -339,6 +339,7 @@ def decode(
     )
     grow_sampled = fuse_sampled and grows_next
     grown, next_drafts = None, None  # the next step's tree, grown during the last step, and its decision
+    block = index_position_block(model)  # queries read their cache index as position (Llama-4): trees bounded
     stats.time_prefill = time.perf_counter() - t0
     stats.new_tokens = 1
     all_scores.append(scores)
@@ -355,8 +356,10 @@ def decode(
         cap = None if windows is None else windows.cap
         max_tokens = None if cap is None else cap - 1 - past_len
         room = None if capacity is None else capacity - past_len  # a static cache's free slots
-        if room is not None:
-            max_tokens = room if max_tokens is None else min(max_tokens, room)
+        # nodes whose cache index falls in another block than their position would be scaled wrongly
+        limit = min((n for n in (room, index_position_room(block, past_len)) if n is not None), default=None)
+        if limit is not None:
+            max_tokens = limit if max_tokens is None else min(max_tokens, limit)
         t0 = time.perf_counter()
         if next_drafts is None:  # else decided by the last step's fused accept
             next_drafts = chooser is None or chooser.draft_next()
@@ -369,8 +372,8 @@ def decode(
                 )
             else:
                 trees = drafter.root_trees([root])
-            if room is not None and len(trees[0]) > room:  # a tree grown last step, before the room was known
-                trees = [trees[0].truncated(room)]
+            if limit is not None and len(trees[0]) > limit:  # a tree grown last step, before its limit was known
+                trees = [trees[0].truncated(limit)]
         grown = next_drafts = None
         t1 = drafter._sync(input_ids.device)
         with phase(syncs, "verify"):

@@ -19,6 +19,15 @@ It is not for:
   scores the cached keys and each query attends to its top-k only; DeepSeek-V4: compressed keys): the
   model, not the mask, decides which keys a node sees, and its indexer keys are kept per cache entry
   beside the ones compaction drops, so a tree mask cannot be honoured exactly;
+- attention that reads a query's position from its cache index (the cache's length plus its index in the
+  forward) instead of `position_ids` (`INDEX_POSITION_BLOCKS`): a tree's node i sits at index past + i but at
+  position past + depth(i). Llama-4's NoPE layers read it through their attention temperature, constant
+  over blocks of floor_scale positions, so one row's trees are kept inside one block (`index_position_room`);
+  Inkling's relative biases read it at every index, and its chains (`recurrent.py`) sit at their indices.
+  Batches of such models are refused: their shared cache counts padding and holes;
+- LongRoPE past its switch (`rope_switch_position`): each forward takes the short or the long rotary
+  frequencies for all its positions by its largest one (and Phi-3's `generate` recomputes the cache once the
+  text passes the switch), so trees are drafted below it and a generation that would pass it is refused;
 - a model whose forward returns no KV cache (XLM): there is nothing to verify trees on;
 - an LM head that reads a projection of the hidden state, of another width (RemBERT): the draft heads
   read the last hidden state and borrow the LM head;
@@ -179,6 +188,79 @@ def attention_windows(model) -> AttentionWindows | None:
     if not layers and cap is None:
         return None
     return AttentionWindows(layers, per_type, cap)
+
+
+def _llama4_temperature_block(config) -> int | None:
+    """Llama-4's NoPE layers with attention temperature tuning scale each query by
+    log1p(floor((index + 1) / floor_scale)) * attn_scale + 1, its index counted from the cache's length
+    (`Llama4TextAttention`): the same scale across each block of floor_scale positions."""
+    if not getattr(config, "attn_temperature_tuning", False):
+        return None
+    if all(getattr(config, "no_rope_layers", None) or [1]):  # 0 marks a layer without rotary embedding
+        return None
+    return int(config.floor_scale)
+
+
+def _every_index(config) -> int:
+    """Inkling's attention biases each query-key pair by their distance in cache indices (`get_mask_sizes`,
+    `get_query_offset`), not in positions: read at every index, a block of one position."""
+    return 1
+
+
+# Models whose attention reads a query's position from its cache index (the cache's length plus its index in
+# the forward), not from `position_ids`, through a quantity constant over aligned blocks of positions: model type
+# of the text config -> the block's size for that config (None: this config does not do it)
+INDEX_POSITION_BLOCKS = {
+    "llama4_text": _llama4_temperature_block,
+    "inkling_text": _every_index,
+    "inkling2_text": _every_index,
+    "inkling2_loop_text": _every_index,
+}
+
+
+def index_position_block(model) -> int | None:
+    """The block of positions over which the model's attention reads a query's cache index as its position
+    (`INDEX_POSITION_BLOCKS`), or None where it reads positions from `position_ids` only."""
+    config = model.config.get_text_config(decoder=True)
+    block = INDEX_POSITION_BLOCKS.get(getattr(config, "model_type", None))
+    return None if block is None else block(config)
+
+
+def index_position_room(block: int | None, past: int) -> int | None:
+    """Most tree nodes a step may verify, `past` tokens cached, on a model reading positions by cache index
+    over blocks of `block` (None: no bound). Node i sits at cache index past + i and at position
+    past + depth(i) <= past + i: both fall in one block for every node when the indices past .. past + N - 1
+    do (the model reads index + 1), i.e. N <= block - (past + 1) % block, at least the root alone."""
+    return None if block is None else block - (past + 1) % block
+
+
+def rope_switch_position(model) -> int | None:
+    """LongRoPE's switch, `original_max_position_embeddings`: its rotary frequencies are chosen per forward,
+    the short ones for every position of a forward whose largest position is below the switch, the long
+    ones for all of them otherwise (transformers' `dynamic_rope_update`), and Phi-3's `generate` recomputes
+    the whole cache with the long ones once the text passes it. None for other rotary embeddings."""
+    config = model.config.get_text_config(decoder=True)
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
+        return None
+    per_type = all(isinstance(v, dict) for v in params.values())  # {layer type: parameters}
+    longrope = [p for p in (params.values() if per_type else [params]) if p.get("rope_type") == "longrope"]
+    if not longrope:
+        return None
+    # the frequencies switch at the parameters' position, Phi-3's `generate` recomputes at the config's
+    found = [p.get("original_max_position_embeddings") for p in longrope]
+    found.append(getattr(config, "original_max_position_embeddings", None))
+    return min((int(n) for n in found if n), default=None)
+
+
+def drafting_context(model, context: int | None, prompt_len: int) -> int | None:
+    """The positions trees are drafted within: the model's `context`, lowered to its LongRoPE switch where
+    the prompt is below it, so that every tree forward takes the short frequencies as plain decoding does
+    (`check_call_supported` refuses a generation that would pass the switch)."""
+    switch = rope_switch_position(model)
+    if switch is None or prompt_len > switch:
+        return context
+    return switch if context is None else min(context, switch)
 
 
 def recurrent_state_types(model) -> list[str]:
@@ -395,6 +477,26 @@ def check_call_supported(
     if context is not None and input_ids.shape[1] >= context:
         raise ValueError(
             f"input of {input_ids.shape[1]} tokens does not fit the model's context of {context} positions"
+        )
+    block = index_position_block(model)
+    if block is not None and input_ids.shape[0] > 1:
+        blocks = "" if block == 1 else f" (the block of {block} positions it falls in)"
+        raise ValueError(
+            f"{type(model).__name__}'s attention reads each query's position from its cache index{blocks}, the "
+            "cache's length plus its index in the forward, not from position_ids: a batch's rows share one cache "
+            "whose length counts their padding and holes, so their queries would not be read at the positions plain "
+            "decoding reads; hf_bpd.generate serves this model one row at a time"
+        )
+    switch = rope_switch_position(model)
+    mask = model_kwargs.get("attention_mask")
+    longest = input_ids.shape[1] if mask is None else int(mask.sum(-1).max())
+    if switch is not None and longest <= switch and (generation_config.max_length or 0) > switch + 1:
+        raise ValueError(
+            f"prompt of {longest} tokens + up to {generation_config.max_length - input_ids.shape[1]} new tokens can "
+            f"pass {type(model).__name__}'s LongRoPE switch at position {switch}: a forward reaching it takes the "
+            "long rotary frequencies for all its positions (and Phi-3's generate recomputes the cache with them), so "
+            "a tree forward would not rotate its nodes as plain decoding does; hf_bpd.generate serves this model "
+            f"while prompt + max_new_tokens <= {switch + 1}, or for prompts longer than {switch} tokens"
         )
     windows = attention_windows(model)
     if static is not None:

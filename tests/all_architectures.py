@@ -538,6 +538,38 @@ def counts(rows: list[Row]) -> Counter:
     return Counter(r.status for r in rows)
 
 
+# what a reading of every modeling file found where attention reads a position elsewhere than from `position_ids`
+POSITION_SOURCES = [
+    "## Positions read elsewhere than from `position_ids`",
+    "",
+    "A tree forward gives each node its position in `position_ids` (the next position plus its depth) and its "
+    "ancestors in a 4D mask, but node i sits at cache index past + i. Every modeling file was read for attention "
+    "that takes positions or scales from the cache's length, `cache_position` or cache offsets, or chooses them for "
+    "a whole forward (`hf_bpd/support.py`):",
+    "",
+    "- `llama4`, `llama4_text` (trees bounded, batches refused): the NoPE layers with attention temperature tuning "
+    "scale each query by log1p(floor((i + 1) / floor_scale)), i its cache index. Each step's tree stays inside one "
+    "block of floor_scale positions (at most floor_scale - (past + 1) % floor_scale nodes, past the tokens cached), "
+    "so every node's index falls in the block of its position; a batch's shared cache counts padding and holes.",
+    "- `inkling_text`, `inkling2_text`, `inkling2_loop_text` (one row served, batches refused): attention biased by "
+    "the distance in cache indices. One row is verified in chains sitting at their cache indices (`recurrent.py`); "
+    "a batch's holes would stretch the distances.",
+    "- LongRoPE (`phi3`, `phimoe`, `phi4_multimodal` checkpoints with `rope_type` longrope; trees bounded, crossing "
+    "refused): one set of rotary frequencies per forward, the long one once its largest position reaches "
+    "`original_max_position_embeddings`, and Phi-3's `generate` then recomputes the cache. Trees are drafted "
+    "below it, a generation that would pass it is refused, one whose prompt is past it is served.",
+    "- Dynamic NTK rotary embeddings rescale past `max_position_embeddings`, which trees already stay below.",
+    "- Harmless: the cache's length as the default for `position_ids` or for the masks, both of which hf_bpd "
+    "passes (the BERT and RoBERTa families, BioGPT, OPT, XGLM, CTRL, GIT, Falcon, Moshi, MLlama), a position "
+    "table's growth (XGLM), `prepare_inputs_for_generation` and the 3D positions of multimodal rotary models "
+    "(tree forwards do not call the first; the second are refused), the bidirectional image blocks of Gemma-3/4's "
+    "masks.",
+    "- Not served anyway: the relative position buckets of the T5 family (encoder-decoders), PP-FormulaNet "
+    "(encoder-decoder), ALiBi models, sparse-attention indexers.",
+    "",
+]
+
+
 def render_page(rows: list[Row], made_with: str) -> str:
     n = counts(rows)
     lines = [
@@ -569,6 +601,7 @@ def render_page(rows: list[Row], made_with: str) -> str:
         "| --- | --- | --- | --- |",
         *(r.line() for r in rows),
         "",
+        *POSITION_SOURCES,
     ]
     return "\n".join(lines)
 
