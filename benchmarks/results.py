@@ -547,17 +547,29 @@ def render_perturbed_base(report: dict) -> list[str]:
     """`research.perturbed_base_tau`: τ of the shipped heads on the packaged model and on it perturbed."""
     p, check = report["perturbation"], report["identity_check"]
     yes = {True: "yes", False: "no"}
-    return [
+    lines = [
         *render_replay(report),
         "",
         f"Perturbed model: {p['noise']}, on {p['weight_matrices']} weight matrices. Its LM head against the shipped "
         f"heads' sketch: correlation {p['sketch_correlation']:.4f}, accepted {yes[p['accepted']]}; by the legacy row "
         f"sums alone accepted {yes[p['accepted_by_row_sums']]}. Its greedy answers equal the packaged model's on "
         f"{p['answers_same_as_packaged']} of {report['turns']} turns.",
-        f"The shipped default drafter (`load_packaged_drafter()`, {check['settings']}) decoding the perturbed model: "
+        "The shipped default drafter (`load_packaged_drafter()`, `auto` trees) decoding the perturbed model: "
         f"{check['max_new_tokens']} new tokens per turn, identical to its plain greedy on {check['identical_turns']} "
         f"of {check['turns']} turns, τ {check['tau']:.2f}.",
     ]
+    answers = report.get("answers")
+    if answers:
+        shares = "; ".join(
+            f"{model} {a['tokens']} tokens, {a['repeated_4gram_share']:.0%} of 4-grams repeat an earlier one"
+            for model, a in answers.items()
+        )
+        shared = answers["perturbed"]["mean_shared_prefix_with_packaged"]
+        lines.append(
+            f"Greedy answers (what context lookup copies from): {shares}; a perturbed answer shares its first "
+            f"{shared:.1f} tokens with the packaged model's, on average."
+        )
+    return lines
 
 
 RENDERERS = {

@@ -153,6 +153,7 @@ def _metadata(heads: BlockDraftHeads) -> dict:
         "base_model_name": cfg.base_model_name,
         "base_model_type": cfg.base_model_type,
         "base_lm_head_fingerprint": cfg.base_lm_head_fingerprint,
+        "base_lm_head_sketch": cfg.base_lm_head_sketch,
     }
 
 
@@ -335,6 +336,7 @@ def import_medusa(folder, base_model=None) -> BlockDraftHeads:
         num_layers=num_layers,
         tie_lm_head=False,
         base_lm_head_fingerprint=meta.get("base_lm_head_fingerprint"),
+        base_lm_head_sketch=meta.get("base_lm_head_sketch"),
         draft_vocab_size=0 if token_map is None else int(token_map.numel()),
     )
     with torch.random.fork_rng(devices=[]):  # every weight is overwritten below

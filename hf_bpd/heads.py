@@ -76,6 +76,7 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         use_next_token: bool = False,
         token_input: str | None = None,
         copy_dim: int = 0,
+        base_lm_head_sketch: dict | None = None,
         **kwargs,
     ) -> None:
         self.base_model_name = base_model_name
@@ -85,7 +86,11 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         self.num_heads = num_heads
         self.num_layers = num_layers
         self.tie_lm_head = tie_lm_head
+        # Row sums of the base LM head (every version writes them: older readers check only these) and the
+        # sample of its weights that recognises it in any precision (`lm_head_sketch`; configs written before
+        # it existed have none, and are checked by the row sums).
         self.base_lm_head_fingerprint = base_lm_head_fingerprint
+        self.base_lm_head_sketch = base_lm_head_sketch
         self.draft_vocab_size = draft_vocab_size  # 0: the full vocabulary
         # token_input supersedes use_next_token (older checkpoints only have the latter)
         if token_input is None:
@@ -115,17 +120,110 @@ class ResidualBlock(nn.Module):
 
 
 def lm_head_fingerprint(lm_head_weight: torch.Tensor, rows: int = 16) -> list[float]:
-    """A few numbers that identify an LM head: the sums of `rows` evenly spaced rows. Tells a base model
-    apart from another of the same shape without storing its weights."""
+    """A few numbers that identify an LM head: the sums of `rows` evenly spaced rows. The first form of a
+    base model's identity (configs hold it as `base_lm_head_fingerprint`); `lm_head_sketch` replaces it as
+    the check, since a sum over a whole row moves with the rounding of every weight in it."""
     idx = torch.linspace(0, lm_head_weight.shape[0] - 1, rows).long()
     return [float(v) for v in lm_head_weight.detach()[idx].float().sum(dim=1).cpu()]
 
 
+# How far legacy row sums may move and still name the same LM head, in units of sqrt(hidden) x the row's
+# standard deviation (rounding each of `hidden` weights by a fraction of the row's scale moves their sum by
+# about sqrt(hidden) x that fraction). Set between the largest move of a 4-bit re-quantised copy and the
+# smallest of another head of the same shape (measured: see RESULTS.md claim lm_head_sketch_precision).
+# Row sums cannot tell a head with permuted columns apart: heads saved since the sketch are checked by it.
+ROW_SUM_TOLERANCE = 0.6
+
+
 def matches_lm_head(lm_head_weight: torch.Tensor, fingerprint: list[float]) -> bool:
-    """Whether `lm_head_weight` has this `lm_head_fingerprint` (up to dtype rounding)."""
-    got = torch.tensor(lm_head_fingerprint(lm_head_weight, len(fingerprint)))
-    want = torch.tensor(fingerprint)
-    return torch.allclose(got, want, rtol=1e-2, atol=1e-2 * (1 + want.abs().mean().item()))
+    """Whether `lm_head_weight` has this `lm_head_fingerprint` (legacy row sums), in any precision: every
+    row sum equal up to dtype rounding (the rule before quantised copies were admitted), or within
+    `ROW_SUM_TOLERANCE` of the spread a re-quantisation of the row gives."""
+    rows = len(fingerprint)
+    idx = torch.linspace(0, lm_head_weight.shape[0] - 1, rows).long()
+    sampled = lm_head_weight.detach()[idx].double().cpu()
+    got, want = sampled.sum(dim=1), torch.tensor(fingerprint, dtype=torch.float64)
+    if torch.allclose(got, want, rtol=1e-2, atol=1e-2 * (1 + want.abs().mean().item())):
+        return True
+    spread = sampled.shape[1] ** 0.5 * sampled.std(dim=1)
+    return bool(((got - want).abs() <= ROW_SUM_TOLERANCE * spread).all())
+
+
+SKETCH_ROWS = 32
+SKETCH_COLUMNS = 32
+SKETCH_DIGITS = 4  # significant digits stored: far below any dtype's rounding that matters to the correlation
+# Lowest correlation of a sketch with a model's weights that names the same LM head. Every lower precision
+# and re-quantisation measured keeps it far above, every other head of the same shape far below (measured:
+# see RESULTS.md claim lm_head_sketch_precision).
+SKETCH_MIN_CORRELATION = 0.8
+
+
+def _evenly_spaced(size: int, count: int) -> list[int]:
+    return sorted({int(i) for i in torch.linspace(0, size - 1, min(count, size)).round()})
+
+
+def lm_head_sketch(lm_head_weight: torch.Tensor, rows: int = SKETCH_ROWS, columns: int = SKETCH_COLUMNS) -> dict:
+    """A fixed sample of an LM head's weights that recognises it in any precision or quantisation:
+    `rows` evenly spaced rows x `columns` evenly spaced columns, with their indices, rounded to
+    `SKETCH_DIGITS` significant digits. Compared by `sketch_correlation`."""
+    vocab, hidden = lm_head_weight.shape
+    row_ids, column_ids = _evenly_spaced(vocab, rows), _evenly_spaced(hidden, columns)
+    sample = _sketched_weights(lm_head_weight, row_ids, column_ids)
+    weights = [[float(f"{v:.{SKETCH_DIGITS}g}") for v in row] for row in sample.tolist()]
+    return {"rows": row_ids, "columns": column_ids, "weights": weights}
+
+
+def _sketched_weights(lm_head_weight: torch.Tensor, rows: list[int], columns: list[int]) -> torch.Tensor:
+    weight = lm_head_weight.detach()
+    rows_t = torch.tensor(rows, device=weight.device)
+    columns_t = torch.tensor(columns, device=weight.device)
+    return weight[rows_t][:, columns_t].double().cpu()
+
+
+def sketch_correlation(lm_head_weight: torch.Tensor, sketch: dict) -> float:
+    """Pearson correlation of `lm_head_weight` at the sketch's indices with the sketch's weights, each
+    column centred first: near 1 for the same head in any precision, scale or quantisation, near 0 for
+    another. Centring the columns leaves out what all rows of a head share (per-dimension offsets, large in
+    trained embeddings), which would make the rows of two different heads correlate. -1 when the indices do
+    not fit the weight."""
+    rows, columns = sketch["rows"], sketch["columns"]
+    vocab, hidden = lm_head_weight.shape
+    if not rows or not columns or max(rows) >= vocab or max(columns) >= hidden:
+        return -1.0
+    got = _sketched_weights(lm_head_weight, rows, columns)
+    want = torch.tensor(sketch["weights"], dtype=torch.float64)
+    if got.shape != want.shape:
+        return -1.0
+    got, want = got - got.mean(dim=0), want - want.mean(dim=0)
+    norms = got.norm() * want.norm()
+    if norms == 0:  # constant columns: nothing to correlate, only equality names the head
+        return 1.0 if torch.equal(got, want) else 0.0
+    return float((got * want).sum() / norms)
+
+
+def lm_head_identity(lm_head_weight: torch.Tensor) -> dict:
+    """What heads and rescorers record of their base model's LM head: the sketch they are checked by and
+    the row sums older hf_bpd versions check, as `base_lm_head_sketch` and `base_lm_head_fingerprint`."""
+    return {
+        "base_lm_head_fingerprint": lm_head_fingerprint(lm_head_weight),
+        "base_lm_head_sketch": lm_head_sketch(lm_head_weight),
+    }
+
+
+def lm_head_mismatch(lm_head_weight: torch.Tensor, sketch: dict | None, fingerprint: list[float] | None) -> str | None:
+    """Why `lm_head_weight` is not the recorded base LM head, or None when it is (in any precision): checked
+    by the sketch where one is recorded, else by the legacy row sums; nothing recorded names no head."""
+    if sketch:
+        r = sketch_correlation(lm_head_weight, sketch)
+        if r < SKETCH_MIN_CORRELATION:
+            return (
+                f"its LM-head weights correlate {r:.2f} with theirs; the same model in any precision correlates "
+                f"{SKETCH_MIN_CORRELATION} or more"
+            )
+        return None
+    if fingerprint and not matches_lm_head(lm_head_weight, fingerprint):
+        return "its LM-head row sums differ from theirs by more than a re-quantisation moves them"
+    return None
 
 
 def _output_embeddings(model: PreTrainedModel) -> nn.Module:
@@ -248,7 +346,7 @@ class BlockDraftHeads(PreTrainedModel):
             num_heads=num_heads,
             num_layers=num_layers,
             tie_lm_head=tie_lm_head,
-            base_lm_head_fingerprint=lm_head_fingerprint(lm_head.weight),
+            **lm_head_identity(lm_head.weight),
             draft_vocab_size=0 if draft_vocab is None else int(draft_vocab.numel()),
             use_next_token=use_next_token,
             token_input=token_input,
@@ -276,10 +374,11 @@ class BlockDraftHeads(PreTrainedModel):
             raise ValueError(f"{where} expect hidden size {cfg.hidden_size}, but base model `{name}` has {hidden}")
         if vocab != cfg.vocab_size:
             raise ValueError(f"{where} expect vocabulary size {cfg.vocab_size}, but base model `{name}` has {vocab}")
-        if cfg.base_lm_head_fingerprint and not matches_lm_head(lm_head.weight, cfg.base_lm_head_fingerprint):
+        why = lm_head_mismatch(lm_head.weight, cfg.base_lm_head_sketch, cfg.base_lm_head_fingerprint)
+        if why:
             raise ValueError(
                 f"{where} were trained on a base model with other LM-head weights than `{name}` "
-                "(fingerprint mismatch): they would draft garbage. Train heads for this model."
+                f"(fingerprint mismatch: {why}): they would draft garbage. Train heads for this model."
             )
 
     def bind(self, model: PreTrainedModel) -> BlockDraftHeads:

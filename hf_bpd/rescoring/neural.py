@@ -176,7 +176,7 @@ def save_truncated_lm(lm, folder: str | Path, base_model) -> None:
 
     from safetensors.torch import save_file
 
-    from ..heads import lm_head_fingerprint
+    from ..heads import lm_head_identity
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -189,7 +189,7 @@ def save_truncated_lm(lm, folder: str | Path, base_model) -> None:
         "num_layers": lm.config.num_hidden_layers,
         "hidden_size": lm.config.hidden_size,
         "vocab_size": model_vocab_size(lm),
-        "base_lm_head_fingerprint": lm_head_fingerprint(base_model.get_output_embeddings().weight),
+        **lm_head_identity(base_model.get_output_embeddings().weight),
     }
     (folder / TRUNCATED_LM_CONFIG).write_text(json.dumps(meta, indent=2))
 
@@ -201,7 +201,7 @@ def load_truncated_lm(model, folder: str | Path):
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from ..heads import matches_lm_head
+    from ..heads import lm_head_mismatch
 
     folder = Path(folder)
     try:
@@ -209,9 +209,12 @@ def load_truncated_lm(model, folder: str | Path):
         weights = load_file(str(folder / TRUNCATED_LM_WEIGHTS))
     except (OSError, ValueError, KeyError, SafetensorError) as e:
         raise ValueError(f"{folder} is not a readable truncated-LM rescorer folder: {e}") from e
-    if not matches_lm_head(model.get_output_embeddings().weight, meta.get("base_lm_head_fingerprint") or [0.0]):
+    weight = model.get_output_embeddings().weight
+    # a folder that records neither form of the base model's identity names none: checked as one that differs
+    why = lm_head_mismatch(weight, meta.get("base_lm_head_sketch"), meta.get("base_lm_head_fingerprint") or [0.0])
+    if why:
         raise ValueError(
-            f"the rescorer in {folder} was trained on another base model (output head fingerprint differs)"
+            f"the rescorer in {folder} was trained on another base model (output head fingerprint differs: {why})"
         )
     lm = truncated_lm(model, meta["num_layers"])
     own = _own_weights(lm)

@@ -4,7 +4,9 @@ heads were trained on, each with the number of samples it really holds) and, wit
 with them (bench.json); then write their model card, `model_cards/<packaged model>.md`, from the template.
 
 `--cards` writes every shipped head set's card again from the assets (after a template change);
-`--check` only compares: exit status 1, naming the cards that differ, when one is not what the assets give."""
+`--check` only compares: exit status 1, naming the cards that differ, when one is not what the assets give;
+`--lm-head-sketch` records the packaged models' LM-head sketch (`hf_bpd.heads.lm_head_sketch`) in the
+configs of every head set and rescorer shipped for them, their weights untouched."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from hf_bpd.card import CHECKOUT_CARDS, bench_summary, load_json, render_card
-from hf_bpd.heads import BlockDraftHeads, BlockDraftHeadsConfig
-from hf_bpd.packaged import SHIPPED_ASSETS
+from hf_bpd.card import CHECKOUT_CARDS, bench_summary, load_json, precision_summary, render_card
+from hf_bpd.heads import BlockDraftHeads, BlockDraftHeadsConfig, lm_head_identity
+from hf_bpd.packaged import HEAD_KINDS, SHIPPED_ASSETS
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -38,6 +40,7 @@ def shipped_card(name: str | None, assets: str | Path | None = None) -> str:
         max_tree_tokens=settings.get("max_tree_tokens", "auto"),
         packaged=name,
         settings=settings,
+        precision=load_json(assets / "precision.json"),
     )
 
 
@@ -70,11 +73,52 @@ def check_cards(cards: Path = CHECKOUT_CARDS, write: bool = False) -> list[str]:
     return stale
 
 
+# the shipped rescorer that records its base model's LM head (`hf_bpd.rescoring.neural.save_truncated_lm`)
+TRUNCATED_LM_CONFIG = Path("rescorer") / "truncated_lm.json"
+
+
+def record_lm_head_sketch(name: str, assets: Path) -> list[Path]:
+    """Record packaged model `name`'s LM-head sketch (`lm_head_identity`) in every config shipped in `assets`
+    that names its base model by row sums (head sets, the truncated-LM rescorer), after checking that those
+    row sums are this model's: the assets were trained on the packaged model, so its sketch is theirs. Written
+    as each file was (transformers' config layout; the rescorer's own); weights untouched. Returns the files
+    written."""
+    from hf_bpd.packaged import load_packaged_model
+
+    model, _ = load_packaged_model(name)
+    identity = lm_head_identity(model.get_output_embeddings().weight)
+    configs = [assets / folder / "config.json" for folder in HEAD_KINDS.values()] + [assets / TRUNCATED_LM_CONFIG]
+    written = []
+    for path in (p for p in configs if p.is_file()):
+        text = path.read_text()
+        config = json.loads(text)
+        recorded = config.get("base_lm_head_fingerprint")
+        if recorded is None:
+            continue
+        fresh = identity["base_lm_head_fingerprint"]
+        if len(recorded) != len(fresh) or any(abs(a - b) > 1e-4 * (1 + abs(b)) for a, b in zip(recorded, fresh)):
+            raise SystemExit(f"{path} records the row sums of another LM head than packaged {name}'s: not changed")
+        config["base_lm_head_sketch"] = identity["base_lm_head_sketch"]
+        if path.name == "config.json":  # as transformers writes a config
+            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        else:  # as save_truncated_lm writes it
+            path.write_text(json.dumps(config, indent=2) + ("\n" if text.endswith("\n") else ""))
+        written.append(path)
+    return written
+
+
 def write_bench(dest: Path, bench: str) -> None:
     """Record what the card's τ table shows (`hf_bpd.card.bench_summary` of an `hf-bpd bench` JSON) beside
     the heads, as `bench.json`."""
     summary = bench_summary(json.loads(Path(bench).read_text()))
     (dest / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def write_precision(dest: Path, report: str) -> None:
+    """Record what the card says of the base model in another precision (`hf_bpd.card.precision_summary` of a
+    `research.perturbed_base_tau` JSON) beside the heads, as `precision.json`."""
+    summary = precision_summary(json.loads(Path(report).read_text()))
+    (dest / "precision.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def packaged_name(dest: Path) -> str | None:
@@ -110,9 +154,27 @@ def main(argv: list[str] | None = None) -> int:
         help="only write every shipped head set's card again (with --bench: record it in --to first)",
     )
     parser.add_argument("--check", action="store_true", help="only check every shipped head set's card")
+    parser.add_argument(
+        "--precision",
+        default=None,
+        help="with --cards: a `research.perturbed_base_tau` JSON measured with the heads in --to, recorded for "
+        "their card (τ on the base model perturbed)",
+    )
+    parser.add_argument(
+        "--lm-head-sketch",
+        action="store_true",
+        help="only record each packaged model's LM-head sketch in the configs shipped for it (loads the models)",
+    )
     args = parser.parse_args(argv)
+    if args.lm_head_sketch:
+        for name, assets in shipped_head_sets().items():
+            for path in record_lm_head_sketch(name, assets):
+                print(f"recorded {name}'s LM-head sketch in {path.relative_to(PACKAGE.parent)}")
+        return 0
     if args.cards and args.bench:  # a measurement of heads shipped earlier, recorded before their card is written
         write_bench(Path(args.to), args.bench)
+    if args.cards and args.precision:
+        write_precision(Path(args.to), args.precision)
     if args.check or args.cards:
         stale = check_cards(write=args.cards)
         verb = "rewrote" if args.cards else "stale"
