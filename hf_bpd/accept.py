@@ -1,14 +1,19 @@
-"""What one verification step of a row accepted (`AcceptResult`), the token `generate` picks from processed
-scores (`choose_tokens`), and `generate`'s usual stopping criteria decided on the host (`HostStop`): shared
-by the accept walks of `decoding.py` and `sampled_walk.py`."""
+"""The accept walks of a verified tree, on the host: what one verification step of a row accepted
+(`AcceptResult`), the token `generate` picks from processed scores (`choose_tokens`), `generate`'s usual
+stopping criteria decided on the host (`HostStop`), the walk along the base model's own choices
+(`accept_tree`, exact for greedy and sampling; `accept_greedy` in one copy), and Medusa's lossy typical
+acceptance (`typical_child`). Every decode loop walks with them (`call.DecodeCall.walk`); the device walks
+are `decoding.accept_greedy_and_grow` and `sampled_walk.py`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from transformers import StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from .tree import DraftTree
 
 
 @dataclass
@@ -56,3 +61,112 @@ class HostStop:
 
     def __call__(self, length: int, token: int) -> bool:
         return token in self.eos or (self.max_length is not None and length >= self.max_length)
+
+
+TYPICAL_ACCEPTANCE = (0.09, 0.3)  # Medusa's (epsilon, delta)
+
+
+def typical_acceptance(setting) -> tuple[float, float] | None:
+    """`lossy_typical_acceptance` of a `generate` call -> (epsilon, delta), or None when off."""
+    if setting is None or setting is False:
+        return None
+    if setting is True:
+        return TYPICAL_ACCEPTANCE
+    try:
+        epsilon, delta = (float(v) for v in setting)
+    except (TypeError, ValueError):
+        raise ValueError(f"lossy_typical_acceptance takes True or (epsilon, delta), got {setting!r}") from None
+    if not (0 < epsilon <= 1 and delta > 0):
+        raise ValueError(f"lossy_typical_acceptance needs 0 < epsilon <= 1 and delta > 0, got {setting!r}")
+    return epsilon, delta
+
+
+def typical_child(tree: DraftTree, node: int, scores: torch.Tensor, epsilon: float, delta: float) -> int | None:
+    """Medusa's typical acceptance at `node` (lossy): the drafted child whose token's processed probability
+    exceeds min(epsilon, delta * exp(-entropy)), the most probable one if several do, else None."""
+    children = [i for i in range(node + 1, len(tree)) if tree.parents[i] == node]
+    if not children:
+        return None
+    logp = torch.log_softmax(scores.float(), dim=-1)
+    probs = logp.exp()
+    entropy = float(-(probs * logp).nan_to_num().sum())  # tokens masked to -inf contribute 0, not NaN
+    threshold = min(epsilon, delta * float(torch.exp(torch.tensor(-entropy))))
+    p = probs[[tree.tokens[i] for i in children]].tolist()
+    best = max(range(len(children)), key=p.__getitem__)
+    return children[best] if p[best] > threshold else None
+
+
+def accept_greedy(
+    tree: DraftTree, logits: torch.Tensor, length: int, stop: HostStop, choices: list[int] | None = None
+) -> AcceptResult:
+    """`accept_tree` for greedy decoding without logits processors and with `HostStop` criteria: the base
+    model's token at every node in one argmax (one device-to-host copy for the whole step), then the same
+    walk on the host. `length`: the sequence's length, root included. `choices`: that argmax, where the
+    caller already read it (`accept_greedy_and_grow`)."""
+    if choices is None:
+        choices = logits.argmax(dim=-1).tolist()
+    nodes, tokens = [], []
+    node = 0
+    while True:
+        nodes.append(node)
+        tokens.append(choices[node])
+        length += 1
+        if stop(length, choices[node]):
+            finished = True
+            break
+        child = tree.child(node, choices[node])
+        if child is None:
+            finished = False
+            break
+        node = child
+    raw = [logits[i].float() for i in nodes]  # views: no copy to the host (scores = raw logits: no processors)
+    return AcceptResult(nodes, tokens, raw, raw, finished)
+
+
+def accept_tree(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    sequence: torch.Tensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    do_sample: bool = False,
+    typical: tuple[float, float] | None = None,
+    stop: HostStop | None = None,
+) -> AcceptResult:
+    """Follow the base model's own choices through the tree for one row: its greedy token at each node,
+    or with `do_sample` one draw from its processed distribution there (module docstring: exact).
+
+    logits [N, V] are the raw logits of every node; `sequence` [1, L] ends with the root. At each visited
+    node the processors see exactly the sequence plain `generate` would have had, so the chosen token is
+    the one `generate` would choose (or has the law of its draw). A matching child is followed; otherwise
+    the chosen token is the bonus token and the step ends. Stopping criteria are checked after every token,
+    so eos or max_new_tokens inside an accepted draft stop right there. `typical` (sampling only, lossy):
+    accept children by Medusa's typical acceptance instead (`typical_child`; module docstring). `stop`:
+    the criteria's host form where they have one (`HostStop.of`): greedy steps without processors then
+    take `accept_greedy`, same tokens with one synchronisation, and every other walk checks it on the host
+    (one synchronisation per reached node: its token; `sampled_walk.py` makes a sampled step's draws on the
+    device with one).
+    """
+    if stop is not None and not do_sample and typical is None and len(logits_processor) == 0:
+        return accept_greedy(tree, logits, sequence.shape[1], stop)
+    nodes, tokens, scores, raw = [], [], [], []
+    node = 0
+    while True:
+        nodes.append(node)
+        node_logits = logits[node : node + 1].float()
+        node_scores = logits_processor(sequence, node_logits)
+        accepted = None if typical is None else typical_child(tree, node, node_scores[0], *typical)
+        token = int(choose_tokens(node_scores, do_sample)) if accepted is None else tree.tokens[accepted]
+        sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=-1)
+        tokens.append(token)
+        scores.append(node_scores[0])
+        raw.append(node_logits[0])
+        stopped = (
+            stop(sequence.shape[1], token) if stop is not None else bool(stopping_criteria(sequence, node_scores).any())
+        )
+        if stopped:
+            return AcceptResult(nodes, tokens, scores, raw, finished=True)
+        child = tree.child(node, token)
+        if child is None:
+            return AcceptResult(nodes, tokens, scores, raw, finished=False)
+        node = child

@@ -43,29 +43,14 @@ sampling while each row's law is plain sampling's). Streamers and per-token scor
 
 from __future__ import annotations
 
-import copy
-import time
-from dataclasses import dataclass
-
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
+from transformers import GenerationConfig, LogitsProcessorList
 
-from .calibration import SamplingWarp
+from .accept import AcceptResult, HostStop, accept_greedy
+from .call import DecodeCall, row_processors
 from .cost import BatchForwardCost
-from .decoding import (
-    AcceptResult,
-    HostStop,
-    accept_greedy,
-    accept_tree,
-    choose_tokens,
-    prefill,
-    prompt_mask,
-)
-from .drafter import BlockDrafter
+from .kv import HoleLedger, compact_rows, drop_rows, squeeze_holes
 from .stats import DecodingStats
-from .support import AttentionWindows, drafting_context
-from .syncs import HostSyncCounter, phase
 from .tree import DraftTree, batch_trees, root_batch
 from .verify import verify_tree
 
@@ -105,64 +90,6 @@ def check_batch_supported(input_ids: torch.Tensor, generation_config: Generation
         raise ValueError("batched hf_bpd.generate does not return per-token scores or logits: use batch size 1")
 
 
-def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessorList:
-    """The processors plain batched `generate` built, as they apply to row `row` alone: `accept_tree` runs
-    them on one row's sequence at a time, so state kept per batch row is cut to that row (the repetition
-    penalty's per-row prompt padding, `prefix_allowed_tokens_fn`'s batch id)."""
-    out = LogitsProcessorList()
-    for processor in processors:
-        if isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(
-            processor.prompt_ignore_length, torch.Tensor
-        ):
-            processor = copy.copy(processor)
-            processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
-        elif isinstance(processor, PrefixConstrainedLogitsProcessor):
-            allowed = processor._prefix_allowed_tokens_fn
-            processor = copy.copy(processor)
-            processor._prefix_allowed_tokens_fn = lambda _, sent, allowed=allowed: allowed(row, sent)
-        out.append(processor)
-    return out
-
-
-def compact_rows(cache, num_tree: int, keep: torch.Tensor) -> None:
-    """Of the last `num_tree` entries of every layer keep, per row, the tree indices `keep [B, K]` (row b's
-    accepted nodes first; the rest of its K slots are holes its mask hides). In place, as
-    `decoding.compact_cache`: only the tree slot is touched, whatever the context length."""
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is None:
-            continue
-        for name in ("keys", "values"):
-            t = getattr(layer, name)  # [B, heads, S, dim]
-            start = t.shape[-2] - num_tree
-            index = (keep + start)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
-            t[..., start : start + keep.shape[1], :] = t.gather(2, index)
-            setattr(layer, name, t[..., : start + keep.shape[1], :])
-        if hasattr(layer, "cumulative_length"):  # sliding-window layers count what they hold
-            layer.cumulative_length -= num_tree - keep.shape[1]
-
-
-@dataclass
-class HoleLedger:
-    """When to squeeze a batch's holes out (`squeeze_holes`). Each step a hole costs about what a real slot
-    does (attention reads it, the cache's growth copies it), and a squeeze costs about one copy of the
-    whole cache. So the ledger adds up, step by step, the holes the cache holds, and squeezes once that sum
-    reaches the cache's length: the holes have then cost what a squeeze does. If holes grow by g a step,
-    that squeezes at about sqrt(2 g S) holes for a cache of S slots, the period that minimises the two
-    costs together; a fixed share of the cache would let a long cache carry many holes for many steps,
-    and charge them to the steps after the drafted ones that made them, plain steps included."""
-
-    slot_steps: int = 0  # holes summed over the steps since the last squeeze
-
-    def due(self, holes: int, length: int) -> bool:
-        """Whether to squeeze before this step, the cache holding `holes` holes in `length` slots."""
-        self.slot_steps += holes
-        return holes > 0 and self.slot_steps >= length
-
-    def squeezed(self) -> None:
-        """The holes were squeezed out (for this ledger's reason or another, a window): count again."""
-        self.slot_steps = 0
-
-
 def retire_due(finished_in_cache: int, rows_in_cache: int, steps_left: int) -> bool:
     """Whether to drop the batch's finished rows before this step: each costs about its share of every
     forward left (1 / rows of a compute-bound one) and dropping them costs about one copy of the cache, at
@@ -170,86 +97,28 @@ def retire_due(finished_in_cache: int, rows_in_cache: int, steps_left: int) -> b
     return finished_in_cache > 0 and finished_in_cache * steps_left >= rows_in_cache
 
 
-def drop_rows(cache, past_mask: torch.Tensor, hidden_last: torch.Tensor, keep: list[int]):
-    """Keep only the cache rows `keep` (in that order): the cache (through its own `reorder_cache`, which
-    beam search uses, so every layer kind drops them), the past mask and the last hidden states."""
-    index = torch.tensor(keep, device=past_mask.device)
-    cache.reorder_cache(index)
-    return past_mask.index_select(0, index), hidden_last.index_select(0, index)
-
-
-def squeeze_holes(cache, past_mask: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """Gather every row's real cache slots (in order) to the right end, dropping holes down to the longest
-    row (`width` real slots, when the caller knows it on the host: then no synchronisation); returns the
-    new mask (left-padded form)."""
-    width = int(past_mask.long().sum(-1).max()) if width is None else width
-    # a stable sort of 0/1 puts each row's holes first and its real slots after them, both in slot order
-    index = torch.sort(past_mask.long(), dim=-1, stable=True).indices[:, -width:]
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is None:
-            continue
-        for name in ("keys", "values"):
-            t = getattr(layer, name)
-            setattr(layer, name, t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])))
-        if hasattr(layer, "cumulative_length"):
-            layer.cumulative_length = width
-    return past_mask.gather(1, index)
-
-
-def decode_batch(
-    model,
-    drafter: BlockDrafter,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    model_kwargs: dict,
-    windows: AttentionWindows | None = None,
-    typical: tuple[float, float] | None = None,
-):
+def decode_batch(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: dict):
     """The decoding loop for B > 1 rows (module docstring). Returns the sequences [B, L] padded on the
-    right with the pad token, as plain batched `generate` returns them. `windows`: the model's attention
-    windows (`support.py`; where they have a `cap`, `check_call_supported` made sure every row's text fits
-    in it). `typical`: as in `decoding.decode`.
+    right with the pad token, as plain batched `generate` returns them. Where the model's attention windows
+    have a `cap` (`support.py`), `check_call_supported` made sure every row's text fits in it.
 
     Each row's real-token count is kept on the host (it grows by what the row accepts), and greedy steps
     without logits processors read every row's choices at every node in one copy (`accept_greedy`), so a
     step synchronises once for its accept whatever the number of rows, as one row does."""
-    window = None if windows is None else windows.cap
-    stats = drafter.stats
-    batch_size, device = input_ids.shape[0], input_ids.device
-    context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    context = drafting_context(model, context, input_ids.shape[1])  # below a LongRoPE switch (`support.py`)
-    do_sample = bool(generation_config.do_sample)
-    warp = SamplingWarp.from_config(generation_config)
-    rows = [DecodingStats() for _ in range(batch_size)]
-    stats.rows = rows
-    processors = [row_processors(logits_processor, b) for b in range(batch_size)]
+    model, drafter, clock, stats = call.model, call.drafter, call.clock, call.stats
+    window = None if call.windows is None else call.windows.cap
+    batch_size, device, pad = input_ids.shape[0], input_ids.device, call.pad
+    rows = stats.rows = [DecodingStats() for _ in range(batch_size)]
+    processors = [row_processors(call.processors, b) for b in range(batch_size)]
     auto = drafter.max_tree_tokens == "auto" and drafter.forward_cost is not None
     batch_cost = BatchForwardCost(drafter.step_cost, batch_size) if auto else None
-    syncs = HostSyncCounter() if drafter.count_host_syncs else None  # a test's or measurement's, never timed
-    stop = HostStop.of(stopping_criteria)
-    # greedy without processors: one argmax over every row and node, read in one copy per step
-    greedy_walk = stop is not None and not do_sample and typical is None and len(logits_processor) == 0
     # the original row of each cache row: finished rows leave the cache (`drop_rows`), the rest keep order
     slot_rows = list(range(batch_size))
     slot = {b: b for b in slot_rows}  # each row's place in the cache
-
-    t0 = time.perf_counter()
-    with phase(syncs, "prefill"):
-        pad = int(generation_config._pad_token_tensor)
-        past_mask = prompt_mask(input_ids, model_kwargs)
-        logits, hidden_last, cache = prefill(model, input_ids, model_kwargs)
-        scores = logits_processor(input_ids, logits)
-        first = choose_tokens(scores, do_sample)
-        sequences = [torch.cat([input_ids[b : b + 1], first[b].view(1, 1)], dim=-1) for b in range(batch_size)]
-        roots = first.tolist()  # each row's last token, kept on the host
-        finished = [bool(stopping_criteria(sequences[b], scores[b : b + 1]).any()) for b in range(batch_size)]
-        real = past_mask.long().sum(-1).tolist()  # real tokens per row in the cache, kept on the host
-    stats.time_prefill = time.perf_counter() - t0
-    stats.new_tokens = batch_size
-    for row in rows:
-        row.new_tokens = 1
+    start = call.prefill(input_ids, model_kwargs)
+    past_mask, cache, hidden_last, sequences, finished = start.state()
+    roots = start.first.tolist()  # each row's last token, kept on the host
+    real = past_mask.long().sum(-1).tolist()  # real tokens per row in the cache, kept on the host
     # plain steps where drafting does not pay ("auto" trees): a plain step's time is the batch's own, and
     # drafting must out-yield it by batch_draft_margin
     chooser = None
@@ -260,79 +129,51 @@ def decode_batch(
 
     while not all(finished):
         active = [b for b in range(batch_size) if not finished[b]]
-        steps_left = generation_config.max_length - min(sequences[b].shape[1] for b in active)
+        steps_left = call.config.max_length - min(sequences[b].shape[1] for b in active)
         if retire_due(len(slot_rows) - len(active), len(slot_rows), steps_left):
-            with phase(syncs, "cache"):
+            with clock.phase("cache"):
                 past_mask, hidden_last = drop_rows(cache, past_mask, hidden_last, [slot[b] for b in active])
             slot_rows, slot = active, {b: p for p, b in enumerate(active)}
             if batch_cost is not None:  # a smaller batch's forwards: timed again, from a plain step
                 batch_cost = BatchForwardCost(drafter.step_cost, len(slot_rows))
         in_cache = max(real[b] for b in slot_rows)  # the longest cache row's real slots
-        t0 = time.perf_counter()
-        max_depth = None if context is None else max(context - max(real[b] for b in active) - 1, 0)
+        clock.start_step()
         share = None if drafter.max_tree_tokens != "auto" else max(1, drafter.tree_budget // len(active))
         # a plain step first, timed: the batch's own one-token cost at its contexts
         drafting = not (batch_cost is not None and not batch_cost.seconds)
         if chooser is not None:  # rows finish: the margins follow those left
             chooser.margin = batch_cost.margin = batch_draft_margin(len(active))
         drafting = drafting and (chooser is None or chooser.draft_next(len(active)))
-        holes = past_mask.shape[1] - in_cache
-        crowded = window is not None and past_mask.shape[1] + (share or drafter.tree_budget) >= window
-        # Plain steps the chooser takes after drafted ones run on a cache without the drafted steps' holes:
-        # timed on them, plain steps would look dearer than plain decoding is, keeping drafting ahead where
-        # it does not pay. (Later plain steps add a hole per finished row only: the ledger's business.)
         previous_drafted, drafted_last = drafted_last, drafting
-        to_plain = chooser is not None and previous_drafted and not drafting and holes > 0
-        # drafted steps' holes (in a plain streak after that squeeze only finished rows make any)
-        drafted_holes = previous_drafted or drafting
-        if ledger.due(holes, past_mask.shape[1]) or (holes and crowded) or to_plain:
-            ledger.squeezed()
-            with phase(syncs, "cache"):
-                past_mask = squeeze_holes(cache, past_mask, in_cache)
-            if chooser is not None and drafted_holes:  # not this step's choice: drafting pays for it
-                squeezed = time.perf_counter()
-                chooser.charge_drafting(squeezed - t0)
-                t0 = squeezed
+        past_mask = squeeze_if_due(call, cache, past_mask, ledger, chooser, in_cache, share, drafting, previous_drafted)
         if window is not None:  # every row's text fits the window, so at least the root does
             share = min(share or drafter.tree_budget, window - 1 - past_mask.shape[1])
-        with phase(syncs, "draft"):
+        with clock.phase("draft"):
             if drafting:
-                length = max(s.shape[1] for s in sequences)
-                contexts = torch.stack(
-                    [torch.nn.functional.pad(s[0], (length - s.shape[1], 0), value=pad) for s in sequences]
-                )
-                rows_hidden = hidden_last[[slot[b] for b in active]]
-                drafted = drafter.draft(rows_hidden, contexts[active], max_depth, share, batch_cost, warp=warp)
-                trees = [DraftTree.root_only(pad)] * len(slot_rows)  # by cache row
-                for b, tree in zip(active, drafted):
-                    trees[slot[b]] = tree
+                trees = draft_rows(call, sequences, hidden_last, active, slot, slot_rows, real, share, batch_cost)
                 batch = batch_trees(trees, pad_token_id=pad, device=device)
             else:  # the roots alone, as tensors: no tree objects unless a walk needs them (`accept_rows`)
                 root_tokens = [pad if finished[b] else roots[b] for b in slot_rows]
                 batch = root_batch(root_tokens, device)
-        t1 = drafter._sync(device)
-        with phase(syncs, "verify"):
-            out = verify_tree(model, batch, cache, past_mask, windows)
-        t2 = drafter._sync(device)
-        with phase(syncs, "accept"):
-            if greedy_walk and not drafting:
-                results = accept_greedy_roots(out.logits, active, slot, sequences, stop)
-            elif greedy_walk:
-                results = accept_greedy_rows(trees, out.logits, active, slot, sequences, stop)
+        with clock.phase("verify"):
+            out = verify_tree(model, batch, cache, past_mask, call.windows)
+        verify_seconds = clock.last
+        with clock.phase("accept"):
+            if call.plain_greedy and not drafting:
+                results = accept_greedy_roots(out.logits, active, slot, sequences, call.stop)
+            elif call.plain_greedy:
+                results = accept_greedy_rows(trees, out.logits, active, slot, sequences, call.stop)
             else:
                 if not drafting:
                     trees = drafter.root_trees(root_tokens)
-                results = accept_rows(
-                    trees, out.logits, active, slot, sequences, processors, stopping_criteria, stop, do_sample, typical
-                )
+                results = accept_rows(call, trees, out.logits, active, slot, sequences, processors)
             if drafting:  # a plain step verified nothing drafted: nothing to learn
                 drafter.observe([results[b].nodes for b in active], [results[b].finished for b in active], 0, None)
-        t3 = time.perf_counter()
         if batch_cost is not None:
             # on a CPU the forward's own time; on an accelerator the accept (which reads the logits on the
             # host) is the first sync after the forward, so the time up to its end
-            batch_cost.observe(batch.input_ids.shape[1], (t2 if device.type == "cpu" else t3) - t1)
-        with phase(syncs, "cache"):
+            batch_cost.observe(batch.input_ids.shape[1], verify_seconds + (0 if device.type == "cpu" else clock.last))
+        with clock.phase("cache"):
             past_mask, hidden_last = keep_accepted(
                 cache, past_mask, out, results, batch.input_ids.shape[1], real, slot_rows
             )
@@ -340,43 +181,78 @@ def decode_batch(
             sequences[b] = torch.cat([sequences[b], sequences[b].new_tensor([result.tokens])], dim=-1)
             roots[b] = result.tokens[-1]
             finished[b] = result.finished
-            rows[b].steps += 1
-            rows[b].new_tokens += len(result.tokens)
-            rows[b].accepted_lengths.append(len(result.tokens))
-            rows[b].tree_sizes.append(batch.sizes[slot[b]])
-        t4 = time.perf_counter()
-        if chooser is not None:  # the whole step (the accept read the tokens: on an accelerator too, t4 is after it)
-            chooser.observe(drafting, sum(len(r.tokens) for r in results.values()), t4 - t0)
+            rows[b].record_step(True, len(result.tokens), batch.sizes[slot[b]])
         added = sum(len(r.tokens) for r in results.values())
-        stats.record_batch_step((t1, t2, t3, t4), drafting, added, sum(batch.sizes[slot[b]] for b in active))
+        if chooser is not None:  # the whole step (the accept read the tokens: on an accelerator too)
+            chooser.observe(drafting, added, clock.step_seconds())
+        stats.record_step(drafting, added, sum(batch.sizes[slot[b]] for b in active))
+    return call.output(sequences)
 
-    if syncs is not None:
-        stats.host_syncs = dict(syncs.counts)
+
+def squeeze_if_due(
+    call: DecodeCall, cache, past_mask, ledger: HoleLedger, chooser, in_cache: int, share, drafting, previous_drafted
+) -> torch.Tensor:
+    """The past mask after squeezing the holes out before this step where that is due (module docstring):
+    the ledger says they have cost what a squeeze does, the cache nears a window the masks cannot serve
+    past, or plain steps follow drafted ones. A squeeze drafted steps' holes caused is charged to drafting
+    (`StepChooser.charge_drafting`), not to this step."""
+    window = None if call.windows is None else call.windows.cap
+    holes = past_mask.shape[1] - in_cache
+    crowded = window is not None and past_mask.shape[1] + (share or call.drafter.tree_budget) >= window
+    # Plain steps the chooser takes after drafted ones run on a cache without the drafted steps' holes:
+    # timed on them, plain steps would look dearer than plain decoding is, keeping drafting ahead where
+    # it does not pay. (Later plain steps add a hole per finished row only: the ledger's business.)
+    to_plain = chooser is not None and previous_drafted and not drafting and holes > 0
+    if not (ledger.due(holes, past_mask.shape[1]) or (holes and crowded) or to_plain):
+        return past_mask
+    ledger.squeezed()
+    with call.clock.phase("cache"):
+        past_mask = squeeze_holes(cache, past_mask, in_cache)
+    # drafted steps' holes (in a plain streak after that squeeze only finished rows make any)
+    if chooser is not None and (previous_drafted or drafting):
+        chooser.charge_drafting(call.clock.step_seconds())
+        call.clock.start_step()
+    return past_mask
+
+
+def draft_rows(
+    call: DecodeCall,
+    sequences,
+    hidden_last,
+    active: list[int],
+    slot: dict,
+    slot_rows: list[int],
+    real,
+    share,
+    batch_cost,
+) -> list[DraftTree]:
+    """The active rows' trees, by cache row (finished rows: their pad token alone): each row's ids left-padded
+    into one tensor for the drafter."""
     length = max(s.shape[1] for s in sequences)
-    return torch.cat([torch.nn.functional.pad(s, (0, length - s.shape[1]), value=pad) for s in sequences])
+    padded = [torch.nn.functional.pad(s[0], (length - s.shape[1], 0), value=call.pad) for s in sequences]
+    contexts = torch.stack(padded)
+    rows_hidden = hidden_last[[slot[b] for b in active]]
+    depth = call.max_depth(max(real[b] for b in active))
+    drafted = call.drafter.draft(rows_hidden, contexts[active], depth, share, batch_cost, warp=call.warp)
+    trees = [DraftTree.root_only(call.pad)] * len(slot_rows)
+    for b, tree in zip(active, drafted):
+        trees[slot[b]] = tree
+    return trees
 
 
 def accept_rows(
+    call: DecodeCall,
     trees: list[DraftTree],
     logits: torch.Tensor,
     active: list[int],
     slot: dict[int, int],
     sequences: list[torch.Tensor],
     processors: list[LogitsProcessorList],
-    stopping_criteria: StoppingCriteriaList,
-    stop: HostStop | None,
-    do_sample: bool,
-    typical: tuple[float, float] | None,
 ) -> dict[int, AcceptResult]:
-    """Each active row's walk through its tree (`decoding.accept_tree`), with the processors cut to that
+    """Each active row's walk through its tree (`accept.accept_tree`), with the processors cut to that
     row (`row_processors`): sampled rows draw row by row. `trees` and `logits` are by cache row, row b's
     at `slot[b]`; the rest by the call's rows."""
-    return {
-        b: accept_tree(
-            trees[slot[b]], logits[slot[b]], sequences[b], processors[b], stopping_criteria, do_sample, typical, stop
-        )
-        for b in active
-    }
+    return {b: call.walk(trees[slot[b]], logits[slot[b]], sequences[b], processors[b]) for b in active}
 
 
 def accept_greedy_rows(
@@ -388,7 +264,7 @@ def accept_greedy_rows(
     stop: HostStop,
 ) -> dict[int, AcceptResult]:
     """`accept_rows` for greedy decoding without processors: the base model's token at every node of every
-    row in one argmax and one copy to the host, then each row's walk there (`decoding.accept_greedy`)."""
+    row in one argmax and one copy to the host, then each row's walk there (`accept.accept_greedy`)."""
     choices = logits.argmax(dim=-1).tolist()  # [rows in cache][N], finished rows' too: one read, no gather
     return {
         b: accept_greedy(trees[slot[b]], logits[slot[b]], sequences[b].shape[1], stop, choices[slot[b]]) for b in active

@@ -15,7 +15,7 @@ ratio estimator with `prior` pseudo-observations starts at 1 (trust the estimate
 measured rate. It only reorders and sizes drafts, never changes a verified token, so output stays exact.
 
 Sampling changes what "accepted" means. Greedy accepts a child when it is the base model's argmax; exact
-sampling (`decoding.accept_tree`) accepts it when the base model's draw lands on it, with probability
+sampling (`accept.accept_tree`) accepts it when the base model's draw lands on it, with probability
 p_warped(token): the base distribution after temperature and top-p. So when sampling, the heads'
 estimates are warped the same way first (`SamplingWarp`: a sibling set that was a near tie gets shared
 acceptance, a token outside the nucleus gets none), and the multipliers are learned per regime (greedy or

@@ -25,11 +25,11 @@ import torch
 
 from . import log, streamed_linear
 from .cache import cache_root, key_file_name, machine_key, measured_once
-from .chain import drop_last, restore, snapshot, state_tensors, verify_chain
 from .compat import cache_argument
-from .packed_linear import compiled_forward, contiguous_kv, linear_context, wants_packed_linear
+from .kv import contiguous_kv, drop_last, restore, snapshot, state_tensors
+from .packed_linear import compiled_forward, linear_context, wants_packed_linear
 from .tree import DraftTree, batch_trees
-from .verify import verify_tree
+from .verify import verify_chain, verify_tree
 from .vocab import model_vocab_size
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -111,7 +111,7 @@ class ForwardTimer:
     guards on its keyword arguments and on its inputs' views and strides, so these forwards compile the
     graphs decoding then runs), on a private random stream: measuring never moves a user's seeded
     sampling. A model with recurrent state is timed on the forward its decoding verifies, a chain
-    (`chain.verify_chain`), and its cache is put back by a state snapshot, since such a state cannot be
+    (`verify.verify_chain`), and its cache is put back by a state snapshot, since such a state cannot be
     cropped."""
 
     def __init__(self, model, context: int) -> None:
@@ -395,7 +395,7 @@ class StepChooser:
     never time a plain one. A clear win is not probed: a plain step there costs what drafting gains.
 
     `charge_drafting`: seconds that drafted steps caused but a later step paid (a batch's squeeze of the
-    holes its rows' different acceptances left, `batch.HoleLedger`): added to the next drafted step's
+    holes its rows' different acceptances left, `kv.HoleLedger`): added to the next drafted step's
     time, so they count against drafting and not against the plain step that happened to pay them."""
 
     plain_estimate: Callable[[], float | None]

@@ -521,6 +521,16 @@ class BlockDrafter:
             self._verified.append((tree, arcs[: len(tree)]) if known else None)  # a prefix keeps node indices
         return trees
 
+    def cut(self, trees: Sequence[DraftTree], limit: int | None) -> list[DraftTree]:
+        """`trees` cut to at most `limit` nodes each (None: as they are), with what `observe` will score cut
+        alike: a tree grown a step ahead (`grow`) was grown before its step's limit was known."""
+        if limit is None or all(len(tree) <= limit for tree in trees):
+            return list(trees)
+        for b, verified in enumerate(self._verified):
+            if verified is not None and len(verified[0]) > limit:
+                self._verified[b] = (verified[0].truncated(limit), verified[1][:limit])
+        return [tree.truncated(limit) if len(tree) > limit else tree for tree in trees]
+
     @property
     def grows_on_device(self) -> bool:
         """Whether "previous" heads grow their trees on the device (`expansion.grow_on_device`: one copy to

@@ -15,9 +15,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .accept import typical_acceptance
 from .batch import check_batch_supported, decode_batch
+from .call import DecodeCall
 from .compat import caller_streamer
-from .decoding import decode, typical_acceptance
+from .decoding import decode
 from .drafter import BlockDrafter
 from .recurrent import decode_recurrent
 from .support import check_call_supported, check_model_supported, has_recurrent_state
@@ -61,7 +63,7 @@ def generate(
     if typical is not None and not generation_config.do_sample:
         raise ValueError("lossy_typical_acceptance changes how sampled tokens are accepted: it needs do_sample=True")
     check_model_supported(model)
-    windows = check_call_supported(model, input_ids, generation_config, model_kwargs)
+    windows = check_call_supported(model, input_ids, generation_config, model_kwargs, assistant.tree_budget)
     batched = input_ids.shape[0] > 1
     if batched:
         check_batch_supported(input_ids, generation_config, model_kwargs)
@@ -71,14 +73,10 @@ def generate(
         streamer.put(input_ids.cpu())
     else:  # given to generate the usual way: generate put the prompt already
         streamer = caller_streamer(model)
-    if has_recurrent_state(model):  # one chain per step, the state restored where a draft fails
-        loop = decode_recurrent
-    elif batched:
-        loop = _decode_batch
-    else:
-        loop = decode
+    # a model with recurrent state: one chain per step, the state restored where a draft fails
+    loop = decode_recurrent if has_recurrent_state(model) else decode_batch if batched else decode
     with assistant.exclusive(), _prepared(model, assistant):
-        out = loop(
+        call = DecodeCall.open(
             model,
             assistant,
             input_ids,
@@ -87,17 +85,12 @@ def generate(
             generation_config,
             streamer,
             windows,
-            model_kwargs,
             typical,
         )
+        out = loop(call, input_ids, model_kwargs)
     if batched and generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=out)
     return out
-
-
-def _decode_batch(model, drafter, input_ids, processors, criteria, config, streamer, windows, kwargs, typical):
-    """`batch.decode_batch` called as the other loops are (it takes no streamer: batches stream nothing)."""
-    return decode_batch(model, drafter, input_ids, processors, criteria, config, kwargs, windows, typical)
 
 
 @contextlib.contextmanager

@@ -461,18 +461,6 @@ def compiled_forward(model) -> bool:
     return forward is not None and hasattr(forward, "_torchdynamo_orig_callable")
 
 
-def contiguous_kv(cache) -> None:
-    """Copy out every layer's keys and values that are views (a prefill's transposed projections, a
-    cropped cache). A compiled forward guards on its inputs' strides: with every cache it sees laid out
-    alike, one graph serves each kind of forward (one token, a tree) at every length, and none is compiled
-    in the middle of a decode for a layout its warm-up never met."""
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if t is not None and not t.is_contiguous():
-                setattr(layer, name, t.contiguous())
-
-
 def wants_packed_linear(model, packed_linear: bool | None) -> bool:
     """Resolve a `packed_linear` setting for `model`: True/False as given (True raises where it cannot
     work), None ("auto") packs float32 CPU models of at most `AUTO_MAX_BYTES` when oneDNN is there and

@@ -1,6 +1,6 @@
 """The exact sampled accept walk of one row with ONE device-to-host copy per step (`accept_sampled_and_grow`).
 
-`decoding.accept_tree` walks a sampled step on the host: at each reached node it draws one token from the
+`accept.accept_tree` walks a sampled step on the host: at each reached node it draws one token from the
 base model's processed distribution and reads it back (`int(token)`) to decide whether to go on. That
 is one synchronisation per reached node, each a stall of an accelerator's pipeline. Here the walk runs on
 the device instead, with the same draws:

@@ -99,17 +99,3 @@ def pad_mask_columns(mask: torch.Tensor, capacity: int) -> torch.Tensor:
         return mask
     fill = mask.new_full((*mask.shape[:-1], missing), torch.finfo(mask.dtype).min)
     return torch.cat([mask, fill], dim=-1)
-
-
-def compact_static_cache(cache, past_len: int, num_tree: int, keep: torch.Tensor) -> None:
-    """Keep, of the `num_tree` entries written at `past_len`, the tree indices `keep` (ascending, root
-    first), copied in place to the front of the tree slot (the tensors keep their address, as captured
-    graphs need); the layers' length is then put back by the dropped entries with the cache API."""
-    kept = keep.numel()
-    if kept < num_tree:
-        target = torch.arange(past_len, past_len + kept, device=keep.device)
-        for layer in cache.layers:
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                t.index_copy_(-2, target, t.index_select(-2, keep + past_len))
-        cache.crop(-(num_tree - kept))

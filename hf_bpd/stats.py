@@ -44,14 +44,9 @@ class DecodingStats:
         """Mean tokens per verification step (excludes the prefill's token)."""
         return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
 
-    def record_batch_step(self, times: tuple[float, float, float, float], drafted: bool, new: int, nodes: int) -> None:
-        """One step of a batch loop (`batch.py`, `recurrent.py`): `times` its clock readings before the
-        forward, after it, after the accept and after the cache work; `new` tokens and `nodes` verified over
-        all rows."""
-        t1, t2, t3, t4 = times
-        self.time_verify += t2 - t1
-        self.time_accept += t3 - t2
-        self.time_cache += t4 - t3
+    def record_step(self, drafted: bool, new: int, nodes: int) -> None:
+        """One step of a decoding loop: whether it drafted, the `new` tokens it added and the tree `nodes` it
+        verified (over all rows of a batch). The step clock books its phases' times (`call.StepClock`)."""
         self.steps += 1
         self.plain_steps += not drafted
         self.new_tokens += new

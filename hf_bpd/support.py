@@ -414,11 +414,12 @@ def _holds_keys(layer) -> bool:
 
 
 def check_call_supported(
-    model, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict
+    model, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict, tree_budget: int = 64
 ) -> AttentionWindows | None:
     """Refuse, naming the reason, inputs and options of this `generate` call that the loop would not
     honour. Returns the model's attention windows (None: none), which shape the tree masks (and, where
-    `cap` is set, cap every tree below that window)."""
+    `cap` is set, cap every tree below that window). `tree_budget`: the most nodes a step of the drafter
+    verifies per row."""
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("hf_bpd.generate drafts from token ids: pass input_ids, not inputs_embeds")
     if input_ids.shape[1] == 0:
@@ -479,13 +480,18 @@ def check_call_supported(
             f"input of {input_ids.shape[1]} tokens does not fit the model's context of {context} positions"
         )
     block = index_position_block(model)
-    if block is not None and input_ids.shape[0] > 1:
+    # a batch's cache holds at most its padded prompt, then per step a tree slot per row: below the first
+    # block boundary, every index and position read the same (the first) block, as in plain batched decoding
+    new_tokens = max((generation_config.max_length or 0) - input_ids.shape[1], 0)
+    longest_cache = input_ids.shape[1] + (new_tokens + 1) * max(tree_budget, 1)
+    if block is not None and input_ids.shape[0] > 1 and longest_cache + 1 >= block:
         blocks = "" if block == 1 else f" (the block of {block} positions it falls in)"
         raise ValueError(
             f"{type(model).__name__}'s attention reads each query's position from its cache index{blocks}, the "
             "cache's length plus its index in the forward, not from position_ids: a batch's rows share one cache "
             "whose length counts their padding and holes, so their queries would not be read at the positions plain "
-            "decoding reads; hf_bpd.generate serves this model one row at a time"
+            f"decoding reads; hf_bpd.generate serves this model one row at a time (or batches whose prompt plus "
+            f"max_new_tokens tree slots of {tree_budget} stay below {block} positions)"
         )
     switch = rope_switch_position(model)
     mask = model_kwargs.get("attention_mask")

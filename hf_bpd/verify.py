@@ -7,15 +7,21 @@ path had been decoded token by token, and one forward checks every drafted path 
 
 The forward-cost timer (`cost.ForwardTimer`) makes this very call too, so a compiled forward meets in its
 timing the graphs decoding runs.
+
+A model with recurrent state verifies a chain instead (`verify_chain`: a causal forward prepared as plain
+`generate` prepares a step), whose effect on the state `kv.snapshot`/`kv.restore` undo.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from transformers.cache_utils import DynamicCache
 
 from .compat import cache_argument, last_hidden_state_request
-from .packed_linear import compiled_forward, contiguous_kv
+from .kv import contiguous_kv
+from .packed_linear import compiled_forward
 from .static_cache import pad_mask_columns
 from .support import AttentionWindows
 from .tree import TreeBatch
@@ -93,3 +99,25 @@ def verify_tree(
         raise RuntimeError(
             f"{type(model).__name__} failed on the tree-attention forward (4D mask + position_ids): {err}"
         ) from err
+
+
+def verify_chain(model, ids: torch.Tensor, cache, past_mask: torch.Tensor):
+    """One causal forward of `ids [B, W]` after the cache, prepared as plain `generate` prepares a step
+    (the model's `prepare_inputs_for_generation`: a 2D mask, position ids where the model takes them),
+    with every position's logits and the last hidden states. `past_mask [B, S]`: 1 for real cache slots."""
+    width = ids.shape[1]
+    mask = torch.cat([past_mask, past_mask.new_ones(ids.shape[0], width)], dim=-1)
+    extra = {}
+    if "position_ids" in _forward_parameters(model):
+        extra["position_ids"] = past_mask.long().sum(-1, keepdim=True) + torch.arange(width, device=ids.device)
+    inputs = model.prepare_inputs_for_generation(
+        ids, next_sequence_length=width, cache=cache, attention_mask=mask, use_cache=True, **extra
+    )
+    if "logits_to_keep" in inputs:  # some prepare only the last position's logits (Bamba): every one is needed
+        inputs["logits_to_keep"] = 0
+    inputs["output_hidden_states"] = last_hidden_state_request(model)
+    return model(**inputs, return_dict=True)
+
+
+def _forward_parameters(model) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)

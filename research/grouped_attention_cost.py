@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hf_bpd.decoding import prefill, prompt_mask
+from hf_bpd.call import prefill, prompt_mask
 from hf_bpd.grouped_attention import grouped_attention
 from hf_bpd.jsonl import read_jsonl
 from hf_bpd.models import load_model

@@ -5,7 +5,7 @@ last one alone (`compat.LAST_HIDDEN_STATE`), under glibc's default malloc or ins
     python -m research.prefill_memory --output benchmarks/kernels/prefill_memory_smollm2.json
 
 For each batch size, the first turns of that many Spec-Bench dev rows (one per category, file order),
-left-padded, prefilled as hf_bpd prefills (`decoding.prefill`'s inputs: the last position's logits) on
+left-padded, prefilled as hf_bpd prefills (`call.prefill`'s inputs: the last position's logits) on
 `fast_cpu`'s linears and grouped attention. The four variants alternate within each repeat, so drift hits
 them alike; each forward's wall time and the minor page faults it took (`getrusage`) are recorded, medians
 of `--repeats`. Plain `generate`'s prefill asks for no hidden state: the "last" variants are what hf_bpd's

@@ -201,7 +201,7 @@ def test_batches_below_an_attention_window_squeeze_holes_and_stay_exact():
 def test_squeeze_holes_keeps_each_rows_real_slots_in_order():
     from transformers import DynamicCache
 
-    from hf_bpd.batch import squeeze_holes
+    from hf_bpd.kv import squeeze_holes
 
     cache = DynamicCache()
     keys = torch.arange(2 * 6, dtype=torch.float).view(2, 1, 6, 1)
@@ -246,7 +246,7 @@ def test_retiring_finished_rows_weighs_their_share_of_the_steps_left_against_a_s
 
 
 def test_the_hole_ledger_squeezes_once_the_holes_have_cost_one_copy_of_the_cache():
-    from hf_bpd.batch import HoleLedger
+    from hf_bpd.kv import HoleLedger
 
     ledger = HoleLedger()
     # 2 holes more each step in a 200-slot cache: 2 + 4 + ... + 2n reaches 200 at n = 14, 28 holes

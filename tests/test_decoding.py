@@ -13,8 +13,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 import hf_bpd
 from hf_bpd import BlockDrafter, Lattice, ScoredPath
-from hf_bpd.decoding import compact_cache
-from hf_bpd.packed_linear import contiguous_kv
+from hf_bpd.kv import compact_cache, contiguous_kv
 
 
 def run_both(model, drafter, input_ids, **kw):

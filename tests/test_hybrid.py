@@ -18,11 +18,11 @@ from transformers import DynamicCache
 
 import hf_bpd
 from hf_bpd import BlockDrafter, BlockDraftHeads, ScoredPath
-from hf_bpd.chain import verify_chain
+from hf_bpd.call import prefill, prompt_mask
 from hf_bpd.compat import cache_argument
-from hf_bpd.decoding import prefill, prompt_mask
 from hf_bpd.support import RECURRENT_SERVED as SERVED
 from hf_bpd.tools.forward_counter import ForwardCounter
+from hf_bpd.verify import verify_chain
 
 # family -> (model type, overrides of the shared tiny sizes), or None: transformers' own default config
 # shrunk as docs/support.md builds it (tests/all_architectures.py), which keeps both kinds of layers
@@ -209,8 +209,8 @@ def test_copying_heads_with_auto_trees_and_lookup_are_exact():
 def test_auto_trees_measure_a_stateful_model_s_forward_cost_and_leave_its_state_alone(family, monkeypatch, tmp_path):
     """ "auto" with no curve given times the model's chain forwards at first use (as the shipped drafter
     does): a recurrent state cannot be cropped, so each timed forward is undone from a snapshot."""
-    from hf_bpd.chain import state_tensors
     from hf_bpd.cost import ForwardTimer
+    from hf_bpd.kv import state_tensors
 
     monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path))
     model = build(family)

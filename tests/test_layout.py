@@ -109,3 +109,30 @@ def test_model_cards_layout():
     assert (cards / "template.md").is_file() and not list((ROOT / "hf_bpd").glob("templates/*"))
     shipped = [n for n, f in SHIPPED_ASSETS.items() if (ROOT / "hf_bpd" / f / "heads" / "config.json").is_file()]
     assert sorted(p.name for p in cards.iterdir()) == sorted(["template.md", *(f"{n}.md" for n in shipped)])
+
+
+DECODE_LOOPS = {"hf_bpd.decoding", "hf_bpd.batch", "hf_bpd.recurrent"}
+
+
+def depends_on(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Every module `module` imports, directly or through others (a package's `__init__` re-exports its
+    modules: `from . import x` names the package, which is not a dependency on everything it re-exports)."""
+    seen, todo = set(), [module]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen and not module.startswith(dep + "."):
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_the_decode_loops_share_the_call_and_the_cache_surgery_and_not_each_other():
+    """One call context (`call.py`) and one place for cache surgery (`kv.py`) serve the three decode loops;
+    no loop imports another, and neither the call, the cache surgery, the drafter nor the CPU kernels import a loop."""
+    graph = library_imports()
+    for loop in DECODE_LOOPS:
+        assert {"hf_bpd.call", "hf_bpd.kv"} <= depends_on(graph, loop), loop
+    assert "hf_bpd.batch" not in graph["hf_bpd.recurrent"] and "hf_bpd.recurrent" not in graph["hf_bpd.batch"]
+    for module in ("hf_bpd.call", "hf_bpd.kv", "hf_bpd.drafter", "hf_bpd.packed_linear", "hf_bpd.streamed_linear"):
+        assert not DECODE_LOOPS & depends_on(graph, module), module
+    assert depends_on(graph, "hf_bpd.kv") <= {"hf_bpd.compat"}  # the Cache API and its own tensors only

@@ -13,8 +13,9 @@ import hf_bpd
 import hf_bpd.decoding as decoding
 from hf_bpd import BlockDrafter, BlockDraftHeads
 from hf_bpd.compat import GENERATE_CACHE_FIELD, cache_argument
+from hf_bpd.kv import compact_static_cache
 from hf_bpd.models import chat_inputs
-from hf_bpd.static_cache import GRAPH_TREE_SIZES, compact_static_cache, graph_tree_size, static_capacity
+from hf_bpd.static_cache import GRAPH_TREE_SIZES, graph_tree_size, static_capacity
 
 
 def generate(model, ids, drafter=None, **kw):

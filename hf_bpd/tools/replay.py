@@ -54,7 +54,7 @@ class ReplayResult:
 def accept_along(tree, answer: list[int], start: int) -> tuple[list[int], bool]:
     """The tree nodes greedy decoding accepts at a step that starts with `start` answer tokens emitted
     (root first), and whether the answer ends inside them (then the last node's children were never
-    compared, as `decoding.accept_tree` stops on the stopping criteria)."""
+    compared, as `accept.accept_tree` stops on the stopping criteria)."""
     nodes = [0]
     while True:
         k = start + len(nodes) - 1  # the answer token the base model chooses at nodes[-1]

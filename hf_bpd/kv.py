@@ -1,0 +1,187 @@
+"""Every change hf_bpd makes to a model's KV cache, through the Cache API and the layers' own tensors only:
+the one place a reader looks for what decoding does to a cache.
+
+- before decoding: windowed layers keep every key (`keep_every_key`);
+- after a verification: keep the accepted tree entries of one row (`compact_cache`), of every row of a
+  batch (`compact_rows`), or of a preallocated static cache, in place (`compact_static_cache`);
+- batches: squeeze the holes rows' different acceptances left (`squeeze_holes`, when `HoleLedger` says
+  they have cost what a squeeze does), drop finished rows (`drop_rows`);
+- recurrent, convolutional and linear-attention state, which a forward overwrites and cannot be cropped:
+  `snapshot` before a forward, `restore` after it, `drop_last` for the attention layers' new entries;
+- a compiled forward's layout: `contiguous_kv`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+)
+
+from .compat import CACHE_NAMES
+
+
+def keep_every_key(model_kwargs: dict) -> None:
+    """Make the cache `generate` prepared keep every key of its windowed layers: each sliding/chunked cache
+    layer (which keeps only the last W - 1 entries, so a tree's rejected entries would evict keys a later
+    step needs) becomes a full `DynamicLayer`; the tree masks apply the windows instead (`support.py`).
+    The returned cache then holds full layers: usable as is, the models build their windows from the
+    config, not from the cache. A sliding layer that also keeps recurrent state (`hybrid_sliding`) becomes
+    the full layer of the same kind, keeping its number of states."""
+    for name in CACHE_NAMES:
+        cache = model_kwargs.get(name)
+        if isinstance(cache, DynamicCache):
+            for i, layer in enumerate(cache.layers):
+                if getattr(layer, "is_sliding", False):
+                    states = getattr(layer, "number_of_states", None)
+                    full = DynamicLayer() if states is None else LinearAttentionAndFullAttentionLayer(states)
+                    cache.layers[i] = full
+
+
+def compact_cache(cache: DynamicCache, num_tree: int, keep: torch.Tensor) -> None:
+    """Drop rejected tree entries: of the last `num_tree` entries of every layer keep only the tree
+    indices `keep` (ascending, root first), moved to the front of the tree slot.
+
+    Touches only the tree slot, so its cost does not grow with the context length, and leaves each layer
+    a view of its old tensor (a compiled forward gets it copied out: `verify_tree`)."""
+    dropped = num_tree - keep.numel()
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None:  # a layer never written (not in real decoding)
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            start = t.shape[-2] - num_tree
+            t[..., start : start + keep.numel(), :] = t.index_select(-2, keep + start)
+            setattr(layer, name, t[..., : start + keep.numel(), :])
+        if hasattr(layer, "cumulative_length"):  # sliding-window layers count tokens seen
+            layer.cumulative_length -= dropped
+
+
+def compact_rows(cache, num_tree: int, keep: torch.Tensor) -> None:
+    """Of the last `num_tree` entries of every layer keep, per row, the tree indices `keep [B, K]` (row b's
+    accepted nodes first; the rest of its K slots are holes its mask hides). In place, as
+    `kv.compact_cache`: only the tree slot is touched, whatever the context length."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None:
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name)  # [B, heads, S, dim]
+            start = t.shape[-2] - num_tree
+            index = (keep + start)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
+            t[..., start : start + keep.shape[1], :] = t.gather(2, index)
+            setattr(layer, name, t[..., : start + keep.shape[1], :])
+        if hasattr(layer, "cumulative_length"):  # sliding-window layers count what they hold
+            layer.cumulative_length -= num_tree - keep.shape[1]
+
+
+@dataclass
+class HoleLedger:
+    """When to squeeze a batch's holes out (`squeeze_holes`). Each step a hole costs about what a real slot
+    does (attention reads it, the cache's growth copies it), and a squeeze costs about one copy of the
+    whole cache. So the ledger adds up, step by step, the holes the cache holds, and squeezes once that sum
+    reaches the cache's length: the holes have then cost what a squeeze does. If holes grow by g a step,
+    that squeezes at about sqrt(2 g S) holes for a cache of S slots, the period that minimises the two
+    costs together; a fixed share of the cache would let a long cache carry many holes for many steps,
+    and charge them to the steps after the drafted ones that made them, plain steps included."""
+
+    slot_steps: int = 0  # holes summed over the steps since the last squeeze
+
+    def due(self, holes: int, length: int) -> bool:
+        """Whether to squeeze before this step, the cache holding `holes` holes in `length` slots."""
+        self.slot_steps += holes
+        return holes > 0 and self.slot_steps >= length
+
+    def squeezed(self) -> None:
+        """The holes were squeezed out (for this ledger's reason or another, a window): count again."""
+        self.slot_steps = 0
+
+
+def squeeze_holes(cache, past_mask: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """Gather every row's real cache slots (in order) to the right end, dropping holes down to the longest
+    row (`width` real slots, when the caller knows it on the host: then no synchronisation); returns the
+    new mask (left-padded form)."""
+    width = int(past_mask.long().sum(-1).max()) if width is None else width
+    # a stable sort of 0/1 puts each row's holes first and its real slots after them, both in slot order
+    index = torch.sort(past_mask.long(), dim=-1, stable=True).indices[:, -width:]
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None:
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            setattr(layer, name, t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])))
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length = width
+    return past_mask.gather(1, index)
+
+
+def drop_rows(cache, past_mask: torch.Tensor, hidden_last: torch.Tensor, keep: list[int]):
+    """Keep only the cache rows `keep` (in that order): the cache (through its own `reorder_cache`, which
+    beam search uses, so every layer kind drops them), the past mask and the last hidden states."""
+    index = torch.tensor(keep, device=past_mask.device)
+    cache.reorder_cache(index)
+    return past_mask.index_select(0, index), hidden_last.index_select(0, index)
+
+
+def compact_static_cache(cache, past_len: int, num_tree: int, keep: torch.Tensor) -> None:
+    """Keep, of the `num_tree` entries written at `past_len`, the tree indices `keep` (ascending, root
+    first), copied in place to the front of the tree slot (the tensors keep their address, as captured
+    graphs need); the layers' length is then put back by the dropped entries with the cache API."""
+    kept = keep.numel()
+    if kept < num_tree:
+        target = torch.arange(past_len, past_len + kept, device=keep.device)
+        for layer in cache.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                t.index_copy_(-2, target, t.index_select(-2, keep + past_len))
+        cache.crop(-(num_tree - kept))
+
+
+def state_tensors(cache) -> list[tuple[dict, int]]:
+    """Every conv / recurrent state of the cache, as (the layer's dict, state index)."""
+    found = []
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for states in (layer.conv_states, layer.recurrent_states):
+                found += [(states, i) for i, t in states.items() if t is not None]
+    return found
+
+
+def snapshot(cache) -> list[torch.Tensor]:
+    """Copies of every state (`state_tensors` order): what a restore puts back."""
+    return [states[i].clone() for states, i in state_tensors(cache)]
+
+
+def restore(cache, saved: list[torch.Tensor], rows: list[int] | None = None) -> None:
+    """Put the snapshot back, in place (the layers keep their tensors' addresses): all rows, or `rows`."""
+    for (states, i), old in zip(state_tensors(cache), saved):
+        if rows is None:
+            states[i].copy_(old)
+        else:
+            index = torch.tensor(rows, device=old.device)
+            states[i].index_copy_(0, index, old.index_select(0, index))
+
+
+def drop_last(cache, n: int) -> None:
+    """Drop the last `n` attention entries of every layer holding keys and values (the state layers' conv
+    and recurrent states are restored separately)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys[..., : layer.keys.shape[-2] - n, :]
+            layer.values = layer.values[..., : layer.values.shape[-2] - n, :]
+
+
+def contiguous_kv(cache) -> None:
+    """Copy out every layer's keys and values that are views (a prefill's transposed projections, a
+    cropped cache). A compiled forward guards on its inputs' strides: with every cache it sees laid out
+    alike, one graph serves each kind of forward (one token, a tree) at every length, and none is compiled
+    in the middle of a decode for a layout its warm-up never met."""
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if t is not None and not t.is_contiguous():
+                setattr(layer, name, t.contiguous())
