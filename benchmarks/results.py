@@ -438,6 +438,16 @@ def render_graph_trees(report: dict) -> list[str]:
     return lines
 
 
+def render_loaded_curve(report: dict) -> list[str]:
+    """`research.loaded_curve`: the shipped default on a curve a loaded machine left against a fresh one."""
+    rates = report["tokens_per_second"]
+    lines = ["| method | tokens/s | x hf_bpd on a fresh curve |", "| --- | --- | --- |"]
+    for name, rate in rates.items():
+        lines.append(f"| {name} | {rate:.2f} | {rate / rates['hf_bpd_fresh_curve']:.2f} |")
+    lines += ["", f"Identical to plain greedy: {report['identical_turns']} turns; {report['tokens']} tokens per method."]
+    return lines
+
+
 def render_host_syncs(report: dict) -> list[str]:
     """`research.host_syncs`: device-to-host synchronisations per decoding step, by phase."""
     settings = report["settings"]
@@ -589,6 +599,7 @@ RENDERERS = {
     "sampling_estimates": render_sampling_estimates,
     "kernels": render_kernels,
     "host_syncs": render_host_syncs,
+    "loaded_curve": render_loaded_curve,
     "grouped_attention": render_grouped_attention,
     "prefill_memory": render_prefill_memory,
     "cost_model": render_cost_model,
