@@ -2,16 +2,16 @@
 
     python -m research.loaded_curve --spread 12 --output benchmarks/speed/loaded_curve_smollm2_amd.json
 
-A curve measured while another process kept a core busy came out flat: every tree size up to 32 tokens at
-6.7 times the idle one-token forward (issue #56). Kept, it sized every later call's trees from that moment.
-Here such a curve is put in hf_bpd's cache as a finished measurement (not marked busy: what an older
-version, or a load the machine-load check did not see, would leave), and the shipped drafter then decodes
-the prompts through `generate` as a user's process would: decoding's own timings contradict the curve, it is
-dropped and measured again at the next call (`BlockDrafter.review_forward_cost`), all inside the timed
+A curve measured while another process kept a core busy came out flat: every tree size up to 32 tokens at 6.7
+times the idle one-token forward (issue #56). Kept, it sized every later call's trees from that moment. Here
+such a curve is put in hf_bpd's cache as a finished measurement (not marked busy: what an older version, or a
+load the machine-load check did not see, would leave; with `--marked-busy` as this version caches a
+measurement taken beside other work, which the next process measures again), and the shipped drafter then
+decodes the prompts through `generate` as a user's process would: decoding's own timings contradict the curve,
+it is dropped and measured again at the next call (`BlockDrafter.review_forward_cost`), all inside the timed
 calls. Beside it, in the same run and in rotating order per prompt: the shipped drafter on a curve measured
-now (before timing) and plain greedy on `fast_cpu`'s kernels (the faster plain method on this CPU). Run it
-on an idle machine; outputs are checked identical to plain greedy.
-"""
+now (before timing) and plain greedy on `fast_cpu`'s kernels (the faster plain method on this CPU). Run it on
+an idle machine; outputs are checked identical to plain greedy."""
 
 from __future__ import annotations
 
@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("data", nargs="?", default=DEFAULT_DATA)
     parser.add_argument("--spread", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument(
+        "--marked-busy",
+        action="store_true",
+        help="the loaded curve as this version caches a measurement the machine-load check saw: marked busy",
+    )
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
 
@@ -55,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     key = forward_cost_key(model, packed_linear=loaded.packed_linear)
     path = forward_cost_cache_file(key)
     flat = loaded_curve(fresh.forward_cost)
-    path.write_text(json.dumps({"key": key, "sizes": list(fresh.forward_cost.sizes), "seconds": flat, "busy": False}))
+    record = {"key": key, "sizes": list(fresh.forward_cost.sizes), "seconds": flat, "busy": args.marked_busy}
+    path.write_text(json.dumps(record))
 
     def plain_fast(inputs):
         with fast:
