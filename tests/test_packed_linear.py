@@ -12,6 +12,7 @@ from conftest import tiny_model
 import hf_bpd
 from hf_bpd.compat import cache_argument
 from hf_bpd.cost import ForwardTimer, measure_forward_cost
+from hf_bpd.kv import contiguous_kv
 from hf_bpd.packed_linear import (
     KERNEL_PLAN_SIZES,
     KernelPlan,
@@ -20,7 +21,6 @@ from hf_bpd.packed_linear import (
     active_packed_linear,
     cached_kernel_plan,
     compiled_forward,
-    contiguous_kv,
     fast_cpu,
     linear_context,
     packed_linear_available,
