@@ -444,7 +444,8 @@ def render_loaded_curve(report: dict) -> list[str]:
     lines = ["| method | tokens/s | x hf_bpd on a fresh curve |", "| --- | --- | --- |"]
     for name, rate in rates.items():
         lines.append(f"| {name} | {rate:.2f} | {rate / rates['hf_bpd_fresh_curve']:.2f} |")
-    lines += ["", f"Identical to plain greedy: {report['identical_turns']} turns; {report['tokens']} tokens per method."]
+    identical = f"Identical to plain greedy: {report['identical_turns']} turns"
+    lines += ["", f"{identical}; {report['tokens']} tokens per method."]
     return lines
 
 
