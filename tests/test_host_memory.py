@@ -28,12 +28,19 @@ def faults_of_a_second_big_block() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
+def fewest_faults(tries: int = 3) -> int:
+    """`faults_of_a_second_big_block` at its lowest over a few tries: a reused block is now and then faulted in
+    again by something outside malloc (seen on the dev VMs, whose kernel runs its own memory reclaim, in about
+    half of the runs of this file alone), while a fresh mapping faults every page every time."""
+    return min(faults_of_a_second_big_block() for _ in range(tries))
+
+
 @needs_glibc
 def test_freed_memory_is_reused_inside_the_block_only():
     assert faults_of_a_second_big_block() > PAGES // 2  # a fresh mapping: every page faulted in again
     with reuse_freed_memory():
         faults_of_a_second_big_block()  # the heap grows once
-        assert faults_of_a_second_big_block() < PAGES // 10
+        assert fewest_faults() < PAGES // 10
     assert faults_of_a_second_big_block() > PAGES // 2
 
 
@@ -43,7 +50,7 @@ def test_nested_blocks_restore_on_the_outermost_exit():
         with reuse_freed_memory():
             assert host_memory._depth == 2
         faults_of_a_second_big_block()
-        assert faults_of_a_second_big_block() < PAGES // 10  # still on after the inner block closed
+        assert fewest_faults() < PAGES // 10  # still on after the inner block closed
     assert host_memory._depth == 0
     assert faults_of_a_second_big_block() > PAGES // 2
 
