@@ -9,12 +9,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY
 from transformers import Llama4ForCausalLM, Llama4TextConfig
 
 import hf_bpd
 from hf_bpd import BlockDrafter, BlockDraftHeads
 from hf_bpd.support import index_position_block, index_position_room
 from hf_bpd.tree import DraftTree
+
+# the test suite's tiny shapes (tests/conftest.py)
+SHAPE = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+)
 
 FLOOR_SCALE = 4
 NEW_TOKENS = 16
@@ -26,15 +38,9 @@ def tiny_llama4(floor_scale: int = FLOOR_SCALE, temperature_tuning: bool = True,
     logits and the greedy tokens."""
     torch.manual_seed(seed)
     config = Llama4TextConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
+        **{k: TINY[k] for k in SHAPE},
         intermediate_size_mlp=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=8,
-        max_position_embeddings=256,
         no_rope_layers=[1, 0],  # 0: the layer takes no rotary embedding (NoPE)
         attn_temperature_tuning=temperature_tuning,
         floor_scale=floor_scale,
@@ -157,22 +163,11 @@ def test_copying_heads_with_grown_trees_are_exact_and_within_block():
 
 
 def test_batches_are_refused_before_any_forward():
-    from hf_bpd.tools.forward_counter import ForwardCounter
 
     model = tiny_llama4()
     drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=4), top_k=3, max_tree_tokens=8)
     ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
-    counter = ForwardCounter(model)
-    with counter, pytest.raises(ValueError, match="cache index"):
-        model.generate(
-            ids,
-            attention_mask=(ids != 0).long(),
-            do_sample=False,
-            max_new_tokens=4,
-            custom_generate=hf_bpd.generate,
-            assistant=drafter,
-        )
-    assert counter.count == 0
+    assert_batch_refused_before_any_forward(model, drafter, ids)
     # without temperature tuning its NoPE layers read no position: batches are served
     model = tiny_llama4(temperature_tuning=False)
     drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=4), top_k=3, max_tree_tokens=8)
@@ -189,24 +184,10 @@ def test_inkling_batches_are_refused_before_any_forward():
     a batch's holes would stretch the distances."""
     from all_architectures import build
 
-    from hf_bpd.tools.forward_counter import ForwardCounter
-
     model = build("inkling_text")
     assert index_position_block(model) == 1
     drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8)
-    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
-    counter = ForwardCounter(model)
-    with counter, pytest.raises(ValueError, match="cache index"):
-        model.generate(
-            ids,
-            attention_mask=(ids != 0).long(),
-            do_sample=False,
-            max_new_tokens=4,
-            pad_token_id=0,
-            custom_generate=hf_bpd.generate,
-            assistant=drafter,
-        )
-    assert counter.count == 0
+    assert_batch_refused_before_any_forward(model, drafter, torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]]))
 
 
 def tiny_longrope(switch: int = 12):
@@ -215,12 +196,7 @@ def tiny_longrope(switch: int = 12):
 
     torch.manual_seed(0)
     config = Phi3Config(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **{k: TINY[k] for k in SHAPE if k != "max_position_embeddings"},
         max_position_embeddings=64,
         original_max_position_embeddings=switch,
         rope_parameters={
@@ -268,4 +244,15 @@ def test_longrope_trees_stay_below_the_switch_and_crossing_it_is_refused():
     with counter, pytest.raises(ValueError, match="LongRoPE switch at position 12"):
         drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8)
         model.generate(ids, do_sample=False, max_new_tokens=12, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert counter.count == 0
+
+
+def assert_batch_refused_before_any_forward(model, drafter, ids: torch.Tensor) -> None:
+    """The batch `ids` (left padding 0) is refused for reading positions by cache index, with no forward run."""
+    from hf_bpd.tools.forward_counter import ForwardCounter
+
+    counter = ForwardCounter(model)
+    with counter, pytest.raises(ValueError, match="cache index"):
+        kw = dict(custom_generate=hf_bpd.generate, assistant=drafter, pad_token_id=0)
+        model.generate(ids, attention_mask=(ids != 0).long(), do_sample=False, max_new_tokens=4, **kw)
     assert counter.count == 0
