@@ -37,17 +37,10 @@ from hf_bpd.heads import (
 )
 from hf_bpd.tools.bench import environment
 from research.quantise import q4_0, q4_1, q8_0, q8_0_step, step_noise
+from tests.conftest import TINY as CONFTEST_TINY
 
-# the tiny model of the test suite (tests/conftest.py TINY): a Llama with an untied head
-TINY = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+# the tiny model of the test suite, its shapes only (no token ids): a Llama with an untied head
+TINY = {k: v for k, v in CONFTEST_TINY.items() if not k.endswith("token_id")}
 
 
 def tiny_head(seed: int) -> torch.Tensor:
