@@ -14,7 +14,7 @@ setup(
     packages=[*find_packages(include=["hf_bpd", "hf_bpd.*"]), "hf_bpd.model_cards"],
     package_dir={"hf_bpd.model_cards": "model_cards"},
     package_data={
-        "hf_bpd": ["csrc/*", "custom_generate/*", "data/*", "assets/*/*", "assets/*/*/*"],
+        "hf_bpd": ["cpu/csrc/*", "custom_generate/*", "data/*", "assets/*/*", "assets/*/*/*"],
         "hf_bpd.model_cards": ["*.md"],
     },
     include_package_data=True,
@@ -25,7 +25,7 @@ setup(
         "transformers>=5.0,<6",
         "safetensors",
         "huggingface_hub",
-        # torch builds hf_bpd's streamed linear kernel (hf_bpd/csrc) on first use with ninja and the system's C++
+        # torch builds hf_bpd's streamed linear kernel (hf_bpd/cpu/csrc) on first use with ninja and the system's C++
         # compiler; without them the kernel plan keeps to BLAS and oneDNN
         "ninja",
         "numpy",

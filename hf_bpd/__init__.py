@@ -1,17 +1,17 @@
 """hf_bpd: lossless blockwise parallel decoding (Kim et al., 2024) as a transformers plugin."""
 
-from .drafter import BlockDrafter, Rescorer
+from .cpu.packed_linear import fast_cpu
+from .decode.stats import DecodingStats
+from .drafting.drafter import BlockDrafter, Rescorer
+from .drafting.heads import BlockDraftHeads, BlockDraftHeadsConfig
+from .drafting.joint import load_joint_model
+from .drafting.lattice import Lattice, ScoredPath
+from .drafting.rescoring.composed import ComposedRescorer
+from .drafting.rescoring.neural import NeuralRescorer
+from .drafting.rescoring.ngram import ContextNgram, NgramLM, NgramRescorer
+from .drafting.tree import DraftTree
 from .generation import generate
-from .heads import BlockDraftHeads, BlockDraftHeadsConfig
-from .joint import load_joint_model
-from .lattice import Lattice, ScoredPath
-from .packaged import load_packaged_drafter, load_packaged_model, packaged_rescorers
-from .packed_linear import fast_cpu
-from .rescoring.composed import ComposedRescorer
-from .rescoring.neural import NeuralRescorer
-from .rescoring.ngram import ContextNgram, NgramLM, NgramRescorer
-from .stats import DecodingStats
-from .tree import DraftTree
+from .io.packaged import load_packaged_drafter, load_packaged_model, packaged_rescorers
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
         "analyze": "hf_bpd.tools.analyze",
         "replay": "hf_bpd.tools.replay",
         "cost-model": "hf_bpd.tools.cost_model",
-        "export": "hf_bpd.export",
+        "export": "hf_bpd.io.export",
         "distill": "hf_bpd.training.distill",
         "train-heads": "hf_bpd.training.train_heads",
         "train-ngram": "hf_bpd.training.train_ngram",

@@ -92,3 +92,13 @@ def caller_streamer(model):
     """The `streamer` given the usual way to the `generate` call running this custom_generate, or None.
     That `generate` already put the prompt into it, so the caller must not put it again."""
     return calling_generate_argument(model, "streamer")
+
+
+def compiled_forward(model) -> bool:
+    """Whether `model.forward` was replaced by a `torch.compile`d function (transformers' documented way
+    to compile a model for `generate`). Such a graph brings its own kernels (inductor's freezing packs
+    the weights as constants), and swapping linears under it would break its guards, so hf_bpd then
+    leaves the model's linears alone and runs its tree forwards through that same compiled forward (its
+    draft heads, which run outside the graph, keep packed kernels: `BlockDrafter._heads_kernels`)."""
+    forward = model.__dict__.get("forward")
+    return forward is not None and hasattr(forward, "_torchdynamo_orig_callable")

@@ -15,14 +15,14 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .accept import typical_acceptance
-from .batch import check_batch_supported, decode_batch
-from .call import DecodeCall
 from .compat import caller_streamer
-from .decoding import decode
-from .drafter import BlockDrafter
-from .recurrent import decode_recurrent
-from .support import check_call_supported, check_model_supported, has_recurrent_state
+from .decode.accept import typical_acceptance
+from .decode.batch import check_batch_supported, decode_batch
+from .decode.call import DecodeCall
+from .decode.recurrent import decode_recurrent
+from .decode.row import decode
+from .decode.support import check_call_supported, check_model_supported, has_recurrent_state
+from .drafting.drafter import BlockDrafter
 
 
 def generate(

@@ -13,9 +13,9 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_bpd.cost import measure_forward_cost
-from hf_bpd.models import load_model
-from hf_bpd.packaged import load_packaged_drafter, packaged_rescorer
+from hf_bpd.decode.cost import measure_forward_cost
+from hf_bpd.io.models import load_model
+from hf_bpd.io.packaged import load_packaged_drafter, packaged_rescorer
 from hf_bpd.tools.bench import (
     DEFAULT_DATA,
     bpd_method,

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
 
-    from hf_bpd.models import load_model
+    from hf_bpd.io.models import load_model
     from hf_bpd.training.distill import load_distilled
 
     model, _ = load_model("packaged")

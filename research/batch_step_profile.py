@@ -19,10 +19,10 @@ from collections import defaultdict
 import torch
 
 import hf_bpd
-from hf_bpd.jsonl import read_jsonl
-from hf_bpd.models import load_model
-from hf_bpd.packaged import load_packaged_drafter
-from hf_bpd.packed_linear import fast_cpu
+from hf_bpd.cpu.packed_linear import fast_cpu
+from hf_bpd.io.jsonl import read_jsonl
+from hf_bpd.io.models import load_model
+from hf_bpd.io.packaged import load_packaged_drafter
 from hf_bpd.tools.bench import select_rows
 from hf_bpd.tools.bench_batch import left_padded_batch
 

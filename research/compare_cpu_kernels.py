@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from hf_bpd.cost import ForwardTimer
-from hf_bpd.jsonl import read_jsonl
-from hf_bpd.models import chat_inputs, load_model
-from hf_bpd.packed_linear import PackedLinear, cached_kernel_plan, fast_cpu
+from hf_bpd.cpu.packed_linear import PackedLinear, cached_kernel_plan, fast_cpu
+from hf_bpd.decode.cost import ForwardTimer
+from hf_bpd.io.jsonl import read_jsonl
+from hf_bpd.io.models import chat_inputs, load_model
 from hf_bpd.tools.bench import DEFAULT_DATA, environment, select_rows
 
 SIZES = (1, 2, 4, 8, 16)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from hf_bpd.jsonl import read_jsonl
+from hf_bpd.io.jsonl import read_jsonl
 from hf_bpd.tools.bench import DEFAULT_DATA
 
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from hf_bpd.packaged import packaged_model_dir
+    from hf_bpd.io.packaged import packaged_model_dir
     from hf_bpd.tools.replay import answered_turns, read_answers
 
     tokenizer = AutoTokenizer.from_pretrained(packaged_model_dir())

@@ -1,6 +1,6 @@
 """What `grouped_attention` saves: a verification forward's time by tree width, with transformers' `sdpa`
 (the cache's keys and values copied once per query head for every masked forward of several tokens)
-and with `hf_bpd.grouped_attention` (the query heads folded onto the cached heads), in one process:
+and with `hf_bpd.cpu.grouped_attention` (the query heads folded onto the cached heads), in one process:
 
     python -m research.grouped_attention_cost --output benchmarks/kernels/grouped_attention_smollm2.json
 
@@ -23,15 +23,15 @@ from pathlib import Path
 
 import torch
 
-from hf_bpd.call import prefill, prompt_mask
-from hf_bpd.grouped_attention import grouped_attention
-from hf_bpd.jsonl import read_jsonl
-from hf_bpd.models import load_model
-from hf_bpd.packed_linear import PackedLinear, cached_kernel_plan
+from hf_bpd.cpu.grouped_attention import grouped_attention
+from hf_bpd.cpu.packed_linear import PackedLinear, cached_kernel_plan
+from hf_bpd.decode.call import prefill, prompt_mask
+from hf_bpd.decode.verify import verify_tree
+from hf_bpd.drafting.tree import DraftTree, batch_trees
+from hf_bpd.io.jsonl import read_jsonl
+from hf_bpd.io.models import load_model
 from hf_bpd.tools.bench import DEFAULT_DATA, environment, select_rows
 from hf_bpd.tools.bench_batch import left_padded_batch
-from hf_bpd.tree import DraftTree, batch_trees
-from hf_bpd.verify import verify_tree
 
 WIDTHS = (1, 2, 4, 8)
 

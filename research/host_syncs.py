@@ -2,7 +2,7 @@
 
     python -m research.host_syncs --output benchmarks/syncs/smollm2.json
 
-Counted on a CPU with `BlockDrafter.count_host_syncs` (`hf_bpd/syncs.py`): the same calls that would make
+Counted on a CPU with `BlockDrafter.count_host_syncs` (`hf_bpd/decode/syncs.py`): the same calls that would make
 a GPU's host wait. Sampling twice: as the shipped drafter runs it on a CPU (the host walk, one read per
 reached node) and with the device walk it takes on an accelerator (`BlockDrafter.fused_sampling`). One
 Spec-Bench dev prompt per category (first turns), untimed (counting slows every torch call). Outputs are
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 import hf_bpd
-from hf_bpd.jsonl import read_jsonl
-from hf_bpd.models import chat_inputs, load_model
+from hf_bpd.io.jsonl import read_jsonl
+from hf_bpd.io.models import chat_inputs, load_model
 from hf_bpd.tools.bench import DEFAULT_DATA, environment, select_rows
 
 # name -> (generate's decoding arguments, the drafter's `fused_sampling`: None is the shipped "auto", which

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_bpd.cost import ForwardCost, speedup_bound
+from hf_bpd.decode.cost import ForwardCost, speedup_bound
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 the same shape? Measured on real heads (the packaged SmolLM2-135M-Instruct and, where installed,
 Gemma-3-270M) and on a tiny random Llama, for both fingerprints heads record:
 
-- the sketch (`hf_bpd.heads.lm_head_sketch`, checked by `sketch_correlation` against
+- the sketch (`hf_bpd.drafting.heads.lm_head_sketch`, checked by `sketch_correlation` against
   `SKETCH_MIN_CORRELATION`): its correlation with each copy;
 - the legacy row sums (`lm_head_fingerprint`, checked by `matches_lm_head`): the largest row-sum
   difference over sqrt(hidden) x the row's standard deviation (accepted up to `ROW_SUM_TOLERANCE`), and
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from hf_bpd.heads import (
+from hf_bpd.drafting.heads import (
     ROW_SUM_TOLERANCE,
     SKETCH_MIN_CORRELATION,
     lm_head_fingerprint,

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 import hf_bpd
-from hf_bpd.cost import forward_cost_cache_file, forward_cost_key
-from hf_bpd.jsonl import read_jsonl
-from hf_bpd.models import chat_inputs, load_model
+from hf_bpd.decode.cost import forward_cost_cache_file, forward_cost_key
+from hf_bpd.io.jsonl import read_jsonl
+from hf_bpd.io.models import chat_inputs, load_model
 from hf_bpd.tools.bench import DEFAULT_DATA, environment, select_rows
 
 LOADED_FACTOR = 6.7  # the loaded curve: this many idle one-token forwards for every size up to 32 tokens

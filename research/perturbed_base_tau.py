@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 import hf_bpd
-from hf_bpd.heads import lm_head_mismatch, matches_lm_head, sketch_correlation
-from hf_bpd.jsonl import read_jsonl
-from hf_bpd.packaged import load_packaged_drafter, packaged_heads_dir
+from hf_bpd.drafting.heads import lm_head_mismatch, matches_lm_head, sketch_correlation
+from hf_bpd.io.jsonl import read_jsonl
+from hf_bpd.io.packaged import load_packaged_drafter, packaged_heads_dir
 from hf_bpd.tools.bench import DEFAULT_DATA, check_data_file, environment, load_drafter, select_rows
 from hf_bpd.tools.replay import answered_turns, answers_header, greedy_answers, replay
 from research.quantise import perturb_weight_matrices

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from hf_bpd.compat import LAST_HIDDEN_STATE
-from hf_bpd.grouped_attention import grouped_attention
-from hf_bpd.host_memory import reuse_freed_memory
-from hf_bpd.jsonl import read_jsonl
-from hf_bpd.models import load_model
-from hf_bpd.packed_linear import PackedLinear, cached_kernel_plan
+from hf_bpd.cpu.grouped_attention import grouped_attention
+from hf_bpd.cpu.host_memory import reuse_freed_memory
+from hf_bpd.cpu.packed_linear import PackedLinear, cached_kernel_plan
+from hf_bpd.io.jsonl import read_jsonl
+from hf_bpd.io.models import load_model
 from hf_bpd.tools.bench import DEFAULT_DATA, environment, select_rows
 from hf_bpd.tools.bench_batch import left_padded_batch
 

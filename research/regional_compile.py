@@ -30,11 +30,11 @@ from unittest import mock
 import torch
 import torch._dynamo as dynamo
 
-import hf_bpd.grouped_attention as grouped_module
-from hf_bpd.cost import ForwardTimer
-from hf_bpd.grouped_attention import grouped_attention
-from hf_bpd.models import load_model
-from hf_bpd.packed_linear import PACK_ROWS, PackedLinear, fast_cpu
+import hf_bpd.cpu.grouped_attention as grouped_module
+from hf_bpd.cpu.grouped_attention import grouped_attention
+from hf_bpd.cpu.packed_linear import PACK_ROWS, PackedLinear, fast_cpu
+from hf_bpd.decode.cost import ForwardTimer
+from hf_bpd.io.models import load_model
 from hf_bpd.tools.bench import environment
 
 

@@ -31,8 +31,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hf_bpd
-from hf_bpd.cost import ForwardTimer
-from hf_bpd.models import load_model
+from hf_bpd.decode.cost import ForwardTimer
+from hf_bpd.io.models import load_model
 from hf_bpd.tools.bench import environment
 
 LINEAR_OPS = ("aten::linear", "mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::matmul")

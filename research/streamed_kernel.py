@@ -4,7 +4,7 @@
 
 Why: at the few rows of decoding, BLAS and oneDNN ran the packaged model's linears at about twice the time
 one read of their weights takes here (`research.step_profile`: 64 ms of linears in a one-token forward, 92
-ms in an 8-token one), so tree forwards cost far more than one-token ones. `hf_bpd.streamed_linear` streams
+ms in an 8-token one), so tree forwards cost far more than one-token ones. `hf_bpd.cpu.streamed_linear` streams
 each weight once per 12 rows with the arithmetic overlapped. This measures, in one process:
 - `linears`: every linear weight of the model in turn (as a forward runs them, so they stream from
   memory), on each kernel alone, by row count, and the time to read every weight once (`sum`): the floor;
@@ -32,17 +32,17 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from hf_bpd import streamed_linear
-from hf_bpd.cost import ForwardTimer
-from hf_bpd.models import load_model
-from hf_bpd.packed_linear import PACK_ROWS, PackedLinear, measure_kernel_plan
+from hf_bpd.cpu import streamed_linear
+from hf_bpd.cpu.packed_linear import PACK_ROWS, PackedLinear, measure_kernel_plan
+from hf_bpd.decode.cost import ForwardTimer
+from hf_bpd.io.models import load_model
 from hf_bpd.tools.bench import environment
 
 
 def previous_kernel(rev: str):
     """The streamed kernel's source at git revision `rev`, built as its own extension module."""
     source = subprocess.run(
-        ["git", "show", f"{rev}:hf_bpd/csrc/streamed_linear.cpp"], check=True, capture_output=True, text=True
+        ["git", "show", f"{rev}:hf_bpd/cpu/csrc/streamed_linear.cpp"], check=True, capture_output=True, text=True
     ).stdout
     path = Path(tempfile.mkdtemp()) / "streamed_linear_previous.cpp"
     path.write_text(source)

@@ -14,8 +14,8 @@ import itertools
 import json
 from pathlib import Path
 
-from hf_bpd.drafter import BlockDrafter
-from hf_bpd.heads import BlockDraftHeads
+from hf_bpd.drafting.drafter import BlockDrafter
+from hf_bpd.drafting.heads import BlockDraftHeads
 from hf_bpd.tools.bench import bpd_method, greedy_method, run_bench
 from hf_bpd.training.distill import DEFAULT_PROMPTS, load_distilled, load_prompts
 
@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=None, help="drafter.json to write with the best settings")
     args = parser.parse_args(argv)
 
-    from hf_bpd.cost import measure_forward_cost
-    from hf_bpd.models import load_model
+    from hf_bpd.decode.cost import measure_forward_cost
+    from hf_bpd.io.models import load_model
 
     model, tokenizer = load_model(args.model)
     heads = BlockDraftHeads.from_pretrained(args.heads).bind(model)

@@ -16,8 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_bpd.jsonl import read_jsonl
-from hf_bpd.rescoring.composed import build_rescorer
+from hf_bpd.drafting.rescoring.composed import build_rescorer
+from hf_bpd.io.jsonl import read_jsonl
 from hf_bpd.tools.bench import DEFAULT_DATA, bpd_method, greedy_method, run_bench
 
 NGRAM = "ngram/ngram.arpa.gz"
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=None, help="rescorers.json to write")
     args = parser.parse_args(argv)
 
-    from hf_bpd.models import load_model
-    from hf_bpd.packaged import load_packaged_drafter
+    from hf_bpd.io.models import load_model
+    from hf_bpd.io.packaged import load_packaged_drafter
 
     model, tokenizer = load_model("packaged")
     folder = Path(args.assets)

@@ -545,7 +545,7 @@ POSITION_SOURCES = [
     "A tree forward gives each node its position in `position_ids` (the next position plus its depth) and its "
     "ancestors in a 4D mask, but node i sits at cache index past + i. Every modeling file was read for attention "
     "that takes positions or scales from the cache's length, `cache_position` or cache offsets, or chooses them for "
-    "a whole forward (`hf_bpd/support.py`):",
+    "a whole forward (`hf_bpd/decode/support.py`):",
     "",
     "- `llama4`, `llama4_text` (trees bounded, batches refused): the NoPE layers with attention temperature tuning "
     "scale each query by log1p(floor((i + 1) / floor_scale)), i its cache index. Each step's tree stays inside one "
@@ -587,7 +587,8 @@ def render_page(rows: list[Row], made_with: str) -> str:
         "several prompts and lengths.",
         "",
         "- `exact`: both hf_bpd runs produce plain greedy's tokens;",
-        "- `refused`: a `ValueError` raised by hf_bpd before any forward, naming the reason (`hf_bpd/support.py`);",
+        "- `refused`: a `ValueError` raised by hf_bpd before any forward, naming the reason "
+        "(`hf_bpd/decode/support.py`);",
         "- `not runnable by transformers`: the tiny model cannot be built, or plain `generate` fails on it;",
         "- `late refusal` / `mismatch` (failures): a `ValueError` after a forward / different tokens or an error;",
         f"- `timed out`: over {TIME_LIMIT:.0f} s.",

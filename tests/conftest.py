@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_bpd.jsonl import read_jsonl
+from hf_bpd.io.jsonl import read_jsonl
 
 SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_dev.jsonl"
 SPEC_BENCH_SAMPLE = Path(__file__).resolve().parent / "data" / "spec_bench_sample.jsonl"
@@ -81,7 +81,7 @@ def private_forward_cost_cache(tmp_path, monkeypatch):
     """Measured forward-cost curves go to a folder of this test, not the user's cache: a test of "auto"
     trees measures its model instead of reading a curve another test or run left."""
     folder = tmp_path / "forward_cost"
-    monkeypatch.setattr("hf_bpd.cost.forward_cost_dir", lambda: folder)
+    monkeypatch.setattr("hf_bpd.decode.cost.forward_cost_dir", lambda: folder)
     return folder
 
 

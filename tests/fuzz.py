@@ -39,7 +39,7 @@ from support_matrix import ROWS, Row, build  # noqa: E402
 
 import hf_bpd  # noqa: E402
 from hf_bpd import BlockDrafter, BlockDraftHeads  # noqa: E402
-from hf_bpd.cost import ForwardCost  # noqa: E402
+from hf_bpd.decode.cost import ForwardCost  # noqa: E402
 from hf_bpd.tools.forward_counter import ForwardCounter  # noqa: E402
 
 # the gap between plain greedy's two best logits below which a tree forward may round the other way:
@@ -181,7 +181,7 @@ def run_case(case: Case) -> dict:
         eos = produced[len(produced) // 2] if produced else None
     kw = generate_kwargs(case, eos)
     drafter = make_drafter(model, case)
-    from hf_bpd.support import attention_windows
+    from hf_bpd.decode.support import attention_windows
 
     # windows are served at every length (the windowed rows' windows of 16 are far shorter than most
     # cases), except one the masks cannot serve past (GPT-Neo's local layers: `cap`), served exactly while

@@ -9,7 +9,7 @@ import torch
 from conftest import random_heads, tiny_model
 
 from hf_bpd import BlockDrafter
-from hf_bpd.rescoring.ngram import NgramRescorer
+from hf_bpd.drafting.rescoring.ngram import NgramRescorer
 from hf_bpd.tools.analyze import analyze_row, h_max, pearson, prefix_match, repeats, simulated_tau, summarise
 from hf_bpd.tools.analyze import main as analyze_main
 
@@ -47,12 +47,12 @@ def test_analyze_row_and_summary_on_a_tiny_model(token_input):
 
 def test_an_unshipped_rescorer_is_refused_before_the_model_loads(monkeypatch, tmp_path):
     # Gemma ships only the context rescorer: asking for SmolLM2's "best" must fail at once, naming what is shipped
-    import hf_bpd.models
+    import hf_bpd.io.models
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the rescorer name was checked")
 
-    monkeypatch.setattr(hf_bpd.models, "load_model", no_loading)
+    monkeypatch.setattr(hf_bpd.io.models, "load_model", no_loading)
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"question_id": 1, "category": "qa", "turns": ["Why?"]}\n')
     refusal = r"no rescorer named 'best' is shipped for gemma-3-270m: shipped \['context'\]"

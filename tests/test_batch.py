@@ -1,4 +1,4 @@
-"""Batches (hf_bpd/batch.py): every row equals the same row of plain batched greedy `generate` on the same
+"""Batches (hf_bpd/decode/batch.py): every row equals the same row of plain batched greedy `generate` on the same
 left-padded batch, however differently the rows accept, finish or start."""
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def test_a_row_finishing_at_its_first_token():
 
 @pytest.mark.parametrize("curve_shape", ["flat", "linear"])
 def test_auto_trees_take_one_width_sized_by_the_batch_forward_and_stay_exact(curve_shape, monkeypatch):
-    from hf_bpd.cost import BatchForwardCost, ForwardCost
+    from hf_bpd.decode.cost import BatchForwardCost, ForwardCost
 
     # every forward "takes" what the curve says (no timing in tests): the sizing then follows the curve
     def observe_the_curve(self, width, seconds):
@@ -112,12 +112,12 @@ def test_auto_trees_take_one_width_sized_by_the_batch_forward_and_stay_exact(cur
 
 
 def test_plain_steps_leave_the_cache_alone_and_drafted_steps_compact_it(monkeypatch):
-    import hf_bpd.batch
-    from hf_bpd.cost import BatchForwardCost, ForwardCost
+    import hf_bpd.decode.batch
+    from hf_bpd.decode.cost import BatchForwardCost, ForwardCost
 
     calls = []
-    compact = hf_bpd.batch.compact_rows
-    monkeypatch.setattr(hf_bpd.batch, "compact_rows", lambda *a, **k: calls.append(a[1]) or compact(*a, **k))
+    compact = hf_bpd.decode.batch.compact_rows
+    monkeypatch.setattr(hf_bpd.decode.batch, "compact_rows", lambda *a, **k: calls.append(a[1]) or compact(*a, **k))
     # each token costs the same and no drafted node is sure: every tree is the root alone
     monkeypatch.setattr(BatchForwardCost, "observe", lambda self, w, s: self.seconds.update({w: 0.05 * self.rows * w}))
     model = tiny_model("llama", eos_token_id=None)
@@ -137,12 +137,12 @@ def test_plain_steps_feed_the_roots_alone_and_every_row_stays_exact(monkeypatch)
     """A plain step (the step chooser's, with "auto" trees) verifies each row's root as three tensors
     (`tree.root_batch`), no tree per row: greedy reads every row's token in one copy per step, rows
     finishing at eos get pad tokens as in plain generate, and processors still see each row's own sequence."""
-    import hf_bpd.batch
-    from hf_bpd.cost import BatchForwardCost, ForwardCost
+    import hf_bpd.decode.batch
+    from hf_bpd.decode.cost import BatchForwardCost, ForwardCost
 
     built = []
-    batch_trees = hf_bpd.batch.batch_trees
-    monkeypatch.setattr(hf_bpd.batch, "batch_trees", lambda *a, **k: built.append(1) or batch_trees(*a, **k))
+    batch_trees = hf_bpd.decode.batch.batch_trees
+    monkeypatch.setattr(hf_bpd.decode.batch, "batch_trees", lambda *a, **k: built.append(1) or batch_trees(*a, **k))
     # every token costs the same and no drafted node is sure: drafting never pays, every step is plain
     monkeypatch.setattr(BatchForwardCost, "observe", lambda self, w, s: self.seconds.update({w: 0.05 * self.rows * w}))
     model = tiny_model("llama", eos_token_id=None)
@@ -214,7 +214,7 @@ def test_squeeze_holes_keeps_each_rows_real_slots_in_order():
 
 
 def test_finished_rows_leave_the_cache_once_they_would_cost_a_step_and_the_rest_stay_exact(monkeypatch):
-    import hf_bpd.batch as batch_module
+    import hf_bpd.decode.batch as batch_module
 
     drops = []  # (cache rows before, rows kept)
     drop = batch_module.drop_rows
@@ -238,7 +238,7 @@ def test_finished_rows_leave_the_cache_once_they_would_cost_a_step_and_the_rest_
 
 
 def test_retiring_finished_rows_weighs_their_share_of_the_steps_left_against_a_step():
-    from hf_bpd.batch import retire_due
+    from hf_bpd.decode.batch import retire_due
 
     assert not retire_due(0, 8, 100)  # nothing finished
     assert retire_due(1, 8, 8) and not retire_due(1, 8, 7)  # 1/8 of each of 8 steps: one step
@@ -258,7 +258,7 @@ def test_the_hole_ledger_squeezes_once_the_holes_have_cost_one_copy_of_the_cache
 
 
 def test_a_batch_squeezes_its_holes_as_it_goes_and_every_row_stays_exact(monkeypatch):
-    import hf_bpd.batch as batch_module
+    import hf_bpd.decode.batch as batch_module
 
     squeezes = []
     squeeze = batch_module.squeeze_holes
@@ -277,8 +277,8 @@ def test_plain_steps_the_chooser_takes_run_on_a_cache_without_holes(monkeypatch)
     """After drafted steps left holes (rows accepting different lengths), a plain step the step chooser
     takes first squeezes them out: plain steps make none, and timed on drafted steps' holes they would look
     dearer than plain decoding is. The squeeze is charged to drafting."""
-    import hf_bpd.batch as batch_module
-    from hf_bpd.cost import BatchForwardCost, ForwardCost, StepChooser
+    import hf_bpd.decode.batch as batch_module
+    from hf_bpd.decode.cost import BatchForwardCost, ForwardCost, StepChooser
 
     script = iter([True, True, True, False, False, True, True, False] * 20)  # drafted and plain steps
     decisions = [False]  # the batch's first step is plain, before the chooser
@@ -315,7 +315,7 @@ def test_plain_steps_the_chooser_takes_run_on_a_cache_without_holes(monkeypatch)
 def test_rows_with_a_context_rescorer_and_context_copy_heads_equal_plain_batched_greedy():
     from test_context_copy import copy_heads
 
-    from hf_bpd.rescoring.ngram import NgramRescorer
+    from hf_bpd.drafting.rescoring.ngram import NgramRescorer
 
     model = tiny_model("llama", eos_token_id=None)
     rescorer = NgramRescorer(context_weight=0.5, num_paths=2)
@@ -393,8 +393,8 @@ def test_greedy_batch_steps_read_every_rows_choices_in_one_copy():
 
 
 def test_batch_draft_margin_grows_above_8_rows_so_a_thin_drafting_win_stays_plain_there():
-    from hf_bpd.batch import BATCH_DRAFT_MARGIN, batch_draft_margin
-    from hf_bpd.cost import StepChooser
+    from hf_bpd.decode.batch import BATCH_DRAFT_MARGIN, batch_draft_margin
+    from hf_bpd.decode.cost import StepChooser
 
     assert batch_draft_margin(1) == batch_draft_margin(8) == BATCH_DRAFT_MARGIN
     assert batch_draft_margin(16) == pytest.approx(0.10)

@@ -46,7 +46,7 @@ def test_bench_counts_forwards_and_checks_identity():
 
 
 def test_a_runs_header_records_the_rescorer_specs_shipped_for_its_model():
-    from hf_bpd.packaged import packaged_rescorers
+    from hf_bpd.io.packaged import packaged_rescorers
 
     gemma = bench._rescorer_specs(["hf_bpd", "hf_bpd+context"], "gemma-3-270m")
     assert gemma == {"context": packaged_rescorers("gemma-3-270m")["context"]}
@@ -79,8 +79,8 @@ def test_auto_tree_measurement_is_not_counted_as_decoding():
 
 
 def test_assisted_and_rescored_methods_are_lossless_and_named():
-    from hf_bpd.rescoring.neural import truncated_lm
-    from hf_bpd.rescoring.ngram import NgramRescorer
+    from hf_bpd.drafting.rescoring.neural import truncated_lm
+    from hf_bpd.drafting.rescoring.ngram import NgramRescorer
 
     model = tiny_model("llama", eos_token_id=None)
     heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3)
@@ -216,13 +216,13 @@ def test_summaries_count_the_turns_that_differ_from_greedy():
 
 @pytest.mark.parametrize("command", ["bench", "replay", "analyze"])
 def test_missing_prompts_file_is_refused_before_loading_a_model(command, tmp_path, monkeypatch):
-    import hf_bpd.models
+    import hf_bpd.io.models
     from hf_bpd import cli
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the missing file was noticed")
 
-    monkeypatch.setattr(hf_bpd.models, "load_model", no_loading)
+    monkeypatch.setattr(hf_bpd.io.models, "load_model", no_loading)
     extra = {"bench": [], "replay": ["--answers", str(tmp_path / "a.jsonl")], "analyze": ["--output", str(tmp_path)]}
     with pytest.raises(SystemExit, match="no such file"):
         cli.main([command, str(tmp_path / "missing.jsonl"), *extra[command]])

@@ -1,6 +1,6 @@
-"""hf_bpd's cache directory (hf_bpd/cache.py)."""
+"""hf_bpd's cache directory (hf_bpd/disk_cache.py)."""
 
-from hf_bpd import cache
+from hf_bpd import disk_cache as cache
 
 
 def test_cache_root_respects_environment(monkeypatch, tmp_path):

@@ -14,8 +14,8 @@ from transformers import Llama4ForCausalLM, Llama4TextConfig
 
 import hf_bpd
 from hf_bpd import BlockDrafter, BlockDraftHeads
-from hf_bpd.support import index_position_block, index_position_room
-from hf_bpd.tree import DraftTree
+from hf_bpd.decode.support import index_position_block, index_position_room
+from hf_bpd.drafting.tree import DraftTree
 
 # the test suite's tiny shapes (tests/conftest.py)
 SHAPE = (
@@ -224,7 +224,7 @@ def test_longrope_trees_stay_below_the_switch_and_crossing_it_is_refused():
     from conftest import random_heads
     from test_decoding import OracleDrafter
 
-    from hf_bpd.support import rope_switch_position
+    from hf_bpd.decode.support import rope_switch_position
     from hf_bpd.tools.forward_counter import ForwardCounter
 
     model = tiny_longrope(switch=12)

@@ -1,4 +1,4 @@
-"""Online calibration of acceptance estimates and of forward costs (hf_bpd/calibration.py, cost.py)."""
+"""Online calibration of acceptance estimates and of forward costs (hf_bpd/drafting/calibration.py, cost.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from conftest import tiny_model
 
 import hf_bpd
 from hf_bpd import BlockDrafter
-from hf_bpd.calibration import GREEDY, HEADS, RESCORER, SAMPLED, AcceptanceCalibration, Arc, SamplingWarp
-from hf_bpd.cost import ForwardCost, LearnedForwardCost, best_tree_size
-from hf_bpd.tree import DraftTree
+from hf_bpd.decode.cost import ForwardCost, LearnedForwardCost, best_tree_size
+from hf_bpd.drafting.calibration import GREEDY, HEADS, RESCORER, SAMPLED, AcceptanceCalibration, Arc, SamplingWarp
+from hf_bpd.drafting.tree import DraftTree
 
 
 def test_calibration_starts_at_one_and_converges_to_the_measured_rate():

@@ -1,4 +1,4 @@
-"""Context copy (`hf_bpd.context_copy`): the heads' pointer into the context, its mixture with the heads'
+"""Context copy (`hf_bpd.drafting.context_copy`): the heads' pointer into the context, its mixture with the heads'
 own distribution, decoding with it (lossless, replay equal to decoding) and training it."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from conftest import random_heads, tiny_distilled, tiny_model
 from test_training import args_for
 
 import hf_bpd
-from hf_bpd.context_copy import CopyTargets, distance_bucket, mixed_logprobs, target_logprob
-from hf_bpd.heads import BlockDraftHeads
+from hf_bpd.drafting.context_copy import CopyTargets, distance_bucket, mixed_logprobs, target_logprob
+from hf_bpd.drafting.heads import BlockDraftHeads
 from hf_bpd.tools.replay import replay_turn
 from hf_bpd.training import train_heads
 
@@ -119,7 +119,7 @@ def test_context_copy_heads_save_reload_bit_identical_and_first_heads_keep_their
 
 
 def test_chain_lattice_of_context_copy_heads_follows_the_mixture(model):
-    from hf_bpd.expansion import chain_lattice
+    from hf_bpd.drafting.expansion import chain_lattice
 
     heads = copy_heads(model, std=0.2)
     hidden = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -150,7 +150,7 @@ def test_context_copy_refusals(model):
     with pytest.raises(ValueError, match="already have a context-copy pointer"):
         copy_heads(model).with_context_copy(8)
     with pytest.raises(ValueError, match="copy_dim must be >= 1"):
-        from hf_bpd.context_copy import ContextCopy
+        from hf_bpd.drafting.context_copy import ContextCopy
 
         ContextCopy(8, 2, 0)
 

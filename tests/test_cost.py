@@ -9,7 +9,7 @@ import torch
 from conftest import random_heads, tiny_model
 
 import hf_bpd
-import hf_bpd.cost as cost
+import hf_bpd.decode.cost as cost
 from hf_bpd import BlockDrafter
 
 

@@ -271,7 +271,7 @@ def test_growth_by_previous_heads_counts_as_heads_time_when_sampling(monkeypatch
     a fused greedy step), not the tree's. A fake clock in the drafter module makes each growth cost 1 s."""
     from types import SimpleNamespace
 
-    from hf_bpd import drafter as drafter_module
+    from hf_bpd.drafting import drafter as drafter_module
 
     now = [0.0]
 
@@ -375,7 +375,7 @@ def test_model_rejecting_4d_masks_raises():
     model = tiny_model("llama")
     model.config._attn_implementation = "flash_attention_2"  # cannot take an arbitrary tree mask
     with pytest.raises(ValueError, match="4D"):
-        hf_bpd.support.check_model_supported(model)
+        hf_bpd.decode.support.check_model_supported(model)
 
     class NoMaskLM(torch.nn.Module):
         config = model.config
@@ -384,7 +384,7 @@ def test_model_rejecting_4d_masks_raises():
             raise AssertionError("never called")
 
     with pytest.raises(ValueError, match="attention_mask"):
-        hf_bpd.support.check_model_supported(NoMaskLM())
+        hf_bpd.decode.support.check_model_supported(NoMaskLM())
 
 
 def test_missing_or_wrong_assistant_and_beam_search_raise():
@@ -399,7 +399,7 @@ def test_missing_or_wrong_assistant_and_beam_search_raise():
 
 
 def test_forward_cost_sizes_trees_and_stays_lossless():
-    from hf_bpd.cost import ForwardCost, best_tree_size
+    from hf_bpd.decode.cost import ForwardCost, best_tree_size
 
     cpu_like = ForwardCost((1, 2, 4, 8, 16), (0.066, 0.127, 0.131, 0.140, 0.140))
     assert cpu_like(3) == pytest.approx(0.129) and cpu_like(32) == pytest.approx(0.140)
@@ -474,8 +474,8 @@ def test_previous_heads_accept_multi_token_drafts():
 
 def test_previous_heads_grow_little_more_than_the_cost_curve_keeps(monkeypatch):
     """With a forward-cost curve, "previous" heads grow at most twice the largest recent tree (>= 8)."""
-    from hf_bpd import drafter as drafter_module
-    from hf_bpd.cost import ForwardCost
+    from hf_bpd.decode.cost import ForwardCost
+    from hf_bpd.drafting import drafter as drafter_module
 
     grown = []
     grow = drafter_module.grow_on_device
@@ -499,7 +499,7 @@ def test_previous_heads_grow_little_more_than_the_cost_curve_keeps(monkeypatch):
 def test_previous_heads_with_a_rescorer_stay_exact(max_tree_tokens):
     """A rescorer sees the chain lattice of "previous" heads; its drafts (with acceptance estimates, from
     the context n-gram) join the expansion. The output is still greedy's."""
-    from hf_bpd.rescoring.ngram import NgramRescorer
+    from hf_bpd.drafting.rescoring.ngram import NgramRescorer
 
     model = tiny_model("llama", eos_token_id=None)
     heads = random_heads(model, num_heads=3, token_input="previous", std=0.05)

@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import tiny_model
 
-import hf_bpd.models
+import hf_bpd.io.models
 from hf_bpd.training import distill
 
 BOS = 1
@@ -58,7 +58,7 @@ def test_prompt_templates_encode_and_truncate_keeping_bos():
 
 def test_distill_cli_records_the_template_and_resumes_only_with_the_same_one(tmp_path, monkeypatch):
     model = tiny_model("llama", eos_token_id=None)
-    monkeypatch.setattr(hf_bpd.models, "load_model", lambda *a, **kw: (model, BaseTokenizer()))
+    monkeypatch.setattr(hf_bpd.io.models, "load_model", lambda *a, **kw: (model, BaseTokenizer()))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": f"what is {i}?"}) + "\n" for i in range(5)))
     out = tmp_path / "out"
@@ -88,7 +88,7 @@ def test_distill_cli_records_the_template_and_resumes_only_with_the_same_one(tmp
 
 def test_manifest_from_before_templates_resumes_as_chat(tmp_path, monkeypatch):
     model = tiny_model("llama", eos_token_id=None)
-    monkeypatch.setattr(hf_bpd.models, "load_model", lambda *a, **kw: (model, ChatTokenizer()))
+    monkeypatch.setattr(hf_bpd.io.models, "load_model", lambda *a, **kw: (model, ChatTokenizer()))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": f"p{i}"}) + "\n" for i in range(2)))
     out = tmp_path / "out"
@@ -110,7 +110,7 @@ class NoTemplateTokenizer(BaseTokenizer):
 
 def test_a_base_model_s_conversation_is_framed_as_its_heads_were_distilled():
     tok = NoTemplateTokenizer()
-    one = hf_bpd.models.chat_inputs(tok, [{"role": "user", "content": "What is 2+2?"}])
+    one = hf_bpd.io.models.chat_inputs(tok, [{"role": "user", "content": "What is 2+2?"}])
     assert one["input_ids"][0].tolist() == distill.encode_prompt(tok, "What is 2+2?", "qa")
     assert one["attention_mask"].tolist() == [[1] * one["input_ids"].shape[1]]
     turns = [
@@ -118,7 +118,7 @@ def test_a_base_model_s_conversation_is_framed_as_its_heads_were_distilled():
         {"role": "assistant", "content": " Hello."},
         {"role": "user", "content": "Bye"},
     ]
-    two = hf_bpd.models.chat_inputs(tok, turns)["input_ids"][0].tolist()
+    two = hf_bpd.io.models.chat_inputs(tok, turns)["input_ids"][0].tolist()
     assert two == [BOS] + ids("Question: Hi\nAnswer: Hello.\nQuestion: Bye\nAnswer:")
     with pytest.raises(ValueError, match="ends with a user message"):
-        hf_bpd.models.chat_inputs(tok, turns[:2])
+        hf_bpd.io.models.chat_inputs(tok, turns[:2])

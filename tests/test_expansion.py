@@ -1,4 +1,4 @@
-"""Best-first tree expansion for heads that read the drafted token (`hf_bpd.expansion`)."""
+"""Best-first tree expansion for heads that read the drafted token (`hf_bpd.drafting.expansion`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import random_heads, tiny_model
 
-from hf_bpd import expansion
-from hf_bpd.calibration import HEADS, RESCORER
-from hf_bpd.expansion import chain_lattice, expand_tree
-from hf_bpd.tree import DraftTree
+from hf_bpd.drafting import expansion
+from hf_bpd.drafting.calibration import HEADS, RESCORER
+from hf_bpd.drafting.expansion import chain_lattice, expand_tree
+from hf_bpd.drafting.tree import DraftTree
 
 ROOT = 11
 
@@ -99,7 +99,7 @@ def test_rescorer_estimates_compete_and_merged_drafts_are_not_duplicated(setup):
 def test_growing_a_batch_grows_each_row_s_own_tree(setup, budget, max_depth):
     """Rows grown together in one `grow_on_device` call (a batch's step) make the trees each row grows
     alone: the rows share no candidates, only the head calls."""
-    from hf_bpd.expansion import GrownTree, grow_on_device
+    from hf_bpd.drafting.expansion import GrownTree, grow_on_device
 
     heads, _ = setup
     hidden = torch.randn(3, heads.config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -158,8 +158,8 @@ def test_a_large_budget_holds_the_whole_expansion(setup):
 def test_growing_on_the_device_makes_the_host_search_s_tree(setup, budget, max_depth, scaled):
     """`grow_on_device` (every decision a tensor op, one copy at the end) grows exactly the tree and arcs of
     `expand_tree`'s host search: same rounds, same order, same calibration scales, same depth limit."""
-    from hf_bpd.calibration import AcceptanceCalibration, Arc
-    from hf_bpd.expansion import GrownTree, grow_on_device
+    from hf_bpd.drafting.calibration import AcceptanceCalibration, Arc
+    from hf_bpd.drafting.expansion import GrownTree, grow_on_device
 
     heads, hidden = setup
     calibration = None

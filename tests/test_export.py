@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import hf_bpd
 from hf_bpd import BlockDrafter, BlockDraftHeads
 from hf_bpd.cli import main as cli_main
-from hf_bpd.export import (
+from hf_bpd.io.export import (
     ExportError,
     export_heads,
     export_tensorrt_llm_medusa,
@@ -292,7 +292,7 @@ def test_the_shipped_medusa_heads_export_for_vllm_and_decode_identically_after_i
     model, tokenizer = hf_bpd.load_packaged_model()
     imported = BlockDrafter(import_medusa(out).bind(model), top_k=10, max_tree_tokens=16, context_lookup=0)
     shipped = hf_bpd.load_packaged_drafter(heads="medusa", max_tree_tokens=16, context_lookup=0)
-    inputs = hf_bpd.models.chat_inputs(tokenizer, [{"role": "user", "content": "Name three colours."}])
+    inputs = hf_bpd.io.models.chat_inputs(tokenizer, [{"role": "user", "content": "Name three colours."}])
     outs = [
         model.generate(**inputs, max_new_tokens=24, custom_generate=hf_bpd.generate, assistant=d)
         for d in (shipped, imported)

@@ -14,7 +14,7 @@ from torch import nn
 
 import hf_bpd
 from hf_bpd import BlockDraftHeads
-from hf_bpd.heads import (
+from hf_bpd.drafting.heads import (
     SKETCH_COLUMNS,
     SKETCH_MIN_CORRELATION,
     SKETCH_ROWS,
@@ -149,7 +149,7 @@ def test_row_sums_admit_quantisation_and_refuse_another_head(model):
 
 
 def test_truncated_lm_rescorer_accepts_a_quantised_base_and_reads_old_records(tmp_path):
-    from hf_bpd.rescoring.neural import load_truncated_lm, save_truncated_lm, truncated_lm
+    from hf_bpd.drafting.rescoring.neural import load_truncated_lm, save_truncated_lm, truncated_lm
 
     model = tiny_model("llama", num_hidden_layers=3)
     save_truncated_lm(truncated_lm(model, 2), tmp_path, model)
@@ -165,7 +165,7 @@ def test_truncated_lm_rescorer_accepts_a_quantised_base_and_reads_old_records(tm
 
 
 def test_exported_medusa_heads_carry_the_sketch_back(model, tmp_path):
-    from hf_bpd.export import export_vllm_medusa, import_medusa
+    from hf_bpd.io.export import export_vllm_medusa, import_medusa
 
     heads = random_heads(model, num_heads=2)
     export_vllm_medusa(heads, tmp_path / "medusa", model)
@@ -243,7 +243,7 @@ def test_shipped_gemma_heads_accept_gemma_in_another_precision():
 
 
 def test_ship_records_the_sketch_in_shipped_configs_and_leaves_the_weights(model, tmp_path, monkeypatch):
-    from hf_bpd.rescoring.neural import save_truncated_lm, truncated_lm
+    from hf_bpd.drafting.rescoring.neural import save_truncated_lm, truncated_lm
     from hf_bpd.training import ship
 
     assets = tmp_path / "assets"
@@ -252,7 +252,7 @@ def test_ship_records_the_sketch_in_shipped_configs_and_leaves_the_weights(model
     save_truncated_lm(truncated_lm(model, 1), assets / "rescorer", model)
     without_sketch(assets / "rescorer", "truncated_lm.json")
     weights = (assets / "heads" / "model.safetensors").read_bytes()
-    monkeypatch.setattr("hf_bpd.packaged.load_packaged_model", lambda name: (model, None))
+    monkeypatch.setattr("hf_bpd.io.packaged.load_packaged_model", lambda name: (model, None))
     written = ship.record_lm_head_sketch("tiny", assets)
     assert written == [assets / "heads" / "config.json", assets / "rescorer" / "truncated_lm.json"]
     want = lm_head_sketch(model.lm_head.weight)
@@ -260,7 +260,7 @@ def test_ship_records_the_sketch_in_shipped_configs_and_leaves_the_weights(model
     assert json.loads((assets / "rescorer" / "truncated_lm.json").read_text())["base_lm_head_sketch"] == want
     assert (assets / "heads" / "model.safetensors").read_bytes() == weights
     # assets trained on another model are not given this one's sketch
-    monkeypatch.setattr("hf_bpd.packaged.load_packaged_model", lambda name: (tiny_model("llama", seed=1), None))
+    monkeypatch.setattr("hf_bpd.io.packaged.load_packaged_model", lambda name: (tiny_model("llama", seed=1), None))
     with pytest.raises(SystemExit, match="another LM head"):
         ship.record_lm_head_sketch("tiny", assets)
 

@@ -1,4 +1,4 @@
-"""Grouped-query attention without copying the cache (hf_bpd/grouped_attention.py): the same attention as
+"""Grouped-query attention without copying the cache (hf_bpd/cpu/grouped_attention.py): the same attention as
 transformers' `sdpa` for masked forwards of several tokens, with no per-head copy of the keys and values,
 switched on inside a block only, and what `fast_cpu` and hf_bpd's decode run."""
 
@@ -10,7 +10,7 @@ from conftest import tiny_model
 from transformers.integrations import sdpa_attention
 
 import hf_bpd
-from hf_bpd.grouped_attention import ATTENTION_NAME, grouped_attention, grouped_sdpa_attention
+from hf_bpd.cpu.grouped_attention import ATTENTION_NAME, grouped_attention, grouped_sdpa_attention
 
 
 class _Attention(torch.nn.Module):
@@ -52,7 +52,7 @@ def test_what_it_does_not_fold_goes_to_sdpa_unchanged(monkeypatch):
     calls = []
     original = sdpa_attention.sdpa_attention_forward
     monkeypatch.setattr(
-        "hf_bpd.grouped_attention.sdpa_attention_forward", lambda *a, **k: calls.append(1) or original(*a, **k)
+        "hf_bpd.cpu.grouped_attention.sdpa_attention_forward", lambda *a, **k: calls.append(1) or original(*a, **k)
     )
     query, key, value, mask = _inputs(2, 4, 2, 1, 9)
     grouped_sdpa_attention(_Attention(2), query, key, value, mask)  # one token: transformers folds it itself
@@ -79,8 +79,8 @@ def test_the_block_switches_a_models_sdpa_layers_and_back_and_nests():
 
 
 def test_a_tree_forward_inside_the_block_equals_the_one_outside_and_copies_nothing(monkeypatch):
-    from hf_bpd.tree import DraftTree, batch_trees
-    from hf_bpd.verify import verify_tree
+    from hf_bpd.decode.verify import verify_tree
+    from hf_bpd.drafting.tree import DraftTree, batch_trees
 
     model = tiny_model("qwen2")
     prompt = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(0))

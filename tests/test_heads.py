@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import hf_bpd
 from hf_bpd import BlockDraftHeads, BlockDraftHeadsConfig
-from hf_bpd.heads import MAX_HEADS
+from hf_bpd.drafting.heads import MAX_HEADS
 
 VOCAB, HIDDEN = 97, 32  # conftest.TINY
 
@@ -109,7 +109,7 @@ def test_previous_heads_read_the_token_before_each_target(model, tmp_path):
 
 
 def test_token_input_config_values():
-    from hf_bpd.heads import BlockDraftHeadsConfig
+    from hf_bpd.drafting.heads import BlockDraftHeadsConfig
 
     assert BlockDraftHeadsConfig(use_next_token=True).token_input == "next"  # checkpoints before token_input
     assert BlockDraftHeadsConfig().token_input == ""

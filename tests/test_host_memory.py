@@ -11,8 +11,8 @@ import torch
 from conftest import tiny_model
 
 import hf_bpd
-from hf_bpd import host_memory
-from hf_bpd.host_memory import reuse_freed_memory
+from hf_bpd.cpu import host_memory
+from hf_bpd.cpu.host_memory import reuse_freed_memory
 
 BIG = 64 * 1024 * 1024 // 4  # float32s: above glibc's largest mmap threshold (32 MiB), so mapped outside the block
 PAGES = 64 * 1024 * 1024 // 4096

@@ -1,4 +1,4 @@
-"""Drafter folders that load themselves (`BlockDrafter.save_pretrained` / `push_to_hub`, `hf_bpd.hub`),
+"""Drafter folders that load themselves (`BlockDrafter.save_pretrained` / `push_to_hub`, `hf_bpd.io.hub`),
 offline: a local folder stands for the Hub repo, and the upload is faked."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from conftest import tiny_model
 
 import hf_bpd
 from hf_bpd import BlockDrafter, BlockDraftHeads
-from hf_bpd.rescoring.composed import build_rescorer
+from hf_bpd.drafting.rescoring.composed import build_rescorer
 
 CONTEXT_RESCORER = {"type": "ngram", "lm": None, "context_weight": 0.5, "num_paths": 2, "beam": 4}
 
@@ -49,7 +49,7 @@ def test_generate_from_the_saved_folder_needs_no_assistant_and_equals_the_callab
     steps = list(drafter.stats.accepted_lengths)
     hub_out = model.generate(ids, **kw, custom_generate=str(folder), trust_remote_code=True)
     assert hub_out.tolist() == callable_out.tolist() == model.generate(ids, **kw).tolist()
-    saved = hf_bpd.hub.saved_drafter(str(folder))
+    saved = hf_bpd.io.hub.saved_drafter(str(folder))
     assert saved.stats.accepted_lengths == steps  # the same drafter, rebuilt from the folder
     other = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=2), top_k=2, max_tree_tokens=4)
     explicit = model.generate(ids, **kw, custom_generate=str(folder), trust_remote_code=True, assistant=other)

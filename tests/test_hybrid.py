@@ -1,4 +1,4 @@
-"""Hybrid and recurrent models (`hf_bpd/recurrent.py`): every served family continues a cached state over a
+"""Hybrid and recurrent models (`hf_bpd/decode/recurrent.py`): every served family continues a cached state over a
 several-token forward as one token at a time does, and decodes token for token as plain `generate` does
 (greedy, seeded sampling, left-padded batches), with chains that are accepted whole (the state kept) and
 cut short (the state restored, the accepted tokens replayed); the other stateful families are refused by
@@ -18,11 +18,11 @@ from transformers import DynamicCache
 
 import hf_bpd
 from hf_bpd import BlockDrafter, BlockDraftHeads, ScoredPath
-from hf_bpd.call import prefill, prompt_mask
 from hf_bpd.compat import cache_argument
-from hf_bpd.support import RECURRENT_SERVED as SERVED
+from hf_bpd.decode.call import prefill, prompt_mask
+from hf_bpd.decode.support import RECURRENT_SERVED as SERVED
+from hf_bpd.decode.verify import verify_chain
 from hf_bpd.tools.forward_counter import ForwardCounter
-from hf_bpd.verify import verify_chain
 
 # family -> (model type, overrides of the shared tiny sizes), or None: transformers' own default config
 # shrunk as docs/support.md builds it (tests/all_architectures.py), which keeps both kinds of layers
@@ -193,7 +193,7 @@ def test_left_padded_batches_are_plain_batched_greedy(family):
 
 def test_copying_heads_with_auto_trees_and_lookup_are_exact():
     """The shipped settings' path: tree sizes by a forward-cost curve, context lookup, plain steps."""
-    from hf_bpd.cost import ForwardCost
+    from hf_bpd.decode.cost import ForwardCost
 
     model = build("Qwen3-Next")
     curve = ForwardCost((1, 2, 4, 8, 16, 32), (0.047, 0.068, 0.071, 0.075, 0.088, 0.117))
@@ -209,7 +209,7 @@ def test_copying_heads_with_auto_trees_and_lookup_are_exact():
 def test_auto_trees_measure_a_stateful_model_s_forward_cost_and_leave_its_state_alone(family, monkeypatch, tmp_path):
     """ "auto" with no curve given times the model's chain forwards at first use (as the shipped drafter
     does): a recurrent state cannot be cropped, so each timed forward is undone from a snapshot."""
-    from hf_bpd.cost import ForwardTimer
+    from hf_bpd.decode.cost import ForwardTimer
     from hf_bpd.kv import state_tensors
 
     monkeypatch.setenv("HF_BPD_CACHE", str(tmp_path))
@@ -242,7 +242,7 @@ def test_other_stateful_families_are_refused_by_name_before_any_forward(family):
 
 
 def test_an_unchecked_stateful_family_is_refused_by_name(monkeypatch):
-    monkeypatch.setattr("hf_bpd.support.RECURRENT_SERVED", SERVED - {"mamba2"})
+    monkeypatch.setattr("hf_bpd.decode.support.RECURRENT_SERVED", SERVED - {"mamba2"})
     model = build("Mamba-2")
     drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=2), top_k=2, max_tree_tokens=4)
     with ForwardCounter(model) as counter, pytest.raises(ValueError, match="'mamba2' is not one of them"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import SPEC_BENCH
 
-from hf_bpd.jsonl import read_jsonl
+from hf_bpd.io.jsonl import read_jsonl
 from hf_bpd.training.instructions import TEMPLATES, generate_instructions, main
 
 

@@ -97,13 +97,13 @@ def test_card_and_heads_import_in_one_direction():
         for alias in ([ast.alias(node.module or "")] if isinstance(node, ast.ImportFrom) else node.names)
     ]
     assert not relative and not [name for name in absolute if name in known or name == "hf_bpd"]
-    assert "hf_bpd.card" in library_imports()["hf_bpd.heads"]
+    assert "hf_bpd.card" in library_imports()["hf_bpd.drafting.heads"]
 
 
 def test_model_cards_layout():
     """model_cards/ at the repository root: the card template and one card per head set shipped in the
     package (tests/test_card.py checks each is what its assets give); nothing is left in hf_bpd/templates/."""
-    from hf_bpd.packaged import SHIPPED_ASSETS
+    from hf_bpd.io.packaged import SHIPPED_ASSETS
 
     cards = ROOT / "model_cards"
     assert (cards / "template.md").is_file() and not list((ROOT / "hf_bpd").glob("templates/*"))
@@ -111,7 +111,7 @@ def test_model_cards_layout():
     assert sorted(p.name for p in cards.iterdir()) == sorted(["template.md", *(f"{n}.md" for n in shipped)])
 
 
-DECODE_LOOPS = {"hf_bpd.decoding", "hf_bpd.batch", "hf_bpd.recurrent"}
+DECODE_LOOPS = {"hf_bpd.decode.row", "hf_bpd.decode.batch", "hf_bpd.decode.recurrent"}
 
 
 def depends_on(graph: dict[str, set[str]], module: str) -> set[str]:
@@ -131,8 +131,42 @@ def test_the_decode_loops_share_the_call_and_the_cache_surgery_and_not_each_othe
     no loop imports another, and neither the call, the cache surgery, the drafter nor the CPU kernels import a loop."""
     graph = library_imports()
     for loop in DECODE_LOOPS:
-        assert {"hf_bpd.call", "hf_bpd.kv"} <= depends_on(graph, loop), loop
-    assert "hf_bpd.batch" not in graph["hf_bpd.recurrent"] and "hf_bpd.recurrent" not in graph["hf_bpd.batch"]
-    for module in ("hf_bpd.call", "hf_bpd.kv", "hf_bpd.drafter", "hf_bpd.packed_linear", "hf_bpd.streamed_linear"):
+        assert {"hf_bpd.decode.call", "hf_bpd.kv"} <= depends_on(graph, loop), loop
+    assert (
+        "hf_bpd.decode.batch" not in graph["hf_bpd.decode.recurrent"]
+        and "hf_bpd.decode.recurrent" not in graph["hf_bpd.decode.batch"]
+    )
+    for module in (
+        "hf_bpd.decode.call",
+        "hf_bpd.kv",
+        "hf_bpd.drafting.drafter",
+        "hf_bpd.cpu.packed_linear",
+        "hf_bpd.cpu.streamed_linear",
+    ):
         assert not DECODE_LOOPS & depends_on(graph, module), module
     assert depends_on(graph, "hf_bpd.kv") <= {"hf_bpd.compat"}  # the Cache API and its own tensors only
+
+
+FOUNDATION = {f"hf_bpd.{m}" for m in ("compat", "log", "kv", "disk_cache", "machine_load", "card")}
+
+
+def in_folder(module: str, folder: str) -> bool:
+    return module.startswith(f"hf_bpd.{folder}.")
+
+
+def test_the_folders_import_in_one_direction():
+    """The folders say what depends on what: the foundation modules at the top (Cache API adapters, the
+    on-disk measurement cache, logging, the cards) import no folder; the CPU kernels (`cpu/`) import only the
+    foundation; drafting (`drafting/`) never imports a decode loop or the call context; `io/` (packaged
+    models, the Hub, exports) is read by the tools and the users, never by the decode path or the drafting."""
+    graph = library_imports()
+    modules = set(graph)
+    for module in FOUNDATION:
+        assert depends_on(graph, module) <= FOUNDATION, module
+    for module in (m for m in modules if in_folder(m, "cpu")):
+        assert {d for d in depends_on(graph, module) if not in_folder(d, "cpu")} <= FOUNDATION, module
+    loops = DECODE_LOOPS | {"hf_bpd.decode.call", "hf_bpd.generation"}
+    for module in (m for m in modules if in_folder(m, "drafting")):
+        assert not loops & depends_on(graph, module), module
+    for module in (m for m in modules if in_folder(m, "drafting") or in_folder(m, "decode")):
+        assert not [d for d in depends_on(graph, module) if in_folder(d, "io")], module

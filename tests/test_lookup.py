@@ -8,9 +8,9 @@ from conftest import tiny_model
 
 import hf_bpd
 from hf_bpd import BlockDrafter
-from hf_bpd.calibration import HEADS, AcceptanceCalibration, Arc
-from hf_bpd.lookup import lookup_continuation, lookup_source, merge_lookup
-from hf_bpd.tree import DraftTree
+from hf_bpd.drafting.calibration import HEADS, AcceptanceCalibration, Arc
+from hf_bpd.drafting.lookup import lookup_continuation, lookup_source, merge_lookup
+from hf_bpd.drafting.tree import DraftTree
 
 
 def test_longest_match_most_recent_with_room_wins():

@@ -8,8 +8,8 @@ from conftest import random_heads, tiny_model
 
 import hf_bpd
 from hf_bpd import BlockDrafter, Lattice
-from hf_bpd.rescoring.composed import ComposedRescorer
-from hf_bpd.rescoring.neural import (
+from hf_bpd.drafting.rescoring.composed import ComposedRescorer
+from hf_bpd.drafting.rescoring.neural import (
     NeuralRescorer,
     check_same_tokenizer,
     load_truncated_lm,
@@ -115,7 +115,7 @@ def test_rescorer_lm_with_another_tokenizer_raises():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_generation_with_neural_and_composed_rescorers_is_lossless(arch):
-    from hf_bpd.rescoring.ngram import NgramRescorer
+    from hf_bpd.drafting.rescoring.ngram import NgramRescorer
 
     model = tiny_model(arch, eos_token_id=None)
     prompt = torch.tensor([[1, 10, 11, 12, 13, 10, 11]])

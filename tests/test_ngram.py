@@ -13,7 +13,7 @@ from conftest import tiny_model
 
 import hf_bpd
 from hf_bpd import BlockDrafter, Lattice
-from hf_bpd.rescoring.ngram import LN10, ContextNgram, NgramLM, NgramRescorer
+from hf_bpd.drafting.rescoring.ngram import LN10, ContextNgram, NgramLM, NgramRescorer
 from hf_bpd.training.train_ngram import add_unk, train_arpa, train_ngram
 
 VOCAB = 97

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import hf_bpd
-import hf_bpd.models
-from hf_bpd import packaged
+import hf_bpd.io.models
+from hf_bpd.io import packaged
 
 
 def test_missing_gemma_package_names_it_before_any_work(monkeypatch, tmp_path):
@@ -32,7 +32,7 @@ def test_load_model_and_load_packaged_model_pass_the_name_through(monkeypatch):
     monkeypatch.setattr(packaged, "packaged_model_dir", lambda name=None: calls.append(name) or 1 / 0)
     for name in ("gemma-3-270m", "packaged"):
         with pytest.raises(ZeroDivisionError):
-            hf_bpd.models.load_model(name)
+            hf_bpd.io.models.load_model(name)
     with pytest.raises(ZeroDivisionError):
         hf_bpd.load_packaged_model("bfloat16")  # the old first parameter, dtype, still means SmolLM2
     assert calls == [packaged.GEMMA3_270M, packaged.SMOLLM2, packaged.SMOLLM2]

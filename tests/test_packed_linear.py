@@ -1,4 +1,4 @@
-"""oneDNN pre-packed linears (`hf_bpd.packed_linear`): same numbers as `F.linear` up to rounding, used
+"""oneDNN pre-packed linears (`hf_bpd.cpu.packed_linear`): same numbers as `F.linear` up to rounding, used
 only inside the context, never stale, and lossless decoding with them."""
 
 import contextlib
@@ -10,22 +10,21 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 import hf_bpd
-from hf_bpd.compat import cache_argument
-from hf_bpd.cost import ForwardTimer, measure_forward_cost
-from hf_bpd.kv import contiguous_kv
-from hf_bpd.packed_linear import (
+from hf_bpd.compat import cache_argument, compiled_forward
+from hf_bpd.cpu.packed_linear import (
     KERNEL_PLAN_SIZES,
     KernelPlan,
     PackedLinear,
     RowPlan,
     active_packed_linear,
     cached_kernel_plan,
-    compiled_forward,
     fast_cpu,
     linear_context,
     packed_linear_available,
     wants_packed_linear,
 )
+from hf_bpd.decode.cost import ForwardTimer, measure_forward_cost
+from hf_bpd.kv import contiguous_kv
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
 
@@ -113,7 +112,7 @@ def test_auto_resolution_and_refusals():
 
 
 def test_a_torch_whose_private_ops_changed_turns_packing_off_or_raises(monkeypatch):
-    import hf_bpd.packed_linear as packed_linear
+    import hf_bpd.cpu.packed_linear as packed_linear
 
     def changed(*args):
         raise RuntimeError("mkldnn::_linear_pointwise() expected at most 5 arguments")
@@ -223,8 +222,8 @@ def test_timing_a_compiled_forward_compiles_the_graphs_verification_then_runs():
     # the cost curve's timed forwards must be the very call `verify_tree` makes (the same keyword arguments,
     # the same cache layout): a compiled forward guards on them, so otherwise the first one-token step a
     # decoding takes (whether it takes one depends on the host's timings) compiles a graph mid-decoding
-    from hf_bpd.tree import DraftTree, batch_trees
-    from hf_bpd.verify import verify_tree
+    from hf_bpd.decode.verify import verify_tree
+    from hf_bpd.drafting.tree import DraftTree, batch_trees
 
     model = tiny_model("llama", eos_token_id=None)
     graphs = []

@@ -10,8 +10,8 @@ import torch
 from conftest import spec_bench_prompts, spec_bench_rows
 
 import hf_bpd
-from hf_bpd import packaged
-from hf_bpd.models import chat_inputs
+from hf_bpd.io import packaged
+from hf_bpd.io.models import chat_inputs
 
 
 def assert_identical_on_prompts(model, tokenizer, prompts, max_new_tokens, *drafters) -> list[list[float]]:
@@ -103,7 +103,7 @@ def test_two_processes_building_the_cache_at_once(tmp_path):
     import sys
 
     env = dict(os.environ, HF_BPD_CACHE=str(tmp_path), OMP_NUM_THREADS="1")
-    code = "from hf_bpd.packaged import packaged_model_dir; print(packaged_model_dir())"
+    code = "from hf_bpd.io.packaged import packaged_model_dir; print(packaged_model_dir())"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE) for _ in range(2)]
     outs = [p.communicate(timeout=600)[0].decode().strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)

@@ -10,8 +10,8 @@ from conftest import random_heads, tiny_model
 
 import hf_bpd
 from hf_bpd import BlockDrafter
+from hf_bpd.drafting.tree import DraftTree
 from hf_bpd.tools.replay import accept_along, greedy_answers, replay_turn
-from hf_bpd.tree import DraftTree
 
 
 def decode(model, drafter, ids, n):
@@ -90,7 +90,7 @@ def test_greedy_answers_are_cached_resumed_and_refused_for_other_settings(tmp_pa
 
 
 def test_limit_table_is_tau_times_the_cost_ratio():
-    from hf_bpd.cost import ForwardCost
+    from hf_bpd.decode.cost import ForwardCost
     from hf_bpd.tools.replay import limit_markdown, limit_table
 
     model = tiny_model("llama")

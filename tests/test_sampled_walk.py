@@ -1,4 +1,4 @@
-"""The device walk of sampled steps (`hf_bpd.sampled_walk`): the tokens of plain seeded sampling, the random
+"""The device walk of sampled steps (`hf_bpd.decode.sampled_walk`): the tokens of plain seeded sampling, the random
 stream left where plain sampling leaves it, and one device-to-host copy per step, drafting included."""
 
 import pytest
@@ -8,8 +8,8 @@ from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor, Temp
 
 import hf_bpd
 from hf_bpd import BlockDrafter
-from hf_bpd.cost import ForwardCost
-from hf_bpd.sampled_walk import walk_serves
+from hf_bpd.decode.cost import ForwardCost
+from hf_bpd.decode.sampled_walk import walk_serves
 
 OPTIONS = {
     "t0.7 top-p 0.9": dict(temperature=0.7, top_p=0.9),

@@ -23,10 +23,10 @@ from transformers import (
 )
 
 import hf_bpd
-import hf_bpd.accept
-import hf_bpd.call
+import hf_bpd.decode.accept
+import hf_bpd.decode.call
 from hf_bpd import BlockDrafter
-from hf_bpd.tree import DraftTree
+from hf_bpd.drafting.tree import DraftTree
 
 VOCAB = 6
 
@@ -63,9 +63,9 @@ def emission_law(tree, prompt, processors, monkeypatch) -> dict[tuple[int, ...],
             probs_seen.append(probs[script[len(probs_seen)]].item())
             return torch.tensor([script[len(probs_seen) - 1]])
 
-        monkeypatch.setattr(hf_bpd.accept, "choose_tokens", scripted)
+        monkeypatch.setattr(hf_bpd.decode.accept, "choose_tokens", scripted)
         try:
-            result = hf_bpd.accept.accept_tree(
+            result = hf_bpd.decode.accept.accept_tree(
                 tree, node_logits, torch.tensor([prompt]), processors, StoppingCriteriaList(), do_sample=True
             )
         except _Branch as branch:
@@ -272,7 +272,7 @@ def root_only_accept(tree, logits, sequence, processors, stopping, do_sample=Fal
     return _real_accept_tree(tree, logits, sequence, at_root_only, stopping, do_sample, typical, stop)
 
 
-_real_accept_tree = hf_bpd.accept.accept_tree
+_real_accept_tree = hf_bpd.decode.accept.accept_tree
 
 
 def sampled_three_tokens(model, drafter, prompt: list[int], runs: int = RUNS, **kw) -> dict[tuple[int, ...], int]:
@@ -306,7 +306,7 @@ def test_chi_squared_sampling_law_through_generate(small_vocab_model):
 
 def test_chi_squared_has_power_against_processing_at_the_root_only(small_vocab_model, monkeypatch):
     model, drafter, prompt = small_vocab_model
-    monkeypatch.setattr(hf_bpd.call, "accept_tree", root_only_accept)
+    monkeypatch.setattr(hf_bpd.decode.call, "accept_tree", root_only_accept)
     law = exact_three_token_law(model, prompt)
     p = chi_squared_p(sampled_three_tokens(model, drafter, prompt, CONTROL_RUNS), law, CONTROL_RUNS)
     assert p < 1e-6, p
@@ -325,11 +325,11 @@ def test_typical_child_follows_medusas_rule():
     # entropy of this distribution is about 1.14 nats: threshold min(0.09, 0.3 * exp(-1.14)) = 0.09
     probs = torch.tensor([0.5, 0.3, 0.0, 0.05, 0.15])
     scores = probs.log()
-    assert hf_bpd.accept.typical_child(tree, 0, scores, 0.09, 0.3) == 1  # token 1 (p 0.3) beats token 3 (p 0.05)
-    assert hf_bpd.accept.typical_child(tree, 0, scores, 0.5, 10.0) is None  # threshold 0.5: no child qualifies
-    assert hf_bpd.accept.typical_child(tree, 3, scores, 0.09, 0.3) is None  # a leaf has no child to accept
+    assert hf_bpd.decode.accept.typical_child(tree, 0, scores, 0.09, 0.3) == 1  # token 1 (p 0.3) beats token 3 (p 0.05)
+    assert hf_bpd.decode.accept.typical_child(tree, 0, scores, 0.5, 10.0) is None  # threshold 0.5: no child qualifies
+    assert hf_bpd.decode.accept.typical_child(tree, 3, scores, 0.09, 0.3) is None  # a leaf has no child to accept
     only_low = DraftTree.from_paths(0, [(3,)], max_nodes=8)
-    assert hf_bpd.accept.typical_child(only_low, 0, scores, 0.09, 0.3) is None  # p 0.05 is below the threshold
+    assert hf_bpd.decode.accept.typical_child(only_low, 0, scores, 0.09, 0.3) is None  # p 0.05 is below the threshold
 
 
 def test_typical_acceptance_needs_sampling_and_a_valid_setting():
@@ -348,8 +348,8 @@ def test_typical_acceptance_needs_sampling_and_a_valid_setting():
 def test_lattice_heads_with_a_rescorer_sample_exactly_under_a_tight_nucleus():
     """Lattice heads' warped estimates keep a finite floor outside the nucleus (k-best searches subtract
     scores), and decoding with a rescorer over them stays seeded plain sampling."""
-    from hf_bpd.calibration import SamplingWarp
-    from hf_bpd.drafter import LATTICE_FLOOR
+    from hf_bpd.drafting.calibration import SamplingWarp
+    from hf_bpd.drafting.drafter import LATTICE_FLOOR
 
     model = tiny_model("llama", eos_token_id=None)
     rescorer = hf_bpd.NgramRescorer(context_weight=0.5, num_paths=2, beam=4)

@@ -10,12 +10,12 @@ from conftest import random_heads, spec_bench_prompts, tiny_model
 from transformers import StaticCache
 
 import hf_bpd
-import hf_bpd.decoding as decoding
+import hf_bpd.decode.row as decoding
 from hf_bpd import BlockDrafter, BlockDraftHeads
 from hf_bpd.compat import GENERATE_CACHE_FIELD, cache_argument
+from hf_bpd.decode.static_cache import GRAPH_TREE_SIZES, graph_tree_size, static_capacity
+from hf_bpd.io.models import chat_inputs
 from hf_bpd.kv import compact_static_cache
-from hf_bpd.models import chat_inputs
-from hf_bpd.static_cache import GRAPH_TREE_SIZES, graph_tree_size, static_capacity
 
 
 def generate(model, ids, drafter=None, **kw):

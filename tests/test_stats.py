@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_bpd.call import StepClock
-from hf_bpd.stats import DecodingStats
+from hf_bpd.decode.call import StepClock
+from hf_bpd.decode.stats import DecodingStats
 
 
 def test_block_efficiency_counts_the_prefill_as_a_forward():

@@ -1,4 +1,4 @@
-"""The streamed linear kernel (`hf_bpd.streamed_linear`): F.linear's numbers for any row count and shape,
+"""The streamed linear kernel (`hf_bpd.cpu.streamed_linear`): F.linear's numbers for any row count and shape,
 one FMA chain per output (a row's result does not depend on the rows beside it), and its place in the
 kernel plan (`packed_linear`): a shape the plan gives to it keeps its panels as its one packed copy, a plan
 measured without it never names it, and the cached plan keeps each shape's format."""
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 
-from hf_bpd import streamed_linear
-from hf_bpd.packed_linear import (
+from hf_bpd.cpu import streamed_linear
+from hf_bpd.cpu.packed_linear import (
     KERNEL_PLAN_SIZES,
     ONEDNN,
     STREAMED,
@@ -128,7 +128,7 @@ def test_the_cached_plan_keeps_each_shapes_format(tmp_path, monkeypatch):
     streamed_shape = next(iter(measured))
     fake = KernelPlan(measured, {streamed_shape: STREAMED})
     monkeypatch.setattr(
-        "hf_bpd.packed_linear.measure_kernel_plan", lambda model, extra_weights=(), progress=False: fake
+        "hf_bpd.cpu.packed_linear.measure_kernel_plan", lambda model, extra_weights=(), progress=False: fake
     )
     plan, _, was_measured = cached_kernel_plan(model)
     assert was_measured and plan == fake

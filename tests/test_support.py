@@ -1,4 +1,4 @@
-"""hf_bpd.support: every architecture of the support matrix is exact or refused up front; inputs and
+"""hf_bpd.decode.support: every architecture of the support matrix is exact or refused up front; inputs and
 options the loop would not honour are refused by name before any forward; the usual streamer works."""
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def test_unsupported_inputs_are_refused_before_any_forward():
 def test_empty_prompt_is_refused():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="empty"):
-        hf_bpd.support.check_call_supported(
+        hf_bpd.decode.support.check_call_supported(
             model, torch.zeros(1, 0, dtype=torch.long), model.generation_config, {"attention_mask": None}
         )
 

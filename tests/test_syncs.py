@@ -1,4 +1,4 @@
-"""Device-to-host synchronisations per decoding step (`hf_bpd.syncs`, `stats.host_syncs`), and the greedy
+"""Device-to-host synchronisations per decoding step (`hf_bpd.decode.syncs`, `stats.host_syncs`), and the greedy
 accept phase that makes one: the same tokens as the per-node walk, with eos and max length inside drafts."""
 
 import pytest
@@ -9,8 +9,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 import hf_bpd
-from hf_bpd.accept import HostStop
-from hf_bpd.syncs import HostSyncCounter
+from hf_bpd.decode.accept import HostStop
+from hf_bpd.decode.syncs import HostSyncCounter
 
 
 def test_the_counter_counts_each_kind_of_host_copy_by_phase():
@@ -58,7 +58,7 @@ def test_greedy_decoding_with_previous_heads_synchronises_once_per_step(max_tree
     """The shipped kind of heads ("previous", grown on the device): every drafted step after the first
     makes exactly one device-to-host copy (its accepted tokens and the next tree together), drafting and
     cache included; plain steps (the roots alone) make one too."""
-    from hf_bpd.cost import ForwardCost
+    from hf_bpd.decode.cost import ForwardCost
 
     model = tiny_model("llama", eos_token_id=None)
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6]])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_bpd import DraftTree
-from hf_bpd.tree import TreeBatch, batch_trees, root_batch
+from hf_bpd.drafting.tree import TreeBatch, batch_trees, root_batch
 
 
 def brute_ancestors(parents: list[int]) -> torch.Tensor:

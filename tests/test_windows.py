@@ -1,4 +1,4 @@
-"""Attention windows at every length (hf_bpd/support.py, `verify.tree_attention_mask`): every windowed
+"""Attention windows at every length (hf_bpd/decode/support.py, `verify.tree_attention_mask`): every windowed
 family transformers has, built tiny with a window of 8, decodes prompts + generations of 1-10 windows token
 for token as plain `generate` does: greedy with an oracle drafter (deep trees accepted whole, siblings
 before the true path, so node index != depth), seeded sampling, and left-padded batches."""
@@ -15,7 +15,7 @@ from transformers.cache_utils import DynamicLayer
 import hf_bpd
 from hf_bpd import BlockDrafter, BlockDraftHeads
 from hf_bpd.compat import GENERATE_CACHE_FIELD
-from hf_bpd.support import attention_windows
+from hf_bpd.decode.support import attention_windows
 
 W = 8
 MIXED = ["sliding_attention", "full_attention"]
@@ -111,8 +111,8 @@ def test_returned_cache_continues_as_plain_generate():
 
 
 def test_windows_are_per_layer_type_and_bind_only_past_the_window():
-    from hf_bpd.tree import DraftTree, batch_trees
-    from hf_bpd.verify import tree_attention_mask
+    from hf_bpd.decode.verify import tree_attention_mask
+    from hf_bpd.drafting.tree import DraftTree, batch_trees
 
     model = model_for("gemma2")
     windows = attention_windows(model)

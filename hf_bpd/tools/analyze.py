@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..lattice import Lattice
+from ..drafting.lattice import Lattice
 
 MAX_K = 16
 
@@ -277,7 +277,7 @@ def rescorer_overhead(model, tokenizer, rows: list[dict], rescorers: dict, h: in
     import statistics
     import time
 
-    from ..models import chat_inputs
+    from ..io.models import chat_inputs
 
     cases = []
     for row in rows:
@@ -310,8 +310,8 @@ def rescorer_overhead(model, tokenizer, rows: list[dict], rescorers: dict, h: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..jsonl import read_jsonl
-    from ..models import chat_inputs, load_model
+    from ..io.jsonl import read_jsonl
+    from ..io.models import chat_inputs, load_model
     from .bench import DEFAULT_DATA, check_data_file, environment, select_rows
 
     parser = argparse.ArgumentParser(prog="hf-bpd analyze", description=__doc__.split("\n\n")[0])
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_data_file(args.data)
 
-    from ..drafter import BlockDrafter
-    from ..packaged import (
+    from ..drafting.drafter import BlockDrafter
+    from ..io.packaged import (
         check_shipped_rescorers,
         load_packaged_drafter,
         packaged_rescorer,

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from ..cost import ForwardCost, measure_forward_cost
-from ..drafter import BlockDrafter
+from ..cpu.packed_linear import fast_cpu
+from ..decode.cost import ForwardCost, measure_forward_cost
+from ..decode.support import attention_windows
+from ..drafting.drafter import BlockDrafter
 from ..generation import generate as bpd_generate
-from ..jsonl import read_jsonl
-from ..models import chat_inputs
-from ..packed_linear import fast_cpu
-from ..support import attention_windows
+from ..io.jsonl import read_jsonl
+from ..io.models import chat_inputs
 from .forward_counter import ForwardCounter
 
 DEFAULT_DATA = "../shared/data/spec_bench_dev.jsonl"
@@ -511,7 +511,7 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
 def _rescorer_specs(methods: list[str], model: str | None = None) -> dict:
     """The shipped specs of the rescorers the methods use for packaged `model` (the assisted method drafts
     with "neural")."""
-    from ..packaged import packaged_rescorers
+    from ..io.packaged import packaged_rescorers
 
     specs = packaged_rescorers(model)
     names = [m.split("+", 1)[1] for m in methods if m.startswith("hf_bpd+")] + (["neural"] * ("assisted" in methods))
@@ -702,7 +702,7 @@ def environment(device: str, dtype: str) -> dict:
 
     import transformers
 
-    from ..cache import device_name
+    from ..disk_cache import device_name
 
     try:
         commit = subprocess.run(
@@ -747,12 +747,12 @@ def load_drafter(heads: str, model, num_heads: int = 4, packaged_model: str | No
     """The drafter a benchmark runs, profiled: `heads` is a folder, "packaged" (the heads shipped for the
     packaged model `packaged_model` names, None the default, with their drafter.json settings, which
     `kwargs` override) or "untrained" (`num_heads` fresh heads)."""
-    from ..heads import BlockDraftHeads
+    from ..drafting.heads import BlockDraftHeads
 
     if heads == "untrained":
         return BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=num_heads), profile=True, **kwargs)
     if heads == "packaged":
-        from ..packaged import load_packaged_drafter
+        from ..io.packaged import load_packaged_drafter
 
         drafter = load_packaged_drafter(model=packaged_model, **kwargs)
         drafter.profile = True
@@ -870,8 +870,8 @@ def main(argv: list[str] | None = None) -> int:
     elif any(v is not None for v in (args.temperature, args.top_p, args.sample_top_k)):
         raise SystemExit("--temperature, --top-p and --sample-top-k shape sampling: add --do-sample")
 
-    from ..models import load_model
-    from ..packaged import resolve_packaged_name
+    from ..io.models import load_model
+    from ..io.packaged import resolve_packaged_name
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     packaged = resolve_packaged_name(args.model)  # the packaged model whose heads and rescorers the run uses
@@ -919,13 +919,13 @@ def main(argv: list[str] | None = None) -> int:
         header["forward_cost"] = [list(drafter.forward_cost.sizes), list(drafter.forward_cost.seconds)]
 
     def with_rescorer(name: str) -> Method:
-        from ..packaged import packaged_rescorer
+        from ..io.packaged import packaged_rescorer
 
         rescored = drafter.with_rescorer(packaged_rescorer(name, tokenizer, model=packaged))
         return bpd_method(model, rescored, f"hf_bpd+{name}", decoding)
 
     def assisted() -> Method:
-        from ..packaged import packaged_rescorer
+        from ..io.packaged import packaged_rescorer
 
         small = packaged_rescorer("neural", tokenizer)
         small.bind(model)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ..models import chat_inputs
+from ..io.models import chat_inputs
 from .forward_counter import ForwardCounter
 
 

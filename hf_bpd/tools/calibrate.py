@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--again", action="store_true", help="measure the forward-cost curve again")
     args = parser.parse_args(argv)
 
-    from ..packaged import load_packaged_drafter, load_packaged_model
+    from ..io.packaged import load_packaged_drafter, load_packaged_model
 
     show_info()
     model, _ = load_packaged_model(args.model)

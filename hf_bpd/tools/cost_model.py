@@ -32,7 +32,7 @@ from statistics import median_high
 
 import torch
 
-from ..cost import measure_forward_cost, speedup_bound
+from ..decode.cost import measure_forward_cost, speedup_bound
 
 # Llama-shaped configurations (hidden, layers, attention heads, kv heads, MLP width, vocabulary)
 SHAPES = {
@@ -82,8 +82,8 @@ def _sync(device: torch.device) -> None:
 def measure_draft_cost(model, tree_sizes, context: int = 256, repeats: int = 5) -> dict[int, float]:
     """Median seconds of one drafting step (heads, lookup chain, tree) growing a tree of n nodes, for
     shipped-style random heads on `model`."""
-    from ..drafter import BlockDrafter
-    from ..heads import BlockDraftHeads
+    from ..drafting.drafter import BlockDrafter
+    from ..drafting.heads import BlockDraftHeads
 
     param = next(model.parameters())
     vocab = model.get_output_embeddings().weight.shape[0]

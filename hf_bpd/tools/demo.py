@@ -20,12 +20,12 @@ from importlib import resources
 
 import torch
 
+from ..cpu.packed_linear import fast_cpu
 from ..generation import generate as bpd_generate
-from ..jsonl import parse_jsonl
+from ..io.jsonl import parse_jsonl
+from ..io.models import chat_inputs
 from ..log import show_info
 from ..machine_load import OtherLoad
-from ..models import chat_inputs
-from ..packed_linear import fast_cpu
 
 WARMUP_PROMPT = "Say hello."
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--max-new-tokens and --limit must be >= 1")
 
-    from ..packaged import load_packaged_drafter, load_packaged_model
+    from ..io.packaged import load_packaged_drafter, load_packaged_model
 
     show_info()  # one-time work says what it measures and how long it takes
     t0 = time.perf_counter()

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from ..cost import ForwardCost, measure_forward_cost, speedup_bound
-from ..drafter import BlockDrafter
-from ..jsonl import read_jsonl
-from ..models import chat_inputs
+from ..decode.cost import ForwardCost, measure_forward_cost, speedup_bound
+from ..drafting.drafter import BlockDrafter
+from ..io.jsonl import read_jsonl
+from ..io.models import chat_inputs
 from .bench import DEFAULT_DATA, check_data_file, environment, load_drafter, select_rows
 
 
@@ -281,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_data_file(args.data)
 
-    from ..models import load_model
-    from ..packaged import check_shipped_rescorers, packaged_rescorer, resolve_packaged_name
+    from ..io.models import load_model
+    from ..io.packaged import check_shipped_rescorers, packaged_rescorer, resolve_packaged_name
 
     packaged = resolve_packaged_name(args.model)
     try:  # before the model loads

@@ -1,4 +1,4 @@
-"""Training and validating the heads' context-copy pointer (`hf_bpd/context_copy.py`) in frozen mode.
+"""Training and validating the heads' context-copy pointer (`hf_bpd/drafting/context_copy.py`) in frozen mode.
 
 Each training position t of a distilled sample drafts from the hidden state at t with the root x[t+1]
 known; head i reads x[t+1+i] (teacher forcing), the token before it is x[t+i], and its target is
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_bpd.context_copy import CopyTargets
-from hf_bpd.heads import BlockDraftHeads
+from hf_bpd.drafting.context_copy import CopyTargets
+from hf_bpd.drafting.heads import BlockDraftHeads
 
 
 @dataclass

@@ -45,8 +45,8 @@ import os
 import sys
 from pathlib import Path
 
-from hf_bpd.jsonl import read_jsonl
-from hf_bpd.models import PROMPT_FORMATS
+from hf_bpd.io.jsonl import read_jsonl
+from hf_bpd.io.models import PROMPT_FORMATS
 
 DEFAULT_PROMPTS = "../shared/data/train_prompts.jsonl"
 CHAT = "chat"
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
-    from hf_bpd.models import load_model
+    from hf_bpd.io.models import load_model
 
     # under accelerate launch / torchrun: one process of several (gloo on CPU with ACCELERATE_USE_CPU=true)
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))

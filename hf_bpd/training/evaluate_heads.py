@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=None, help="JSON file of the results")
     args = parser.parse_args(argv)
 
-    from hf_bpd.heads import BlockDraftHeads
-    from hf_bpd.models import load_model
-    from hf_bpd.packaged import packaged_heads_dir, resolve_packaged_name
+    from hf_bpd.drafting.heads import BlockDraftHeads
+    from hf_bpd.io.models import load_model
+    from hf_bpd.io.packaged import packaged_heads_dir, resolve_packaged_name
     from hf_bpd.training.distill import load_distilled
 
     model, _ = load_model(args.model, with_tokenizer=False)

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from hf_bpd.heads import BlockDraftHeads
+from hf_bpd.drafting.heads import BlockDraftHeads
 from hf_bpd.training.checkpoint import resume, run_fingerprint, save_epoch, skip_module_in_state, track
 from hf_bpd.training.objective import (
     IGNORE,

@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from hf_bpd.heads import BlockDraftHeads
+from hf_bpd.drafting.heads import BlockDraftHeads
 
 IGNORE = -100
 

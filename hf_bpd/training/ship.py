@@ -5,7 +5,7 @@ with them (bench.json); then write their model card, `model_cards/<packaged mode
 
 `--cards` writes every shipped head set's card again from the assets (after a template change);
 `--check` only compares: exit status 1, naming the cards that differ, when one is not what the assets give;
-`--lm-head-sketch` records the packaged models' LM-head sketch (`hf_bpd.heads.lm_head_sketch`) in the
+`--lm-head-sketch` records the packaged models' LM-head sketch (`hf_bpd.drafting.heads.lm_head_sketch`) in the
 configs of every head set and rescorer shipped for them, their weights untouched."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from hf_bpd.card import CHECKOUT_CARDS, bench_summary, load_json, precision_summary, render_card
-from hf_bpd.heads import BlockDraftHeads, BlockDraftHeadsConfig, lm_head_identity
-from hf_bpd.packaged import HEAD_KINDS, SHIPPED_ASSETS
+from hf_bpd.drafting.heads import BlockDraftHeads, BlockDraftHeadsConfig, lm_head_identity
+from hf_bpd.io.packaged import HEAD_KINDS, SHIPPED_ASSETS
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def check_cards(cards: Path = CHECKOUT_CARDS, write: bool = False) -> list[str]:
     return stale
 
 
-# the shipped rescorer that records its base model's LM head (`hf_bpd.rescoring.neural.save_truncated_lm`)
+# the shipped rescorer that records its base model's LM head (`hf_bpd.drafting.rescoring.neural.save_truncated_lm`)
 TRUNCATED_LM_CONFIG = Path("rescorer") / "truncated_lm.json"
 
 
@@ -83,7 +83,7 @@ def record_lm_head_sketch(name: str, assets: Path) -> list[Path]:
     row sums are this model's: the assets were trained on the packaged model, so its sketch is theirs. Written
     as each file was (transformers' config layout; the rescorer's own); weights untouched. Returns the files
     written."""
-    from hf_bpd.packaged import load_packaged_model
+    from hf_bpd.io.packaged import load_packaged_model
 
     model, _ = load_packaged_model(name)
     identity = lm_head_identity(model.get_output_embeddings().weight)

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from hf_bpd.heads import BlockDraftHeads
+from hf_bpd.drafting.heads import BlockDraftHeads
+from hf_bpd.drafting.vocab import model_vocab_size
 from hf_bpd.training.checkpoint import resume, run_fingerprint, save_epoch, track
 from hf_bpd.training.copy_training import SampleTokens, copy_hits, copy_loss, copy_targets, feature_positions
 from hf_bpd.training.objective import (
@@ -51,7 +52,6 @@ from hf_bpd.training.objective import (
     right_padded,
     rows_digest,
 )
-from hf_bpd.vocab import model_vocab_size
 
 TOKEN_INPUT_CHOICES = ("previous", "next", "none")  # --token-input; "none" is token_input ""
 
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
-    from hf_bpd.models import load_model
+    from hf_bpd.io.models import load_model
     from hf_bpd.training.distill import load_distilled
 
     # under accelerate launch / torchrun: this process's device (cuda:<local rank>); CPU data parallelism

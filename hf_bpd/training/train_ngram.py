@@ -99,8 +99,8 @@ def train_ngram(
     min_counts: list[int] | None = None,
 ) -> dict:
     """Train, write `output/ngram.arpa.gz` + `ngram.json`, and report held-out perplexity per token."""
-    from hf_bpd.rescoring.ngram import NGRAM_METADATA, NgramLM
-    from hf_bpd.vocab import tokenizer_fingerprint
+    from hf_bpd.drafting.rescoring.ngram import NGRAM_METADATA, NgramLM
+    from hf_bpd.drafting.vocab import tokenizer_fingerprint
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
@@ -164,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-bpd train-ngram", description=__doc__.split("\n")[0])
     add_args(parser)
     args = parser.parse_args(argv)
-    from hf_bpd.models import load_model
+    from hf_bpd.drafting.vocab import model_vocab_size
+    from hf_bpd.io.models import load_model
     from hf_bpd.training.distill import load_distilled
-    from hf_bpd.vocab import model_vocab_size
 
     model, tokenizer = load_model(args.model)
     meta = train_ngram(

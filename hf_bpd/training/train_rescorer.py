@@ -1,7 +1,7 @@
 """`hf-bpd train-rescorer`: the small causal LM of `NeuralRescorer` (local rescoring, paper Alg. 2).
 
 It must share the base model's tokenizer. Default: the base model's first `--num-layers` layers with its
-embeddings, final norm and (tied) output head (`hf_bpd.rescoring.neural.truncated_lm`), fine-tuned on the
+embeddings, final norm and (tied) output head (`hf_bpd.drafting.rescoring.neural.truncated_lm`), fine-tuned on the
 distilled data (prompt + the base model's own response) to predict the next token. The embeddings and
 head stay frozen, so training updates the few layers only and the output logits live in the base
 model's space. Any Hub causal LM with the same tokenizer can be passed to `NeuralRescorer` instead.
@@ -36,7 +36,7 @@ def load_init(model, path: str):
     """Continue from a saved rescorer: a `save_truncated_lm` folder or a full model folder."""
     from transformers import AutoModelForCausalLM
 
-    from hf_bpd.rescoring.neural import TRUNCATED_LM_CONFIG, load_truncated_lm
+    from hf_bpd.drafting.rescoring.neural import TRUNCATED_LM_CONFIG, load_truncated_lm
 
     if (Path(path) / TRUNCATED_LM_CONFIG).is_file():
         return load_truncated_lm(model, path).float()
@@ -64,7 +64,7 @@ def train_rescorer(
 ):
     from tqdm import tqdm
 
-    from hf_bpd.rescoring.neural import truncated_lm
+    from hf_bpd.drafting.rescoring.neural import truncated_lm
 
     torch.manual_seed(seed)
     lm = truncated_lm(model, num_layers).float() if init is None else load_init(model, init)
@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    from hf_bpd.models import load_model
-    from hf_bpd.rescoring.neural import save_truncated_lm
+    from hf_bpd.drafting.rescoring.neural import save_truncated_lm
+    from hf_bpd.io.models import load_model
     from hf_bpd.training.distill import load_distilled
 
     model, _ = load_model(args.model)

@@ -24,9 +24,9 @@ from statistics import median_high
 import torch
 from transformers import DynamicCache, StaticCache
 
+from hf_bpd.decode.verify import verify_tree
+from hf_bpd.drafting.tree import DraftTree, batch_trees
 from hf_bpd.tools.cost_model import random_llama
-from hf_bpd.tree import DraftTree, batch_trees
-from hf_bpd.verify import verify_tree
 
 
 def sync(device: torch.device) -> None:

@@ -83,7 +83,7 @@ hf-bpd train-heads --data "$RUNS/distill2" "$RUNS/distill_instr" "$RUNS/distill_
   --output "$RUNS/heads6" --init "$RUNS/heads5" --features-cache "$RUNS/heads2/features" --loss-decay 0.8 \
   --epochs 1 --lr 1e-3 --batch-size 256 --top-k 5 --teacher-weight 0.5
 # 6h. heads v7 (session 11; shipped; docs/history.md): v5's heads, unchanged, plus a context-copy pointer per
-#     head (hf_bpd/context_copy.py) trained on the first 2,304 samples of distill2 (the committed ones,
+#     head (hf_bpd/drafting/context_copy.py) trained on the first 2,304 samples of distill2 (the committed ones,
 #     training/data/distilled/distill2); the v5 heads shipped in session 8 are $RUNS/heads5 (step 6d)
 hf-bpd train-heads --data training/data/distilled/distill2 --output "$RUNS/heads7" --init "$RUNS/heads5" \
   --copy-dim 64 --freeze-heads --features-cache "$RUNS/features7" --epochs 2 --lr 2e-3 --batch-size 256 --top-k 5 \
@@ -91,7 +91,7 @@ hf-bpd train-heads --data training/data/distilled/distill2 --output "$RUNS/heads
 python -m hf_bpd.training.ship --heads "$RUNS/heads7" --distilled training/data/distilled/distill2 --drafter "$RUNS/drafter5.json" \
   --earlier-manifest "$RUNS/manifest_v5.json" \
   --stage "context-copy pointer (heads v7; the heads' own weights are v5's, trained on the runs above)"
-# 6i. shipped drafter settings (session 12): the context-lookup chain (hf_bpd/lookup.py) drafts the copies the
+# 6i. shipped drafter settings (session 12): the context-lookup chain (hf_bpd/drafting/lookup.py) drafts the copies the
 #     pointer learned, at no drafting cost, so the default drafter runs v7's heads without their pointer
 #     (RESULTS.md, "context copy vs context lookup"); the heads and their records stay as shipped in 6h
 echo '{"top_k": 10, "max_tree_tokens": "auto", "context_lookup": 10, "context_copy": false}' \

@@ -43,7 +43,8 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .card import save_hub_folder
+from ..card import save_hub_folder
+from ..cpu.packed_linear import active_packed_linear
 from .context_copy import (
     INITIAL_SINK,
     ContextCopy,
@@ -53,7 +54,6 @@ from .context_copy import (
     mixture_top_k,
     target_logprob,
 )
-from .packed_linear import active_packed_linear
 
 MAX_HEADS = 32
 TOKEN_INPUTS = ("", "next", "previous")

@@ -23,14 +23,15 @@ from statistics import median_high
 
 import torch
 
-from . import log, streamed_linear
-from .cache import cache_root, key_file_name, machine_key, measured_once
-from .compat import cache_argument
-from .kv import contiguous_kv, drop_last, restore, snapshot, state_tensors
-from .packed_linear import compiled_forward, linear_context, wants_packed_linear
-from .tree import DraftTree, batch_trees
+from .. import log
+from ..compat import cache_argument, compiled_forward
+from ..cpu import streamed_linear
+from ..cpu.packed_linear import linear_context, wants_packed_linear
+from ..disk_cache import cache_root, key_file_name, machine_key, measured_once
+from ..drafting.tree import DraftTree, batch_trees
+from ..drafting.vocab import model_vocab_size
+from ..kv import contiguous_kv, drop_last, restore, snapshot, state_tensors
 from .verify import verify_chain, verify_tree
-from .vocab import model_vocab_size
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 

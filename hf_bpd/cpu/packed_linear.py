@@ -47,8 +47,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import log, streamed_linear
-from .cache import cache_file, machine_key, measured_once
+from .. import log
+from ..compat import compiled_forward
+from ..disk_cache import cache_file, machine_key, measured_once
+from . import streamed_linear
 from .grouped_attention import grouped_attention
 from .host_memory import reuse_freed_memory
 
@@ -449,16 +451,6 @@ def _active() -> list[PackedLinear]:
     if not hasattr(_THREAD, "stack"):
         _THREAD.stack = []
     return _THREAD.stack
-
-
-def compiled_forward(model) -> bool:
-    """Whether `model.forward` was replaced by a `torch.compile`d function (transformers' documented way
-    to compile a model for `generate`). Such a graph brings its own kernels (inductor's freezing packs
-    the weights as constants), and swapping linears under it would break its guards, so hf_bpd then
-    leaves the model's linears alone and runs its tree forwards through that same compiled forward (its
-    draft heads, which run outside the graph, keep packed kernels: `BlockDrafter._heads_kernels`)."""
-    forward = model.__dict__.get("forward")
-    return forward is not None and hasattr(forward, "_torchdynamo_orig_callable")
 
 
 def wants_packed_linear(model, packed_linear: bool | None) -> bool:

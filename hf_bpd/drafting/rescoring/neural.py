@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..compat import cache_argument
+from ...compat import cache_argument
 from ..lattice import Lattice, ScoredPath
 from ..vocab import check_same_tokenizer, model_vocab_size
 

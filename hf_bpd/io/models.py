@@ -1,5 +1,5 @@
 """Loading a base model by name: a packaged model ('packaged' = SmolLM2-135M-Instruct, 'gemma-3-270m';
-`hf_bpd.packaged.PACKAGED_MODELS`) or any local/Hub causal LM."""
+`hf_bpd.io.packaged.PACKAGED_MODELS`) or any local/Hub causal LM."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .tree import DraftTree
+from ..drafting.tree import DraftTree
 
 
 @dataclass

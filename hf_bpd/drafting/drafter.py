@@ -20,9 +20,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .cache import forget
-from .calibration import GREEDY, HEADS, SAMPLED, AcceptanceCalibration, Arc, SamplingWarp
-from .cost import (
+from ..compat import compiled_forward
+from ..cpu.packed_linear import KernelPlan, PackedLinear, cached_kernel_plan, linear_context, wants_packed_linear
+from ..decode.cost import (
     BatchForwardCost,
     ForwardCost,
     LearnedForwardCost,
@@ -31,20 +31,14 @@ from .cost import (
     best_tree_size,
     cached_forward_cost,
 )
+from ..decode.stats import DecodingStats
+from ..disk_cache import forget
+from ..log import logger
+from .calibration import GREEDY, HEADS, SAMPLED, AcceptanceCalibration, Arc, SamplingWarp
 from .expansion import GrownTree, chain_lattice, expand_tree, grow_on_device
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
-from .log import logger
 from .lookup import lookup_continuation, merge_lookup
-from .packed_linear import (
-    KernelPlan,
-    PackedLinear,
-    cached_kernel_plan,
-    compiled_forward,
-    linear_context,
-    wants_packed_linear,
-)
-from .stats import DecodingStats
 from .tree import DraftTree
 
 # a measured forward-cost curve this far off the forwards decoding timed is measured again
@@ -189,7 +183,7 @@ class BlockDrafter:
         import shutil
         from importlib import resources
 
-        from .card import save_hub_folder
+        from ..card import save_hub_folder
         from .rescoring.composed import save_spec
 
         folder = Path(path)
@@ -198,7 +192,7 @@ class BlockDrafter:
             spec = getattr(self.rescorer, "spec", None)
             if spec is None:
                 raise ValueError(
-                    f"{type(self.rescorer).__name__} was not built from a spec (`hf_bpd.rescoring.composed."
+                    f"{type(self.rescorer).__name__} was not built from a spec (`hf_bpd.drafting.rescoring.composed."
                     "build_rescorer`), so it cannot be saved: save drafter.with_rescorer(None), or build it from one"
                 )
             settings["rescorer"] = save_spec(spec, Path(self.rescorer.spec_folder), folder)
@@ -243,7 +237,7 @@ class BlockDrafter:
         curve, each once per machine and model, then read from hf_bpd's cache (`hf-bpd calibrate` does this
         for a packaged model). `remeasure`: measure the curve again instead of reading the cache.
         Binding again when `model.forward` has been compiled (or uncompiled) since: the kernels change
-        (`packed_linear.compiled_forward`), so a forward-cost curve this drafter measured is measured again."""
+        (`compat.compiled_forward`), so a forward-cost curve this drafter measured is measured again."""
         binding = (id(model), compiled_forward(model))
         if remeasure:
             self._bound_to = None

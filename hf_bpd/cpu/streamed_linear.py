@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import log
+from .. import log
 
 SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
 PANEL = 8  # output columns per packed panel (csrc: kPanel)

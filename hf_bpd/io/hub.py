@@ -18,9 +18,9 @@ import functools
 
 from transformers import StoppingCriteriaList, StopStringCriteria
 
-from .compat import calling_generate_argument
-from .drafter import BlockDrafter
-from .generation import generate
+from ..compat import calling_generate_argument
+from ..drafting.drafter import BlockDrafter
+from ..generation import generate
 
 _saved_drafters: dict[str, BlockDrafter] = {}
 

@@ -29,11 +29,11 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..compat import GENERATE_CACHE_FIELD, last_hidden_state_request, output_cache
+from ..drafting.calibration import SamplingWarp
+from ..drafting.drafter import BlockDrafter
+from ..kv import keep_every_key
 from .accept import AcceptResult, HostStop, accept_tree, choose_tokens
-from .calibration import SamplingWarp
-from .compat import GENERATE_CACHE_FIELD, last_hidden_state_request, output_cache
-from .drafter import BlockDrafter
-from .kv import keep_every_key
 from .static_cache import is_static
 from .stats import DecodingStats
 from .support import AttentionWindows, drafting_context

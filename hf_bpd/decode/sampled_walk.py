@@ -46,10 +46,10 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from ..drafting.drafter import BlockDrafter
+from ..drafting.expansion import GrownTree
+from ..drafting.tree import DraftTree, TreeBatch
 from .accept import AcceptResult, HostStop, choose_tokens
-from .drafter import BlockDrafter
-from .expansion import GrownTree
-from .tree import DraftTree, TreeBatch
 
 # processors that only read their inputs' values and shapes: calling one at a node the walk never reached
 # changes nothing, and none reads a value back to the host

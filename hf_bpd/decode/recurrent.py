@@ -38,11 +38,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..drafting.drafter import BlockDrafter
+from ..drafting.tree import DraftTree
+from ..kv import HoleLedger, drop_last, restore, snapshot, squeeze_holes, state_tensors
 from .call import DecodeCall, row_processors
-from .drafter import BlockDrafter
-from .kv import HoleLedger, drop_last, restore, snapshot, squeeze_holes, state_tensors
 from .stats import DecodingStats
-from .tree import DraftTree
 from .verify import verify_chain
 
 

@@ -71,7 +71,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
 
-from .compat import CACHE_NAMES, cache_argument
+from ..compat import CACHE_NAMES, cache_argument
 from .static_cache import check_static_supported
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")

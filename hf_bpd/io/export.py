@@ -83,8 +83,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .heads import BlockDraftHeads, BlockDraftHeadsConfig
-from .lattice import Lattice
+from ..drafting.heads import BlockDraftHeads, BlockDraftHeadsConfig
+from ..drafting.lattice import Lattice
 
 FORMATS = ("vllm-medusa", "tensorrt-llm-medusa")
 VLLM_WEIGHTS = "model.safetensors"

@@ -43,15 +43,15 @@ import time
 
 import torch
 
+from ..drafting.drafter import BlockDrafter
+from ..drafting.expansion import GrownTree
+from ..drafting.tree import DraftTree, TreeBatch, batch_trees
+from ..kv import compact_cache, compact_static_cache
 from .accept import AcceptResult, HostStop, accept_greedy
 from .call import DecodeCall
-from .drafter import BlockDrafter
-from .expansion import GrownTree
-from .kv import compact_cache, compact_static_cache
 from .sampled_walk import accept_sampled_and_grow, walk_serves
 from .static_cache import compiled_static_call, graph_tree_size, static_capacity
 from .support import AttentionWindows, index_position_block, index_position_room
-from .tree import DraftTree, TreeBatch, batch_trees
 from .verify import verify_tree
 
 

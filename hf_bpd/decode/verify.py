@@ -19,12 +19,11 @@ import inspect
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .compat import cache_argument, last_hidden_state_request
-from .kv import contiguous_kv
-from .packed_linear import compiled_forward
+from ..compat import cache_argument, compiled_forward, last_hidden_state_request
+from ..drafting.tree import TreeBatch
+from ..kv import contiguous_kv
 from .static_cache import pad_mask_columns
 from .support import AttentionWindows
-from .tree import TreeBatch
 
 
 def tree_attention_mask(

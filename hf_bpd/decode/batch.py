@@ -46,12 +46,12 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
+from ..drafting.tree import DraftTree, batch_trees, root_batch
+from ..kv import HoleLedger, compact_rows, drop_rows, squeeze_holes
 from .accept import AcceptResult, HostStop, accept_greedy
 from .call import DecodeCall, row_processors
 from .cost import BatchForwardCost
-from .kv import HoleLedger, compact_rows, drop_rows, squeeze_holes
 from .stats import DecodingStats
-from .tree import DraftTree, batch_trees, root_batch
 from .verify import verify_tree
 
 # A batch's drafted steps gain little over its plain ones where they gain at all (the forward is already
