@@ -17,7 +17,6 @@ from hf_bpd.decode.cost import measure_forward_cost
 from hf_bpd.io.models import load_model
 from hf_bpd.io.packaged import load_packaged_drafter, packaged_rescorer
 from hf_bpd.tools.bench import (
-    DEFAULT_DATA,
     bpd_method,
     greedy_method,
     learned,
@@ -25,12 +24,13 @@ from hf_bpd.tools.bench import (
     prompt_lookup_method,
     run_bench,
 )
+from research import SPEC_BENCH_DEV
 from research.tune_rescorers import tuning_rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=DEFAULT_DATA)
+    parser.add_argument("--data", default=SPEC_BENCH_DEV)
     parser.add_argument("--rescorer", default="context")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--output", default=None)

@@ -19,7 +19,6 @@ from hf_bpd.decode.cost import measure_forward_cost
 from hf_bpd.io.models import load_model
 from hf_bpd.io.packaged import load_packaged_drafter
 from hf_bpd.tools.bench import (
-    DEFAULT_DATA,
     bpd_method,
     environment,
     greedy_method,
@@ -27,6 +26,7 @@ from hf_bpd.tools.bench import (
     markdown_table,
     run_bench,
 )
+from research import SPEC_BENCH_DEV
 from research.tune_rescorers import tuning_rows
 
 
@@ -43,7 +43,7 @@ def unwarped(drafter):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=DEFAULT_DATA)
+    parser.add_argument("--data", default=SPEC_BENCH_DEV)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--max-new-tokens", type=int, default=128)

@@ -23,8 +23,8 @@ from hf_bpd.cpu.packed_linear import fast_cpu
 from hf_bpd.io.jsonl import read_jsonl
 from hf_bpd.io.models import load_model
 from hf_bpd.io.packaged import load_packaged_drafter
-from hf_bpd.tools.bench import select_rows
-from hf_bpd.tools.bench_batch import left_padded_batch
+from hf_bpd.tools.bench import left_padded_batch, select_rows
+from research import SPEC_BENCH_DEV
 
 
 class ForwardClock:
@@ -79,7 +79,7 @@ def profile(name: str, run, model) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default="../shared/data/spec_bench_dev.jsonl")
+    parser.add_argument("--data", default=SPEC_BENCH_DEV)
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=13)
     parser.add_argument("--max-new-tokens", type=int, default=128)

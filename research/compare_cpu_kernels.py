@@ -28,7 +28,8 @@ from hf_bpd.cpu.packed_linear import PackedLinear, cached_kernel_plan, fast_cpu
 from hf_bpd.decode.cost import ForwardTimer
 from hf_bpd.io.jsonl import read_jsonl
 from hf_bpd.io.models import chat_inputs, load_model
-from hf_bpd.tools.bench import DEFAULT_DATA, environment, select_rows
+from hf_bpd.tools.bench import environment, select_rows
+from research import SPEC_BENCH_DEV
 
 SIZES = (1, 2, 4, 8, 16)
 
@@ -67,7 +68,7 @@ def compiled_forward(model):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m research.compare_cpu_kernels", description=__doc__.split("\n")[0])
-    parser.add_argument("data", nargs="?", default=DEFAULT_DATA)
+    parser.add_argument("data", nargs="?", default=SPEC_BENCH_DEV)
     parser.add_argument("--model", default="packaged")
     parser.add_argument("--prompts", type=int, default=6, help="Spec-Bench rows, evenly spread over the file")
     parser.add_argument("--max-new-tokens", type=int, default=64)

@@ -15,7 +15,7 @@ import argparse
 from collections import defaultdict
 
 from hf_bpd.io.jsonl import read_jsonl
-from hf_bpd.tools.bench import DEFAULT_DATA
+from research import SPEC_BENCH_DEV
 
 
 def bigram_lookup(seq: list[int], target: int, context_end: int) -> int | None:
@@ -34,7 +34,7 @@ def bigram_lookup(seq: list[int], target: int, context_end: int) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m research.copy_oracle", description=__doc__.split("\n\n")[0])
-    parser.add_argument("data", nargs="?", default=DEFAULT_DATA)
+    parser.add_argument("data", nargs="?", default=SPEC_BENCH_DEV)
     parser.add_argument("--answers", required=True, help="greedy answers cache of `hf-bpd replay`")
     parser.add_argument("--heads", type=int, default=5)
     args = parser.parse_args(argv)

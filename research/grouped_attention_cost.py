@@ -30,8 +30,8 @@ from hf_bpd.decode.verify import verify_tree
 from hf_bpd.drafting.tree import DraftTree, batch_trees
 from hf_bpd.io.jsonl import read_jsonl
 from hf_bpd.io.models import load_model
-from hf_bpd.tools.bench import DEFAULT_DATA, environment, select_rows
-from hf_bpd.tools.bench_batch import left_padded_batch
+from hf_bpd.tools.bench import environment, left_padded_batch, select_rows
+from research import SPEC_BENCH_DEV
 
 WIDTHS = (1, 2, 4, 8)
 
@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--model", default="packaged")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 13])
     parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--data", default=str(DEFAULT_DATA))
+    parser.add_argument("--data", default=SPEC_BENCH_DEV)
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -21,7 +21,8 @@ import torch
 import hf_bpd
 from hf_bpd.io.jsonl import read_jsonl
 from hf_bpd.io.models import chat_inputs, load_model
-from hf_bpd.tools.bench import DEFAULT_DATA, environment, select_rows
+from hf_bpd.tools.bench import environment, select_rows
+from research import SPEC_BENCH_DEV
 
 # name -> (generate's decoding arguments, the drafter's `fused_sampling`: None is the shipped "auto", which
 # on a CPU walks sampled steps on the host; True takes the device walk an accelerator gets, `sampled_walk.py`)
@@ -34,7 +35,7 @@ SETTINGS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m research.host_syncs", description=__doc__.split("\n")[0])
-    parser.add_argument("data", nargs="?", default=DEFAULT_DATA)
+    parser.add_argument("data", nargs="?", default=SPEC_BENCH_DEV)
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--output", required=True)

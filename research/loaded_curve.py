@@ -26,7 +26,8 @@ import hf_bpd
 from hf_bpd.decode.cost import forward_cost_cache_file, forward_cost_key
 from hf_bpd.io.jsonl import read_jsonl
 from hf_bpd.io.models import chat_inputs, load_model
-from hf_bpd.tools.bench import DEFAULT_DATA, environment, select_rows
+from hf_bpd.tools.bench import environment, select_rows
+from research import SPEC_BENCH_DEV
 
 LOADED_FACTOR = 6.7  # the loaded curve: this many idle one-token forwards for every size up to 32 tokens
 
@@ -39,7 +40,7 @@ def loaded_curve(fresh) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m research.loaded_curve", description=__doc__.split("\n")[0])
-    parser.add_argument("data", nargs="?", default=DEFAULT_DATA)
+    parser.add_argument("data", nargs="?", default=SPEC_BENCH_DEV)
     parser.add_argument("--spread", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument(

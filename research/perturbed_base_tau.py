@@ -30,8 +30,9 @@ import hf_bpd
 from hf_bpd.drafting.heads import lm_head_mismatch, matches_lm_head, sketch_correlation
 from hf_bpd.io.jsonl import read_jsonl
 from hf_bpd.io.packaged import load_packaged_drafter, packaged_heads_dir
-from hf_bpd.tools.bench import DEFAULT_DATA, check_data_file, environment, load_drafter, select_rows
+from hf_bpd.tools.bench import check_data_file, environment, load_drafter, select_rows
 from hf_bpd.tools.replay import answered_turns, answers_header, greedy_answers, replay
+from research import SPEC_BENCH_DEV
 from research.quantise import perturb_weight_matrices
 
 
@@ -102,7 +103,7 @@ def check_identical(model, tokenizer, rows, answers, turns: int, max_new_tokens:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("data", nargs="?", default=DEFAULT_DATA, help="Spec-Bench-format jsonl")
+    parser.add_argument("data", nargs="?", default=SPEC_BENCH_DEV, help="Spec-Bench-format jsonl")
     parser.add_argument("--spread", type=int, default=None, help="rows evenly spaced over the file")
     parser.add_argument("--per-category", type=int, default=None, help="the first rows of each category")
     parser.add_argument("--max-new-tokens", type=int, default=128)

@@ -30,8 +30,8 @@ from hf_bpd.cpu.host_memory import reuse_freed_memory
 from hf_bpd.cpu.packed_linear import PackedLinear, cached_kernel_plan
 from hf_bpd.io.jsonl import read_jsonl
 from hf_bpd.io.models import load_model
-from hf_bpd.tools.bench import DEFAULT_DATA, environment, select_rows
-from hf_bpd.tools.bench_batch import left_padded_batch
+from hf_bpd.tools.bench import environment, left_padded_batch, select_rows
+from research import SPEC_BENCH_DEV
 
 HIDDEN = {"every": True, "last": LAST_HIDDEN_STATE}
 MALLOC = {"default": contextlib.nullcontext, "reuse_freed": reuse_freed_memory}
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--model", default="packaged")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 13])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--data", default=str(DEFAULT_DATA))
+    parser.add_argument("--data", default=SPEC_BENCH_DEV)
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     model, tokenizer = load_model(args.model)

@@ -23,7 +23,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from hf_bpd.tools.bench import _fastest_plain, _turn, environment, load_journal, merged_environment
+from hf_bpd.tools.bench import environment, fastest_plain, load_journal, merged_environment, turn_key
 
 PHASES = ("heads", "rescore", "lattice_tree", "verify_forward", "accept", "cache_compaction")
 
@@ -31,16 +31,16 @@ PHASES = ("heads", "rescore", "lattice_tree", "verify_forward", "accept", "cache
 def budget(records: list[dict], methods: list[str]) -> dict:
     """The budget of every drafting method among `records` (one bench journal's), over the turns every
     method finished."""
-    per_turn = Counter(_turn(r) for r in records)
+    per_turn = Counter(turn_key(r) for r in records)
     complete = {t for t, n in per_turn.items() if n == len(methods)}
-    records = [r for r in records if _turn(r) in complete]
+    records = [r for r in records if turn_key(r) in complete]
     totals = {m: {"tokens": 0, "seconds": 0.0, "forwards": 0} for m in methods}
     for r in records:
         t = totals[r["method"]]
         t["tokens"] += r["tokens"]
         t["seconds"] += r["seconds"]
         t["forwards"] += r["forwards"]
-    base = _fastest_plain(records, methods)  # as `hf-bpd bench` picks it
+    base = fastest_plain(records, methods)  # as `hf-bpd bench` picks it
     per_token = totals[base]["seconds"] / totals[base]["tokens"]  # the plain method's seconds per token
     out = {"turns": len(complete), "fastest_plain": base, "plain_ms_per_token": 1000 * per_token, "methods": {}}
     for m in methods:

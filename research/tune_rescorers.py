@@ -18,7 +18,8 @@ from pathlib import Path
 
 from hf_bpd.drafting.rescoring.composed import build_rescorer
 from hf_bpd.io.jsonl import read_jsonl
-from hf_bpd.tools.bench import DEFAULT_DATA, bpd_method, greedy_method, run_bench
+from hf_bpd.tools.bench import bpd_method, greedy_method, run_bench
+from research import SPEC_BENCH_DEV
 
 NGRAM = "ngram/ngram.arpa.gz"
 
@@ -44,7 +45,7 @@ def measure(model, tokenizer, base, folder, specs: dict[str, dict], rows, max_ne
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m research.tune_rescorers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--assets", default="hf_bpd/assets/smollm2", help="folder with ngram/ (and rescorer/)")
-    parser.add_argument("--data", default=DEFAULT_DATA)
+    parser.add_argument("--data", default=SPEC_BENCH_DEV)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     parser.add_argument("--lams", type=float, nargs="+", default=[0.2, 0.4, 0.6])

@@ -48,9 +48,9 @@ def test_bench_counts_forwards_and_checks_identity():
 def test_a_runs_header_records_the_rescorer_specs_shipped_for_its_model():
     from hf_bpd.io.packaged import packaged_rescorers
 
-    gemma = bench._rescorer_specs(["hf_bpd", "hf_bpd+context"], "gemma-3-270m")
+    gemma = bench.rescorer_specs(["hf_bpd", "hf_bpd+context"], "gemma-3-270m")
     assert gemma == {"context": packaged_rescorers("gemma-3-270m")["context"]}
-    assert gemma != bench._rescorer_specs(["hf_bpd+context"], None)  # SmolLM2's spec has no Gemma description
+    assert gemma != bench.rescorer_specs(["hf_bpd+context"], None)  # SmolLM2's spec has no Gemma description
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -232,8 +232,7 @@ def test_missing_prompts_file_is_refused_before_loading_a_model(command, tmp_pat
 def test_batch_bench_rows_equal_plain_batched_greedy(smollm2):
     from conftest import spec_bench_prompts
 
-    from hf_bpd.tools.bench import bpd_method, greedy_method
-    from hf_bpd.tools.bench_batch import run_batch_bench
+    from hf_bpd.tools.bench import bpd_method, greedy_method, run_batch_bench
 
     model, tokenizer = smollm2
     rows = [{"question_id": i, "category": "qa", "turns": [p]} for i, p in enumerate(spec_bench_prompts(4)[:3])]
@@ -250,7 +249,7 @@ def test_batch_bench_rows_equal_plain_batched_greedy(smollm2):
 
 
 def test_batch_rounds_decode_every_batch_again_with_the_methods_order_turning():
-    from hf_bpd.tools.bench_batch import run_batch_bench
+    from hf_bpd.tools.bench import run_batch_bench
 
     class PaddingTokenizer(TinyChatTokenizer):
         pad_token_id = 0
@@ -394,3 +393,47 @@ def test_static_cache_methods_are_lossless_and_plain_static_competes_for_the_den
     b = results["hf_bpd_static"]["overall"]
     assert b["identical"] and all(results[m]["overall"]["identical"] for m in plain)
     assert b["speedup_over"] in plain  # the fastest of the plain methods
+
+
+def test_the_default_prompts_are_the_demo_prompts_inside_the_installed_package():
+    """`hf-bpd bench` with no prompts file runs on what every install has: the demo prompts shipped in the
+    package (Spec-Bench is passed as a path), each read as a one-turn row."""
+    from pathlib import Path
+
+    from hf_bpd.tools.demo import demo_prompts
+
+    package = Path(hf_bpd.__file__).resolve().parent
+    default = Path(bench.DEFAULT_DATA).resolve()
+    assert default.is_file() and default.is_relative_to(package), default
+    bench.check_data_file(bench.DEFAULT_DATA)  # does not exit
+    rows = bench.read_prompts(bench.DEFAULT_DATA)
+    assert rows and all(len(r["turns"]) == 1 and r["category"] and r["question_id"] for r in rows)
+    assert [r["turns"][0] for r in rows] == demo_prompts()
+    assert len({r["question_id"] for r in rows}) == len(rows)  # merged journals tell the rows apart
+
+
+def test_prompts_files_of_either_format_are_read(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"prompt": "hi", "category": "qa"}) + "\n")
+    rows = bench.read_prompts(path)
+    assert rows[0] == ROWS[0] and rows[1]["turns"] == ["hi"] and rows[1]["category"] == "qa"
+    path.write_text(json.dumps({"text": "neither"}) + "\n")
+    with pytest.raises(ValueError, match="neither"):
+        bench.read_prompts(path)
+
+
+def test_the_bench_runs_as_a_module_and_as_an_hf_bpd_command():
+    """`python -m hf_bpd.tools.bench` (the commands RESULTS.md and research/gpu record) and `hf-bpd bench`
+    are the same command line."""
+    import subprocess
+    import sys
+
+    from hf_bpd import cli
+
+    out = subprocess.run(
+        [sys.executable, "-m", "hf_bpd.tools.bench", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.startswith("usage: hf-bpd bench") and "--batch-size" in out
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--help"])
+    assert exit_.value.code == 0

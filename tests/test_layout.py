@@ -170,3 +170,28 @@ def test_the_folders_import_in_one_direction():
         assert not loops & depends_on(graph, module), module
     for module in (m for m in modules if in_folder(m, "drafting") or in_folder(m, "decode")):
         assert not [d for d in depends_on(graph, module) if in_folder(d, "io")], module
+
+
+def test_research_scripts_import_only_public_names_of_the_bench():
+    """The bench package (`hf_bpd/tools/bench/`) is a library the research scripts reuse: what they take from
+    it (imported names, and attributes of the bench modules they import) has a public name, so the bench may
+    change its private helpers without breaking them."""
+    private = []
+    for path in sorted((ROOT / "research").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = set()  # local names bound to a bench module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_bpd.tools.bench"):
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+                modules |= {a.asname or a.name for a in node.names}  # submodules, or names (harmless here)
+            elif isinstance(node, ast.ImportFrom) and node.module == "hf_bpd.tools":
+                modules |= {a.asname or a.name for a in node.names if a.name == "bench"}
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("hf_bpd.tools.bench"):
+                        private += [f"{path.name}: {a.name}"] * any(p.startswith("_") for p in a.name.split("."))
+                        modules.add(a.asname or a.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and ast.unparse(node.value) in modules:
+                private.append(f"{path.name}: {ast.unparse(node)}")
+    assert not private, private

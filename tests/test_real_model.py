@@ -198,7 +198,7 @@ def test_smollm2_stop_strings_through_the_hub_folder_and_criteria(smollm2):
 def test_smollm2_batch_of_8_mixed_prompts_equals_plain_batched_greedy(smollm2):
     """A left-padded batch of 8 chat prompts of different categories and lengths, 64 new tokens: every row
     equals the same row of plain batched greedy generate."""
-    from hf_bpd.tools.bench_batch import left_padded_batch
+    from hf_bpd.tools.bench import left_padded_batch
 
     model, tokenizer = smollm2
     batch = left_padded_batch(tokenizer, spec_bench_prompts(20)[::2][:8], "cpu")

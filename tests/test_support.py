@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
-from support_matrix import ROWS, build, readme_block
+from support_matrix import ROWS, build, matrix_block
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
@@ -52,10 +52,10 @@ def test_support_matrix(row):
     assert max(sizes) > 1  # trees were verified, not single tokens
 
 
-def test_readme_shows_the_support_matrix():
-    from support_matrix import README
+def test_the_support_page_shows_the_support_matrix():
+    from support_matrix import PAGE
 
-    assert readme_block() in README.read_text(encoding="utf-8"), "run: python -m tests.support_matrix"
+    assert matrix_block() in PAGE.read_text(encoding="utf-8"), "run: python -m tests.support_matrix"
 
 
 def test_windowed_models_are_not_refused_for_length():

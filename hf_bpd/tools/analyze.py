@@ -310,12 +310,11 @@ def rescorer_overhead(model, tokenizer, rows: list[dict], rescorers: dict, h: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..io.jsonl import read_jsonl
     from ..io.models import chat_inputs, load_model
-    from .bench import DEFAULT_DATA, check_data_file, environment, select_rows
+    from .bench import DEFAULT_DATA, check_data_file, environment, read_prompts, select_rows
 
     parser = argparse.ArgumentParser(prog="hf-bpd analyze", description=__doc__.split("\n\n")[0])
-    parser.add_argument("data", nargs="?", default=DEFAULT_DATA)
+    parser.add_argument("data", nargs="?", default=DEFAULT_DATA, help="prompts jsonl (default: bundled demo prompts)")
     parser.add_argument(
         "--model", default="packaged", help="'packaged' (SmolLM2), another packaged model (gemma-3-270m), or a path"
     )
@@ -356,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             check_shipped_rescorers([args.rescorer], packaged)
         except ValueError as err:
             raise SystemExit(str(err)) from None
-    rows = select_rows(read_jsonl(args.data), None, args.per_category, None, args.spread)
+    rows = select_rows(read_prompts(args.data), None, args.per_category, None, args.spread)
     env = environment("cpu", "float32")  # before the run writes anything
     answers = None
     if args.answers is not None:

@@ -31,9 +31,8 @@ import torch
 
 from ..decode.cost import ForwardCost, measure_forward_cost, speedup_bound
 from ..drafting.drafter import BlockDrafter
-from ..io.jsonl import read_jsonl
 from ..io.models import chat_inputs
-from .bench import DEFAULT_DATA, check_data_file, environment, load_drafter, select_rows
+from .bench import DEFAULT_DATA, check_data_file, environment, load_drafter, read_prompts, select_rows
 
 
 @dataclass
@@ -249,7 +248,7 @@ def limit_markdown(limits: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-bpd replay", description=__doc__.split("\n\n")[0])
-    parser.add_argument("data", nargs="?", default=DEFAULT_DATA, help="Spec-Bench-format jsonl")
+    parser.add_argument("data", nargs="?", default=DEFAULT_DATA, help="prompts jsonl (default: bundled demo prompts)")
     parser.add_argument("--model", default="packaged")
     parser.add_argument("--heads", nargs="+", default=["packaged"], help="heads folders, or 'packaged'")
     parser.add_argument("--top-k", type=int, nargs="+", default=[10])
@@ -290,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         raise SystemExit(str(err)) from None
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    rows = select_rows(read_jsonl(args.data), args.categories, args.per_category, args.limit, args.spread)
+    rows = select_rows(read_prompts(args.data), args.categories, args.per_category, args.limit, args.spread)
     env = environment(args.device, args.dtype)  # before the run writes anything (the answers cache too)
     header = answers_header(args.data, args.model, args.max_new_tokens)
     answers = greedy_answers(model, tokenizer, rows, args.answers, header, not args.no_progress)

@@ -102,12 +102,12 @@ echo '{"top_k": 10, "max_tree_tokens": "auto", "context_lookup": 10, "context_co
 #     (claim speed_streamed_dev_amd)
 python -m hf_bpd.training.ship --to hf_bpd/assets/smollm2 --bench benchmarks/speed/streamed_dev_amd.json --cards
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
-hf-bpd bench --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
+hf-bpd bench ../shared/data/spec_bench_dev.jsonl --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
 python -m research.ablate_calibration --max-new-tokens 64 --output benchmarks/calibration_ablation.json
 # 8. tau of heads on all of Spec-Bench dev without tree forwards (session 10): greedy's answers are cached once
-hf-bpd replay --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl --heads packaged --top-k 10 \
-  --max-tree-tokens 32 64 128 256 --output benchmarks/replay/v5_tree_sizes.json
+hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl \
+  --heads packaged --top-k 10 --max-tree-tokens 32 64 128 256 --output benchmarks/replay/v5_tree_sizes.json
 # 9. hidden-state-only (Medusa-kind) heads, the kind `hf-bpd export` writes for vLLM / TensorRT-LLM: no token
 #    input, no pointer; on the committed distilled shards (2,304 prompts), 2 epochs; shipped beside v7
 hf-bpd train-heads --data training/data/distilled/distill2 --output "$RUNS/medusa1" --num-heads 5 --num-layers 1 \
@@ -116,6 +116,6 @@ hf-bpd train-heads --data training/data/distilled/distill2 --output "$RUNS/medus
 python -c "import hf_bpd, shutil; h = hf_bpd.BlockDraftHeads.from_pretrained('$RUNS/medusa1'); \
 h.save_pretrained('hf_bpd/assets/smollm2/medusa_heads'); \
 shutil.copy('$RUNS/medusa1/training_log.json', 'hf_bpd/assets/smollm2/medusa_heads/')"
-hf-bpd replay --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl --heads packaged \
-  hf_bpd/assets/smollm2/medusa_heads --top-k 10 --max-tree-tokens 8 32 --context-lookup 0 10 \
+hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl \
+  --heads packaged hf_bpd/assets/smollm2/medusa_heads --top-k 10 --max-tree-tokens 8 32 --context-lookup 0 10 \
   --output benchmarks/replay/medusa_vs_v7_dev.json

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from ..io.models import chat_inputs
-from .forward_counter import ForwardCounter
+from ...io.models import chat_inputs
+from ..forward_counter import ForwardCounter
 
 
 def left_padded_batch(tokenizer, prompts: list[str], device) -> dict:
@@ -52,7 +52,7 @@ def run_batch_bench(
     first_record: int = 0,
     rounds: int = 1,
 ) -> list[dict]:
-    """Records (one per batch, round and method, category "batches of B") for `bench.summarize`; the
+    """Records (one per batch, round and method, category "batches of B") for `report.summarize`; the
     reference is `methods[0]`. Every method decodes the first batch once, untimed, before any timing (warm-up
     at this size); the methods then take turns running first. `rounds` decodes every batch that many times
     (the order of the methods turning on each round): a batch's prefill alone is long and its time varies
