@@ -1,6 +1,7 @@
 """hf_bpd: lossless blockwise parallel decoding (Kim et al., 2024) as a transformers plugin."""
 
 from .cpu.packed_linear import fast_cpu
+from .decode.binding import prepare
 from .decode.stats import DecodingStats
 from .drafting.drafter import BlockDrafter, Rescorer
 from .drafting.heads import BlockDraftHeads, BlockDraftHeadsConfig
@@ -35,4 +36,5 @@ __all__ = [
     "load_packaged_drafter",
     "load_packaged_model",
     "packaged_rescorers",
+    "prepare",
 ]

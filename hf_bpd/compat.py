@@ -99,6 +99,6 @@ def compiled_forward(model) -> bool:
     to compile a model for `generate`). Such a graph brings its own kernels (inductor's freezing packs
     the weights as constants), and swapping linears under it would break its guards, so hf_bpd then
     leaves the model's linears alone and runs its tree forwards through that same compiled forward (its
-    draft heads, which run outside the graph, keep packed kernels: `BlockDrafter._heads_kernels`)."""
+    draft heads, which run outside the graph, keep packed kernels: `decode.binding.heads_kernels`)."""
     forward = model.__dict__.get("forward")
     return forward is not None and hasattr(forward, "_torchdynamo_orig_callable")

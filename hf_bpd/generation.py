@@ -18,6 +18,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .compat import caller_streamer
 from .decode.accept import typical_acceptance
 from .decode.batch import check_batch_supported, decode_batch
+from .decode.binding import prepare
 from .decode.call import DecodeCall
 from .decode.recurrent import decode_recurrent
 from .decode.row import decode
@@ -98,7 +99,7 @@ def _prepared(model, drafter: BlockDrafter):
     """The drafter bound to `model` with fresh stats, and the whole decode (prefill, heads, tree forwards)
     inside its linear context: oneDNN packed weights on a CPU (`packed_linear.py`), the same kernels
     `hf_bpd.fast_cpu` gives plain `generate`."""
-    drafter.prepare(model)
-    with drafter.linear_context:
+    binding = prepare(drafter, model)
+    with binding.linear_context:
         yield
-    drafter.review_forward_cost()
+    binding.review_forward_cost(drafter)

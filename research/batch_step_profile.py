@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     inputs = {**batch, "pad_token_id": pad, "do_sample": False, "max_new_tokens": args.max_new_tokens}
     drafter = load_packaged_drafter()
-    drafter.prepare(model)
+    hf_bpd.prepare(drafter, model)
     kernels = fast_cpu(model)
 
     def plain():

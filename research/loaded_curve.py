@@ -8,7 +8,7 @@ such a curve is put in hf_bpd's cache as a finished measurement (not marked busy
 load the machine-load check did not see, would leave; with `--marked-busy` as this version caches a
 measurement taken beside other work, which the next process measures again), and the shipped drafter then
 decodes the prompts through `generate` as a user's process would: decoding's own timings contradict the curve,
-it is dropped and measured again at the next call (`BlockDrafter.review_forward_cost`), all inside the timed
+it is dropped and measured again at the next call (`ModelBinding.review_forward_cost`), all inside the timed
 calls. Beside it, in the same run and in rotating order per prompt: the shipped drafter on a curve measured
 now (before timing) and plain greedy on `fast_cpu`'s kernels (the faster plain method on this CPU). Run it on
 an idle machine; outputs are checked identical to plain greedy."""
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = select_rows(read_jsonl(args.data), None, None, None, args.spread)
     fast = hf_bpd.fast_cpu(model)
     fresh = hf_bpd.load_packaged_drafter()
-    fresh.prepare(model, remeasure=True)  # measured now, outside the timing
+    hf_bpd.prepare(fresh, model, remeasure=True)  # measured now, outside the timing
     loaded = hf_bpd.load_packaged_drafter()
     key = forward_cost_key(model, packed_linear=loaded.packed_linear)
     path = forward_cost_cache_file(key)

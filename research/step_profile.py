@@ -78,9 +78,9 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @contextlib.contextmanager
 def int8_heads(drafter):
     """The drafter's heads' residual linears and their softmax layer (the borrowed LM-head rows) on int8
-    weights, in place of their packed kernels (`BlockDrafter._heads_context`, set aside meanwhile)."""
-    heads, kernels = drafter.heads, drafter._heads_context
-    drafter._heads_context = contextlib.nullcontext()
+    weights, in place of their packed kernels (`BlockDrafter.heads_context`, set aside meanwhile)."""
+    heads, kernels = drafter.heads, drafter.heads_context
+    drafter.heads_context = contextlib.nullcontext()
     saved = []
     for layer in (m for m in heads.modules() if type(m) is torch.nn.Linear):
         w8, scales = int8_rows(layer.weight.detach())
@@ -104,7 +104,7 @@ def int8_heads(drafter):
         for layer in saved:
             layer.__dict__.pop("forward", None)
         heads.__dict__.pop("project", None)
-        drafter._heads_context = kernels
+        drafter.heads_context = kernels
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,18 +118,18 @@ def main(argv: list[str] | None = None) -> int:
 
     model, _ = load_model("packaged")
     drafter = hf_bpd.load_packaged_drafter()
-    drafter.prepare(model)
+    linear_context = hf_bpd.prepare(drafter, model).linear_context
     threads = torch.get_num_threads()
     report = {"environment": environment("cpu", "float32"), "args": vars(args), "threads": threads}
     timer = ForwardTimer(model, args.context)
-    with torch.no_grad(), drafter.linear_context:
+    with torch.no_grad(), linear_context:
         # the hidden state a step drafts from: the last position of the timer's random context
         out = model(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True)
         hidden, root = out.hidden_states[-1][:, -1], out.logits[:, -1].argmax(-1)
         growth = {}
 
         def evict():
-            timer.once(1, drafter.linear_context)
+            timer.once(1, linear_context)
 
         for budget in args.budgets:
             row = {}
@@ -153,13 +153,13 @@ def main(argv: list[str] | None = None) -> int:
 
         forwards = {}
         for n in args.sizes:
-            forwards[n] = 1000 * timer.median(n, drafter.linear_context, args.repeats)
+            forwards[n] = 1000 * timer.median(n, linear_context, args.repeats)
             print("verify", n, f"{forwards[n]:.1f} ms", flush=True)
         report["verify_ms"] = forwards
         report["verify_ops"] = {}
         for n in (1, 8):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                timer.once(n, drafter.linear_context)
+                timer.once(n, linear_context)
             report["verify_ops"][n] = op_split(prof)
             print("verify ops", n, {k: v for k, v in report["verify_ops"][n].items() if k != "top"}, flush=True)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
+import hf_bpd
 from hf_bpd.drafting.rescoring.composed import build_rescorer
 from hf_bpd.io.jsonl import read_jsonl
 from hf_bpd.tools.bench import bpd_method, greedy_method, run_bench
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model("packaged")
     folder = Path(args.assets)
     base = load_packaged_drafter()
-    base.prepare(model)  # measures the forward-cost curve ("auto" trees) that every config then shares
+    hf_bpd.prepare(base, model)  # measures the forward-cost curve ("auto" trees) that every config then shares
     rows = tuning_rows(args.data)
     has_neural = (folder / "rescorer").is_dir()
 

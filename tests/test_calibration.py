@@ -10,6 +10,7 @@ from conftest import tiny_model
 
 import hf_bpd
 from hf_bpd import BlockDrafter
+from hf_bpd.decode.binding import ModelBinding
 from hf_bpd.decode.cost import ForwardCost, LearnedForwardCost, best_tree_size
 from hf_bpd.drafting.calibration import GREEDY, HEADS, RESCORER, SAMPLED, AcceptanceCalibration, Arc, SamplingWarp
 from hf_bpd.drafting.tree import DraftTree
@@ -185,7 +186,7 @@ def test_a_drafter_serving_greedy_and_sampled_calls_keeps_both_exact(monkeypatch
     sampling), and the calibration keeps one set of multipliers per regime."""
     # every step drafts: on a tiny model timed plain steps beat drafted ones (`cost.StepChooser`), and
     # how many drafted steps a call keeps would then depend on the machine's timing
-    monkeypatch.setattr(BlockDrafter, "step_chooser", lambda self, plain_estimate=None: None)
+    monkeypatch.setattr(ModelBinding, "step_chooser", lambda self, drafter, plain_estimate=None, margin=0.0: None)
     model = tiny_model("llama", eos_token_id=None)
     heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3)
     # a flat curve: trees pay whatever the tiny model's timed forwards teach the learned cost, so both

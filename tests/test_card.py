@@ -60,7 +60,7 @@ def test_hub_folder_loads_back(tmp_path):
     folder = save_hub_folder(heads, tmp_path, "me/heads", training_log=LOG)
     assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     drafter = hf_bpd.BlockDrafter.from_pretrained(folder, top_k=3)
-    drafter.prepare(model)
+    hf_bpd.prepare(drafter, model)
     for a, b in zip(heads.parameters(), drafter.heads.parameters()):
         assert torch.equal(a, b)
 

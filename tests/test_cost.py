@@ -11,6 +11,7 @@ from conftest import random_heads, tiny_model
 import hf_bpd
 import hf_bpd.decode.cost as cost
 from hf_bpd import BlockDrafter
+from hf_bpd.decode.binding import binding_of
 
 
 def _no_measuring(*args, **kwargs):
@@ -20,17 +21,17 @@ def _no_measuring(*args, **kwargs):
 def test_auto_drafter_measures_once_then_reads_the_cache(monkeypatch, private_forward_cost_cache):
     model = tiny_model("llama", eos_token_id=None)
     first = BlockDrafter(random_heads(model), top_k=2, max_tree_tokens="auto")
-    first.prepare(model)
-    assert first.setup["measured"] is True
-    stored = json.loads(Path(first.setup["forward_cost_file"]).read_text())
+    setup = hf_bpd.prepare(first, model).setup
+    assert setup["measured"] is True
+    stored = json.loads(Path(setup["forward_cost_file"]).read_text())
     assert stored["sizes"][0] == 1 and stored["key"]["dtype"] == "torch.float32"
-    assert str(private_forward_cost_cache) in first.setup["forward_cost_file"]
+    assert str(private_forward_cost_cache) in setup["forward_cost_file"]
 
     monkeypatch.setattr(cost, "measure_forward_cost", _no_measuring)
     second = BlockDrafter(random_heads(model), top_k=2, max_tree_tokens="auto")
     ids = torch.tensor([[5, 6, 7]])
     out = model.generate(ids, max_new_tokens=6, custom_generate=hf_bpd.generate, assistant=second)
-    assert second.setup["measured"] is False
+    assert binding_of(second).setup["measured"] is False
     assert second.forward_cost == first.forward_cost
     assert out.shape[1] == 9
 
@@ -315,7 +316,8 @@ def test_a_cached_curve_that_decoding_contradicts_is_dropped_and_measured_again(
 
     with caplog.at_level("WARNING", logger="hf_bpd"):
         assert run().tolist() == ref.tolist()
-    assert drafter.setup["measured"] is False and drafter.forward_cost.seconds[0] == 1000.0  # read from the cache
+    setup = binding_of(drafter).setup
+    assert setup["measured"] is False and drafter.forward_cost.seconds[0] == 1000.0  # read from the cache
     assert not path.exists()  # contradicted by decoding: dropped
     assert any("off the forwards decoding timed" in r.getMessage() for r in caplog.records)
 
@@ -330,7 +332,7 @@ def test_one_time_measurements_are_logged_with_their_duration(caplog):
     model = tiny_model("llama", eos_token_id=None)
     drafter = BlockDrafter(random_heads(model), top_k=2, max_tree_tokens="auto", packed_linear=False)
     with caplog.at_level("INFO", logger="hf_bpd"):
-        drafter.prepare(model)
+        hf_bpd.prepare(drafter, model)
     lines = [r.getMessage() for r in caplog.records if r.name == "hf_bpd"]
     assert any(line.startswith("measuring the forward-cost curve of LlamaForCausalLM") for line in lines)
     assert any("forward-cost curve" in line and "done in" in line for line in lines)

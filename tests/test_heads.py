@@ -238,7 +238,7 @@ def test_drafter_from_pretrained_loads_saved_heads(model, tmp_path):
     assert drafter.top_k == 3
     assert drafter.num_heads == 3
     assert_same_params(heads, drafter.heads)
-    drafter.prepare(model)
+    hf_bpd.prepare(drafter, model)
     lat = drafter.lattice(hidden(2), torch.tensor([1, 2]))
     assert lat.tokens.shape == (2, 3, 3)
     with torch.no_grad():

@@ -157,17 +157,19 @@ def in_folder(module: str, folder: str) -> bool:
 def test_the_folders_import_in_one_direction():
     """The folders say what depends on what: the foundation modules at the top (Cache API adapters, the
     on-disk measurement cache, logging, the cards) import no folder; the CPU kernels (`cpu/`) import only the
-    foundation; drafting (`drafting/`) never imports a decode loop or the call context; `io/` (packaged
-    models, the Hub, exports) is read by the tools and the users, never by the decode path or the drafting."""
+    foundation; drafting (`drafting/`) imports nothing of the decode side (`decode/`, `generation.py`): the
+    drafter drafts, and its binding to a model (kernels, forward-cost curve) is the decode side's; `io/`
+    (packaged models, the Hub, exports) is read by the tools and the users, never by the decode path or the
+    drafting."""
     graph = library_imports()
     modules = set(graph)
     for module in FOUNDATION:
         assert depends_on(graph, module) <= FOUNDATION, module
     for module in (m for m in modules if in_folder(m, "cpu")):
         assert {d for d in depends_on(graph, module) if not in_folder(d, "cpu")} <= FOUNDATION, module
-    loops = DECODE_LOOPS | {"hf_bpd.decode.call", "hf_bpd.generation"}
     for module in (m for m in modules if in_folder(m, "drafting")):
-        assert not loops & depends_on(graph, module), module
+        decode = [d for d in depends_on(graph, module) if in_folder(d, "decode") or d == "hf_bpd.generation"]
+        assert not decode, (module, decode)
     for module in (m for m in modules if in_folder(m, "drafting") or in_folder(m, "decode")):
         assert not [d for d in depends_on(graph, module) if in_folder(d, "io")], module
 
@@ -195,3 +197,39 @@ def test_research_scripts_import_only_public_names_of_the_bench():
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and ast.unparse(node.value) in modules:
                 private.append(f"{path.name}: {ast.unparse(node)}")
     assert not private, private
+
+
+def drafter_names(tree: ast.AST) -> set[str]:
+    """The names a module gives the drafter: parameters and variables named `drafter` or annotated
+    `BlockDrafter`, and whatever is assigned from a `.drafter` attribute (`call.drafter`)."""
+    names = {"drafter"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None and "BlockDrafter" in ast.unparse(node.annotation):
+            names.add(node.arg)
+        elif isinstance(node, ast.Assign):
+            pairs = (
+                zip(node.targets[0].elts, node.value.elts)
+                if isinstance(node.targets[0], ast.Tuple) and isinstance(node.value, ast.Tuple)
+                else [(node.targets[0], node.value)]
+            )
+            for target, value in pairs:
+                if isinstance(target, ast.Name) and isinstance(value, ast.Attribute) and value.attr == "drafter":
+                    names.add(target.id)
+    return names
+
+
+def test_the_decode_side_uses_no_private_drafter_attribute():
+    """The loops, the call context and `generate` talk to the drafter through its documented interface
+    (`BlockDrafter`'s docstring): no `drafter._name`, nor `call.drafter._name`, anywhere on the decode side."""
+    files = [*(ROOT / "hf_bpd" / "decode").glob("*.py"), ROOT / "hf_bpd" / "generation.py"]
+    for path in files:
+        tree = ast.parse(path.read_text())
+        names = drafter_names(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            owner = node.value
+            is_drafter = (isinstance(owner, ast.Name) and owner.id in names) or (
+                isinstance(owner, ast.Attribute) and owner.attr == "drafter"
+            )
+            assert not is_drafter, f"{path.name}:{node.lineno}: {ast.unparse(node)}"

@@ -62,6 +62,6 @@ def test_lattice_heads_with_a_fixed_tree_size_hold_the_lookup_chain():
         hidden = model(ids, output_hidden_states=True).hidden_states[-1][:, -1]
     for lookup, holds in ((4, True), (0, False)):
         drafter = BlockDrafter(heads, top_k=2, max_tree_tokens=12, context_lookup=lookup, calibrate=False)
-        drafter.prepare(model)
+        hf_bpd.prepare(drafter, model)
         (tree,) = drafter.draft(hidden, ids)
         assert ((8, 9, 10, 11) in tree.node_paths()) is holds

@@ -23,6 +23,7 @@ from hf_bpd.cpu.packed_linear import (
     packed_linear_available,
     wants_packed_linear,
 )
+from hf_bpd.decode.binding import binding_of
 from hf_bpd.decode.cost import ForwardTimer, measure_forward_cost
 from hf_bpd.kv import contiguous_kv
 
@@ -143,7 +144,7 @@ def test_generate_with_packed_linear_equals_greedy(token_input):
         )
         assert got.tolist() == ref.tolist()
         assert token_input == "previous" or max(drafter.stats.accepted_lengths) > 1
-        assert isinstance(drafter.linear_context, PackedLinear) == packed
+        assert isinstance(binding_of(drafter).linear_context, PackedLinear) == packed
 
 
 def test_a_compiled_forward_runs_the_trees_unpacked_exactly_and_gets_its_own_cost_curve(tmp_path, monkeypatch):
@@ -162,7 +163,7 @@ def test_a_compiled_forward_runs_the_trees_unpacked_exactly_and_gets_its_own_cos
     auto = hf_bpd.BlockDrafter(fixed.heads, top_k=3, max_tree_tokens="auto")
     kw = dict(do_sample=False, max_new_tokens=40, custom_generate=hf_bpd.generate)
     assert model.generate(ids, assistant=auto, **kw).tolist() == ref.tolist()
-    assert isinstance(auto.linear_context, PackedLinear)
+    assert isinstance(binding_of(auto).linear_context, PackedLinear)
     packed_curve = auto.forward_cost
 
     graphs = []
@@ -189,17 +190,17 @@ def test_a_compiled_forward_runs_the_trees_unpacked_exactly_and_gets_its_own_cos
             wants_packed_linear(model, True)
         for drafter in (fixed, auto):
             assert model.generate(ids, assistant=drafter, **kw).tolist() == ref.tolist()
-            assert isinstance(drafter.linear_context, contextlib.nullcontext)
+            assert isinstance(binding_of(drafter).linear_context, contextlib.nullcontext)
             # the heads run eagerly beside the graph: their own linears keep the packed kernels, by a plan
             # measured on them (every shape of theirs, and the LM-head rows they borrow)
-            heads_kernels = drafter._heads_context
+            heads_kernels = drafter.heads_context
             assert isinstance(heads_kernels, PackedLinear) and heads_kernels.layers
             borrowed = drafter.heads.__dict__["_tied_weight"]
             shapes = {tuple(layer.weight.shape) for layer in heads_kernels.layers} | {tuple(borrowed.shape)}
             assert shapes <= set(heads_kernels.plan.shapes)
         unpacked = hf_bpd.BlockDrafter(fixed.heads, top_k=3, max_tree_tokens=16, packed_linear=False)
         assert model.generate(ids, assistant=unpacked, **kw).tolist() == ref.tolist()
-        assert isinstance(unpacked._heads_context, contextlib.nullcontext)  # packed_linear=False: none anywhere
+        assert isinstance(unpacked.heads_context, contextlib.nullcontext)  # packed_linear=False: none anywhere
         assert max(fixed.stats.accepted_lengths) > 1  # trees were verified through the compiled forward
         assert graphs
         # decoding again (another prompt, other lengths) compiles nothing new
@@ -376,5 +377,5 @@ def test_hf_bpd_runs_its_prefill_and_one_token_trees_on_the_shared_packed_weight
     shared.plan = RecordingPlan()
     got = model.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
     assert got.tolist() == ref.tolist()
-    assert drafter.linear_context is shared  # one packed copy per model
+    assert binding_of(drafter).linear_context is shared  # one packed copy per model
     assert 5 in shared.plan.rows and 1 in shared.plan.rows  # the prefill and the one-token trees

@@ -209,7 +209,7 @@ def test_preparing_a_drafter_leaves_the_global_random_stream_alone():
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    drafter.prepare(model)
+    hf_bpd.prepare(drafter, model)
     assert torch.equal(torch.rand(3), expected)
     torch.manual_seed(0)  # loading heads (and dropping their pointer) draws nothing either
     hf_bpd.load_packaged_drafter()
@@ -355,7 +355,7 @@ def test_lattice_heads_with_a_rescorer_sample_exactly_under_a_tight_nucleus():
     rescorer = hf_bpd.NgramRescorer(context_weight=0.5, num_paths=2, beam=4)
     heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3)
     drafter = BlockDrafter(heads, top_k=4, max_tree_tokens=12, rescorer=rescorer)
-    drafter.prepare(model)
+    hf_bpd.prepare(drafter, model)
     torch.manual_seed(0)
     hidden = torch.randn(2, model.config.hidden_size) * 10
     lattice = drafter.lattice(hidden, torch.tensor([5, 6]), warp=SamplingWarp(0.7, 0.3))

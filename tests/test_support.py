@@ -136,7 +136,7 @@ def test_streamer_given_the_usual_way_gets_prompt_once_every_token_and_end():
 def test_heads_run_beside_the_lm_head():
     model = tiny_model("llama")
     drafter = copying_drafter(model)
-    drafter.prepare(model)
+    hf_bpd.prepare(drafter, model)
     assert drafter.heads.device == model.get_output_embeddings().weight.device
 
 

@@ -111,7 +111,7 @@ def decode_batch(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: di
     rows = stats.rows = [DecodingStats() for _ in range(batch_size)]
     processors = [row_processors(call.processors, b) for b in range(batch_size)]
     auto = drafter.max_tree_tokens == "auto" and drafter.forward_cost is not None
-    batch_cost = BatchForwardCost(drafter.step_cost, batch_size) if auto else None
+    batch_cost = BatchForwardCost(call.binding.step_cost, batch_size) if auto else None
     # the original row of each cache row: finished rows leave the cache (`drop_rows`), the rest keep order
     slot_rows = list(range(batch_size))
     slot = {b: b for b in slot_rows}  # each row's place in the cache
@@ -125,7 +125,7 @@ def decode_batch(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: di
     ledger = HoleLedger()
     drafted_last = False  # whether the last step drafted
     if batch_cost is not None:
-        chooser = drafter.step_chooser(lambda: batch_cost.seconds.get(1), margin=batch_draft_margin(batch_size))
+        chooser = call.step_chooser(lambda: batch_cost.seconds.get(1), margin=batch_draft_margin(batch_size))
 
     while not all(finished):
         active = [b for b in range(batch_size) if not finished[b]]
@@ -135,7 +135,7 @@ def decode_batch(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: di
                 past_mask, hidden_last = drop_rows(cache, past_mask, hidden_last, [slot[b] for b in active])
             slot_rows, slot = active, {b: p for p, b in enumerate(active)}
             if batch_cost is not None:  # a smaller batch's forwards: timed again, from a plain step
-                batch_cost = BatchForwardCost(drafter.step_cost, len(slot_rows))
+                batch_cost = BatchForwardCost(call.binding.step_cost, len(slot_rows))
         in_cache = max(real[b] for b in slot_rows)  # the longest cache row's real slots
         clock.start_step()
         share = None if drafter.max_tree_tokens != "auto" else max(1, drafter.tree_budget // len(active))
@@ -168,7 +168,7 @@ def decode_batch(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: di
                     trees = drafter.root_trees(root_tokens)
                 results = accept_rows(call, trees, out.logits, active, slot, sequences, processors)
             if drafting:  # a plain step verified nothing drafted: nothing to learn
-                drafter.observe([results[b].nodes for b in active], [results[b].finished for b in active], 0, None)
+                call.observe([results[b].nodes for b in active], [results[b].finished for b in active], 0, None)
         if batch_cost is not None:
             # on a CPU the forward's own time; on an accelerator the accept (which reads the logits on the
             # host) is the first sync after the forward, so the time up to its end
@@ -233,7 +233,10 @@ def draft_rows(
     contexts = torch.stack(padded)
     rows_hidden = hidden_last[[slot[b] for b in active]]
     depth = call.max_depth(max(real[b] for b in active))
-    drafted = call.drafter.draft(rows_hidden, contexts[active], depth, share, batch_cost, warp=call.warp)
+    cost = call.binding.step_cost
+    drafted = call.drafter.draft(
+        rows_hidden, contexts[active], depth, share, batch_cost, warp=call.warp, step_cost=cost
+    )
     trees = [DraftTree.root_only(call.pad)] * len(slot_rows)
     for b, tree in zip(active, drafted):
         trees[slot[b]] = tree

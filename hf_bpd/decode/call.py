@@ -7,6 +7,8 @@ everything else is one call's business and lives here, once:
 - the call's settings read from `generate`'s arguments: sampling or greedy, the sampling warp the heads'
   estimates follow, the stopping criteria's host form (`HostStop`), the per-token outputs asked for;
 - the prefill and the first token, exactly as `generate` makes them;
+- the drafter's binding to the model (`binding.ModelBinding`): the cost trees are sized by, the forwards
+  timed to correct it, and the step chooser of cost-sized trees;
 - the depth cap: trees are drafted within the positions the model serves (its text config's context,
   below a LongRoPE switch: `support.drafting_context`);
 - the step clock: `with call.clock.phase("verify"): ...` times a phase into the call's stats and counts
@@ -34,6 +36,7 @@ from ..drafting.calibration import SamplingWarp
 from ..drafting.drafter import BlockDrafter
 from ..kv import keep_every_key
 from .accept import AcceptResult, HostStop, accept_tree, choose_tokens
+from .binding import ModelBinding, binding_of
 from .static_cache import is_static
 from .stats import DecodingStats
 from .support import AttentionWindows, drafting_context
@@ -105,6 +108,7 @@ class DecodeCall:
 
     model: object
     drafter: BlockDrafter
+    binding: ModelBinding  # the drafter's, bound to `model` (`binding.prepare`)
     config: GenerationConfig
     processors: LogitsProcessorList
     criteria: StoppingCriteriaList
@@ -138,6 +142,7 @@ class DecodeCall:
         return cls(
             model,
             drafter,
+            binding_of(drafter),
             config,
             processors,
             criteria,
@@ -155,6 +160,17 @@ class DecodeCall:
     @property
     def stats(self) -> DecodingStats:
         return self.drafter.stats
+
+    def step_chooser(self, plain_estimate=None, margin: float = 0.0):
+        """The call's `cost.StepChooser` for cost-sized ("auto") trees, or None (`ModelBinding.step_chooser`)."""
+        return self.binding.step_chooser(self.drafter, plain_estimate, margin)
+
+    def observe(self, accepted_nodes: list[list[int]], finished: list[bool], tree_tokens: int, seconds) -> None:
+        """One verification step fed back: the accepted nodes to the drafter's calibration
+        (`BlockDrafter.observe`), the forward's width and time (None when not timed reliably) to the learned
+        forward cost (`ModelBinding.observe_forward`)."""
+        self.binding.observe_forward(tree_tokens, seconds)
+        self.drafter.observe(accepted_nodes, finished)
 
     @property
     def pad(self) -> int:

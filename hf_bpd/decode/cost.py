@@ -3,8 +3,9 @@
 The base model's verification cost depends on the number of tree tokens N, and how depends on the device:
 on a CPU a forward of a few tokens can cost far more than one (matrix-vector against small-matrix
 kernels), on a GPU the curve is flat far longer. `ForwardCost` holds that curve (measured by
-`measure_forward_cost`), and `best_tree_size` picks, per step, the N that maximises expected accepted
-tokens per second: (1 + sum of the first N-1 nodes' probabilities) / cost(N).
+`measure_forward_cost`), and `best_tree_size` (the drafter's: `drafting/assembly.py`) picks, per step, the
+N that maximises expected accepted tokens per second: (1 + sum of the first N-1 nodes' probabilities) /
+cost(N).
 
 Which CPU kernel runs the forwards, BLAS or oneDNN with pre-packed weights, is measured apart
 (`packed_linear.cached_kernel_plan`). RESULTS.md has the measured curves of the machines the project ran on.
@@ -28,6 +29,8 @@ from ..compat import cache_argument, compiled_forward
 from ..cpu import streamed_linear
 from ..cpu.packed_linear import linear_context, wants_packed_linear
 from ..disk_cache import cache_root, key_file_name, machine_key, measured_once
+from ..drafting.assembly import best_batch_width as best_batch_width  # sizing trees is the drafter's
+from ..drafting.assembly import best_tree_size as best_tree_size
 from ..drafting.tree import DraftTree, batch_trees
 from ..drafting.vocab import model_vocab_size
 from ..kv import contiguous_kv, drop_last, restore, snapshot, state_tensors
@@ -201,7 +204,7 @@ def cached_forward_cost(
     (`cache.cache_root()/forward_cost/`), keyed by `forward_cost_key`. Returns (curve, cache file,
     whether it was measured now). Only tree sizes depend on it, never a token; the drafter's
     `LearnedForwardCost` corrects it online with the forwards it times, and drops it from the cache where
-    they contradict it (`BlockDrafter.review_forward_cost`). A curve measured on a busy machine is
+    they contradict it (`binding.ModelBinding.review_forward_cost`). A curve measured on a busy machine is
     measured again (`cache.measured_once`); `refresh` measures again."""
     key = forward_cost_key(model, packed_linear, sizes)
     path = forward_cost_cache_file(key)
@@ -284,44 +287,6 @@ def speedup_bound(tau: float, one_token_seconds: float, step_seconds: float) -> 
     plain decoding pays `one_token_seconds` per token: with step = t(n) alone, the zero-overhead limit of a
     tree of n tokens; with step = t(n) + drafting, what such a drafter can reach."""
     return tau * one_token_seconds / step_seconds
-
-
-def best_tree_size(node_probs: list[float], cost: ForwardCost | LearnedForwardCost) -> int:
-    """node_probs[i]: probability that tree node i (insertion order, root first, root = 1) is accepted.
-    Returns the N maximising (sum of the first N probabilities) / cost(N)."""
-    best_n, best_rate, expected = 1, 0.0, 0.0
-    for n, p in enumerate(node_probs, start=1):
-        expected += p
-        rate = expected / cost(n)
-        if rate > best_rate:
-            best_n, best_rate = n, rate
-    return best_n
-
-
-def best_batch_width(
-    node_probs: list[list[float]], rows_in_forward: int, cost, max_width: int | None = None, margin: float = 0.0
-) -> int:
-    """One verification forward for a batch: every row's tree is padded to the widest, so the forward holds
-    `rows_in_forward` x w tokens (finished rows included) whatever each row drafted. node_probs[b]: row b's
-    node acceptance probabilities (as in `best_tree_size`). Returns the width w <= `max_width` maximising
-    the batch's expected accepted tokens, sum over rows of their first min(w, n_b) probabilities, per
-    cost(rows x w); a width above 1 only where its rate beats the roots' alone (w = 1) by `margin`, a share:
-    a wider step also pays for what the forward's cost leaves out (the accepted slots' compaction, the
-    holes rows' different acceptances leave), and its expectation rests on calibrated estimates."""
-    widest = max((len(p) for p in node_probs), default=1)
-    widest = widest if max_width is None else min(widest, max_width)
-    best_w, best_rate = 1, 0.0
-    expected = [0.0] * len(node_probs)
-    for w in range(1, widest + 1):
-        for b, probs in enumerate(node_probs):
-            if w <= len(probs):
-                expected[b] += probs[w - 1]
-        rate = sum(expected) / cost(rows_in_forward * w)
-        if w == 1:  # the roots alone: what a wider width must beat by the margin
-            best_rate = (1 + margin) * rate
-        elif rate > best_rate:
-            best_w, best_rate = w, rate
-    return best_w
 
 
 class BatchForwardCost:

@@ -79,7 +79,7 @@ def decode_recurrent(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs
     past_mask, cache, hidden_last, sequences, finished = start.state()
     _check_state_in_cache(model, cache)
     replays: list[list[int]] = [[] for _ in range(batch_size)]
-    chooser = drafter.step_chooser() if batch_size == 1 else None  # plain steps where drafting does not pay
+    chooser = call.step_chooser() if batch_size == 1 else None  # plain steps where drafting does not pay
     ledger = HoleLedger()
 
     while not all(finished):
@@ -110,7 +110,7 @@ def decode_recurrent(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs
                 results[b] = call.walk(chains[b], logits, sequences[b], processors[b])
             timed = device.type == "cpu" or drafter.profile
             nodes, stopped = [results[b].nodes for b in active], [results[b].finished for b in active]
-            drafter.observe(nodes, stopped, width, verify_seconds if timed else None)
+            call.observe(nodes, stopped, width, verify_seconds if timed else None)
         if chooser is not None:
             chooser.observe(drafting, len(results[active[0]].tokens), clock.step_seconds())
         # a row commits when the forward read nothing of it that was not accepted
@@ -144,8 +144,9 @@ def draft_chains(call: DecodeCall, sequences, hidden_last, replays, active, room
         length = max(len(c) for c in contexts)
         padded = torch.stack([torch.nn.functional.pad(c, (length - len(c), 0), value=call.pad) for c in contexts])
         host = [c.tolist() for c in contexts]
+        depth, cost = call.max_depth(longest), call.binding.step_cost
         trees = drafter.draft(
-            hidden_last[active], padded, call.max_depth(longest), max(room), warp=call.warp, host_context=host
+            hidden_last[active], padded, depth, max(room), warp=call.warp, host_context=host, step_cost=cost
         )
         drafted = drafter.chains(trees, room)
     else:

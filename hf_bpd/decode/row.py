@@ -138,7 +138,7 @@ def decode(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: dict):
     capacity = static_capacity(cache)  # a static cache: trees fit its free slots (`static_cache.py`)
     static_call = None if capacity is None else compiled_static_call(model, call.config, model_kwargs)
     block = index_position_block(model)  # queries read their cache index as position (Llama-4): trees bounded
-    chooser = drafter.step_chooser()  # plain steps where drafting does not pay ("auto" trees)
+    chooser = call.step_chooser()  # plain steps where drafting does not pay ("auto" trees)
     fuse, fuse_sampled, grows_next = fused_walks(call, device)
     grown, next_drafts = None, None  # the next step's tree, grown during the last step, and its decision
 
@@ -154,7 +154,14 @@ def decode(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: dict):
                 given = {} if grown is None else {"grown": grown}
                 depth = call.max_depth(past_len)
                 trees = drafter.draft(
-                    hidden_last, input_ids, depth, limit, warp=call.warp, host_context=[sequence], **given
+                    hidden_last,
+                    input_ids,
+                    depth,
+                    limit,
+                    warp=call.warp,
+                    host_context=[sequence],
+                    step_cost=call.binding.step_cost,
+                    **given,
                 )
             else:
                 trees = drafter.root_trees([sequence[-1]])
@@ -175,9 +182,7 @@ def decode(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: dict):
             result, grown = accept_row(call, trees[0], batch, out, input_ids, past_len, fuse_sampled, grow)
             # CPU times are exact; on an accelerator only when the drafter synchronises (profile)
             timed = device.type == "cpu" or drafter.profile
-            drafter.observe(
-                [result.nodes], [result.finished], batch.input_ids.shape[1], verify_seconds if timed else None
-            )
+            call.observe([result.nodes], [result.finished], batch.input_ids.shape[1], verify_seconds if timed else None)
         stats.time_accept -= stats.time_heads - heads_before
         sequence.extend(result.tokens)
         with clock.phase("cache"):

@@ -32,6 +32,7 @@ from statistics import median_high
 
 import torch
 
+from ..decode.binding import prepare
 from ..decode.cost import measure_forward_cost, speedup_bound
 
 # Llama-shaped configurations (hidden, layers, attention heads, kv heads, MLP width, vocabulary)
@@ -94,7 +95,7 @@ def measure_draft_cost(model, tree_sizes, context: int = 256, repeats: int = 5) 
     out = {}
     for n in tree_sizes:
         drafter = BlockDrafter(heads, top_k=10, max_tree_tokens=n, calibrate=True)
-        drafter.prepare(model)
+        prepare(drafter, model)
         times = []
         for _ in range(repeats + 1):  # the first run warms up
             _sync(param.device)

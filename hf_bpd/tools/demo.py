@@ -4,7 +4,7 @@ hf_bpd with the shipped default drafter, and print block efficiency, tokens/s, t
 plain method and whether the outputs are identical.
 
 Measured fairly: one-time work (dequantising the GGUF on first use, building the CPU kernel, the kernel
-plan and the forward-cost curve `auto` trees are sized by: `BlockDrafter.prepare`, logged as it runs;
+plan and the forward-cost curve `auto` trees are sized by: `hf_bpd.prepare`, logged as it runs;
 warm-up runs of both methods) happens before any timing and is reported on its own line; the measurements
 are cached per machine and model, so a second run skips them. Where other processes kept the machine busy
 while timing, the demo says so instead of judging the methods. Both methods are timed the same way,
@@ -21,6 +21,7 @@ from importlib import resources
 import torch
 
 from ..cpu.packed_linear import fast_cpu
+from ..decode.binding import prepare
 from ..generation import generate as bpd_generate
 from ..io.jsonl import parse_jsonl
 from ..io.models import chat_inputs
@@ -59,12 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     drafter = load_packaged_drafter()
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
-    drafter.prepare(model, remeasure=args.recalibrate)  # what the first generate call would do: ahead of time
+    # what the first generate call would do: ahead of time
+    setup = prepare(drafter, model, remeasure=args.recalibrate).setup
     fast_kernels = fast_cpu(model)  # the kernel plan prepare measured (once per machine, then cached)
     t_prepare = time.perf_counter() - t0
-    if drafter.setup:
-        how = "measured" if drafter.setup["measured"] else "read from the cache"
-        calibration = f"forward-cost curve {how} ({drafter.setup['forward_cost_file']})"
+    if setup:
+        how = "measured" if setup["measured"] else "read from the cache"
+        calibration = f"forward-cost curve {how} ({setup['forward_cost_file']})"
     else:
         calibration = "fixed tree size, no forward-cost curve"
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..decode.binding import prepare
 from ..decode.cost import ForwardCost, measure_forward_cost, speedup_bound
 from ..drafting.drafter import BlockDrafter
 from ..io.models import chat_inputs
@@ -80,7 +81,7 @@ def replay_turn(
     `hidden`: `answer_hidden_states`, when several drafters replay the same turn."""
     if not answer:
         raise ValueError("an empty answer: greedy generated no token")
-    drafter.prepare(model)
+    step_cost = prepare(drafter, model).step_cost
     if hidden is None:
         hidden = answer_hidden_states(model, prompt_ids, answer)
     p = prompt_ids.shape[1]
@@ -90,9 +91,9 @@ def replay_turn(
     while t < len(answer):
         sequence = torch.cat([prompt_ids, prompt_ids.new_tensor([answer[:t]])], dim=-1)
         max_depth = None if context is None else max(context - (p + t - 1) - 1, 0)  # as `decoding.decode`
-        tree = drafter.draft(hidden[p + t - 2][None], sequence, max_depth)[0]
+        tree = drafter.draft(hidden[p + t - 2][None], sequence, max_depth, step_cost=step_cost)[0]
         nodes, finished = accept_along(tree, answer, t)
-        drafter.observe([nodes], [finished], len(tree), None)
+        drafter.observe([nodes], [finished])
         t += len(nodes)
         result.forwards += 1
         result.accepted_lengths.append(len(nodes))

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ...cpu.packed_linear import fast_cpu
+from ...decode.binding import binding_of, prepare
 from ...decode.support import attention_windows
 from ...drafting.drafter import BlockDrafter
 from ...generation import generate as bpd_generate
@@ -170,7 +171,7 @@ def assisted_method(model, assistant_model, name: str = "assisted", decoding: di
 def bpd_method(model, drafter: BlockDrafter, name: str = "hf_bpd", decoding: dict = GREEDY) -> Method:
     # One-time start-up work (binding the heads, measuring the forward-cost curve for "auto" trees) is
     # done here, like model loading, so it is neither timed nor counted as decoding forwards.
-    drafter.prepare(model)
+    prepare(drafter, model)
 
     def run(inputs, n):
         out = model.generate(**inputs, **decoding, max_new_tokens=n, custom_generate=bpd_generate, assistant=drafter)
@@ -193,7 +194,7 @@ def learned(methods: list[Method]) -> dict:
     return {
         m.name: {
             "acceptance_multipliers": m.drafter.calibration.summary(),
-            "forward_cost_factors": getattr(m.drafter.step_cost, "factors", {}),
+            "forward_cost_factors": getattr(binding_of(m.drafter).step_cost, "factors", {}),
         }
         for m in methods
         if m.drafter is not None and m.drafter.calibration is not None
