@@ -420,6 +420,14 @@ def check_call_supported(
     honour. Returns the model's attention windows (None: none), which shape the tree masks (and, where
     `cap` is set, cap every tree below that window). `tree_budget`: the most nodes a step of the drafter
     verifies per row."""
+    _check_inputs(model, input_ids, generation_config, model_kwargs)
+    static = _check_cache(generation_config, model_kwargs)
+    _check_positions(model, input_ids, generation_config, model_kwargs, tree_budget)
+    return _check_windows(model, input_ids, generation_config, static)
+
+
+def _check_inputs(model, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict) -> None:
+    """Inputs and outputs a tree forward cannot carry per drafted node."""
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("hf_bpd.generate drafts from token ids: pass input_ids, not inputs_embeds")
     if input_ids.shape[1] == 0:
@@ -453,6 +461,10 @@ def check_call_supported(
             f"hf_bpd.generate does not pass {extra} on to the tree forward (inputs the model reads on every step "
             "would have to be extended to every drafted node); use plain generate for such inputs"
         )
+
+
+def _check_cache(generation_config: GenerationConfig, model_kwargs: dict) -> StaticCache | None:
+    """An empty DynamicCache or StaticCache only; returns the static cache passed in, if any."""
     implementation = generation_config.cache_implementation
     if implementation not in (None, "dynamic", "static"):
         raise ValueError(
@@ -473,6 +485,13 @@ def check_call_supported(
                 "hf_bpd.generate starts from an empty cache: continuing from a filled one is not supported; "
                 "pass the whole conversation as input_ids instead"
             )
+    return static
+
+
+def _check_positions(
+    model, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict, tree_budget: int
+) -> None:
+    """The context length, and models that read positions from cache indices or switch rotary frequencies."""
     text_config = model.config.get_text_config(decoder=True)
     context = getattr(text_config, "max_position_embeddings", None)
     if context is not None and input_ids.shape[1] >= context:
@@ -504,6 +523,14 @@ def check_call_supported(
             "a tree forward would not rotate its nodes as plain decoding does; hf_bpd.generate serves this model "
             f"while prompt + max_new_tokens <= {switch + 1}, or for prompts longer than {switch} tokens"
         )
+
+
+def _check_windows(
+    model, input_ids: torch.Tensor, generation_config: GenerationConfig, static: StaticCache | None
+) -> AttentionWindows | None:
+    """A static cache's own refusals, and attention windows a long enough call would reach."""
+    implementation = generation_config.cache_implementation
+    text_config = model.config.get_text_config(decoder=True)
     windows = attention_windows(model)
     if static is not None:
         check_static_supported(
