@@ -20,6 +20,7 @@ from .decode.accept import typical_acceptance
 from .decode.batch import check_batch_supported, decode_batch
 from .decode.binding import prepare
 from .decode.call import DecodeCall
+from .decode.captured import check_captured_setting
 from .decode.recurrent import decode_recurrent
 from .decode.row import decode
 from .decode.support import check_call_supported, check_model_supported, has_recurrent_state
@@ -36,11 +37,16 @@ def generate(
     streamer=None,
     assistant: BlockDrafter | None = None,
     lossy_typical_acceptance: bool | tuple[float, float] = False,
+    captured_step: bool | str | None = None,
     **model_kwargs,
 ):
     """Lossless blockwise parallel decoding, greedy or sampled (`generation_config.do_sample`); see the
     module docstring. `assistant` is the `BlockDrafter`. `lossy_typical_acceptance` (sampling only, off by
     default): Medusa's typical acceptance, faster and NOT lossless (module docstring).
+
+    `captured_step` (greedy on a static cache, one row): each step as one device function compiled once per
+    tree size (`decode/captured.py`): None (default, auto: the devices `captured.AUTO_DEVICES` names, none yet),
+    True always (refused where it cannot serve), False never, or the `torch.compile` backend to compile it with.
 
     `streamer`: given to `generate` the usual way it is found in the calling `generate` (which does not
     hand it to a callable custom_generate; `compat.caller_streamer`); one bound with
@@ -66,6 +72,7 @@ def generate(
     check_model_supported(model)
     windows = check_call_supported(model, input_ids, generation_config, model_kwargs, assistant.tree_budget)
     batched = input_ids.shape[0] > 1
+    check_captured_setting(captured_step, batched, has_recurrent_state(model))
     if batched:
         check_batch_supported(input_ids, generation_config, model_kwargs)
         if streamer is not None or caller_streamer(model) is not None:
@@ -88,6 +95,7 @@ def generate(
             windows,
             typical,
         )
+        call.captured = captured_step
         out = loop(call, input_ids, model_kwargs)
     if batched and generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=out)

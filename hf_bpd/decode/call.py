@@ -121,6 +121,7 @@ class DecodeCall:
     warp: SamplingWarp | None = None
     stop: HostStop | None = None
     context: int | None = None  # the positions trees are drafted within (None: unbounded)
+    captured: bool | str | None = None  # `generate(captured_step=...)`: the captured step's setting (`captured.py`)
     scores: list[torch.Tensor] = field(default_factory=list)  # one row's per-token processed scores, when asked
     logits: list[torch.Tensor] = field(default_factory=list)  # ... and raw logits
 

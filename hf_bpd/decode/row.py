@@ -49,6 +49,7 @@ from ..drafting.tree import DraftTree, TreeBatch, batch_trees
 from ..kv import compact_cache, compact_static_cache
 from .accept import AcceptResult, HostStop, accept_greedy
 from .call import DecodeCall
+from .captured import decode_captured, use_captured
 from .sampled_walk import accept_sampled_and_grow, walk_serves
 from .static_cache import compiled_static_call, graph_tree_size, static_capacity
 from .support import AttentionWindows, index_position_block, index_position_room
@@ -129,6 +130,8 @@ def decode(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: dict):
     """The decoding loop of one row, on a call already checked and a drafter prepared for its model (inside
     its linear context: `generation._prepared`): prefill, then draft, verify, accept and compact until a
     stopping criterion holds."""
+    if use_captured(call, input_ids, model_kwargs):  # greedy on a static cache: one device step (`captured.py`)
+        return decode_captured(call, input_ids, model_kwargs)
     model, drafter, clock, stats = call.model, call.drafter, call.clock, call.stats
     start = call.prefill(input_ids, model_kwargs)
     past_mask, cache, hidden_last, sequences, finished = start.state()

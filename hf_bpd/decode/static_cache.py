@@ -17,7 +17,10 @@ trees on such a cache the same way:
   and themselves only: no real node sees them, and they are dropped with the rejected ones.
 
 One row, full attention: a static cache with sliding-window layers, a batch or a recurrent state is
-refused up front (`check_static_supported`)."""
+refused up front (`check_static_supported`).
+
+Greedy calls can instead run each whole step (heads, tree, forward, accept, compaction) as one captured
+device function: `captured.py` (`generate(..., captured_step=True)`)."""
 
 from __future__ import annotations
 

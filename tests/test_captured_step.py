@@ -1,0 +1,276 @@
+"""The captured decode step (`hf_bpd/decode/captured.py`, issue #58): greedy steps on a static cache as one
+device function over a fixed tree topology per bucket. The same tokens as plain static-cache `generate`
+(random, oracle and the shipped heads); no host wait inside a step and one read per step; compiled with
+`fullgraph=True`, one graph per bucket and none for a second prompt; refusals before any forward."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from conftest import random_heads, spec_bench_prompts, tiny_model
+
+import hf_bpd
+import hf_bpd.decode.captured as captured
+import hf_bpd.decode.row as row
+from hf_bpd import BlockDrafter, BlockDraftHeads
+from hf_bpd.compat import GENERATE_CACHE_FIELD
+from hf_bpd.decode.captured import Topology, TreeBucket, draft_tokens, rank_acceptance
+from hf_bpd.decode.syncs import StepSyncCounter
+from hf_bpd.io.models import chat_inputs
+
+PROMPTS = ([[5, 6, 7]], [[9, 3, 4, 8, 11, 12]], [[40, 41, 40, 41, 40]])
+
+
+def static_generate(model, ids, drafter=None, **kw):
+    if drafter is not None:
+        kw.update(custom_generate=hf_bpd.generate, assistant=drafter)
+    return model.generate(ids, cache_implementation="static", do_sample=False, **kw)
+
+
+def heads_of(model, kind: str):
+    if kind == "copying":  # plain heads repeating the base model's guess: drafts accepted on repetitive text
+        return BlockDraftHeads.for_base_model(model, num_heads=4)
+    return random_heads(model, num_heads=4, token_input=kind, std=0.05)
+
+
+# ------------------------------------------------------------------------------------------ topology
+def test_best_first_topology_is_a_tree_of_the_most_probable_paths_and_every_prefix_is_one():
+    top = Topology.best_first(16, depth=4, top_k=3)
+    assert len(top) == 16 and top.parents[0] == -1
+    assert all(0 <= p < i for i, p in enumerate(top.parents[1:], 1))
+    assert max(top.depths) <= 4 and max(top.ranks) < 3
+    assert top.paths()[1:4] == [(0,), (0, 0), (1,)]  # the prior: the top-1 chain, then rank 1 at depth 1
+    assert Topology.from_paths(top.paths()[1:]) == top
+    for n in (1, 2, 5, 16):
+        prefix = top.prefix(n)
+        assert len(prefix) == n and prefix.parents == top.parents[:n]
+
+
+def test_a_topology_built_from_measured_rank_acceptance_is_the_one_decoded_with():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(heads_of(model, "previous"), top_k=3, max_tree_tokens=8)
+    drafter.prepare(model)
+    answers = [(len(p[0]), static_generate(model, torch.tensor(p), max_new_tokens=20)[0]) for p in PROMPTS]
+    table = rank_acceptance(model, drafter.heads, answers, top_k=3)
+    assert len(table) == 4 and all(len(r) == 3 and min(r) >= 0 and sum(r) <= 1 + 1e-9 for r in table)
+    top = Topology.best_first(8, 4, 3, [[0.9, 0.05, 0.05], [0.1, 0.8, 0.1], [0.5, 0.2, 0.1], [0.5, 0.2, 0.1]])
+    assert top.paths()[1:3] == [(0,), (0, 1)]  # the measured table, not the prior, orders it
+    drafter.captured_topology = top
+    ids = torch.tensor(PROMPTS[0])
+    ref = static_generate(model, ids, max_new_tokens=20)
+    assert static_generate(model, ids, drafter, max_new_tokens=20, captured_step=True).tolist() == ref.tolist()
+    decoders = captured._DECODERS[model].values()
+    assert any(b.topology == top for d in decoders for b in d.buckets.values())
+
+
+def test_topologies_that_are_not_trees_are_refused():
+    with pytest.raises(ValueError, match="root"):
+        Topology((0, 0), (0, 0))
+    with pytest.raises(ValueError, match="precede"):
+        Topology((-1, 2, 0), (0, 0, 1))
+    with pytest.raises(ValueError, match="share"):
+        Topology((-1, 0, 0), (0, 1, 1))
+
+
+def test_device_tree_takes_each_node_s_rank_of_its_head_applied_to_its_parent_s_token():
+    model = tiny_model("llama")
+    heads = random_heads(model, num_heads=3, token_input="previous").bind(model)
+    top = Topology.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    bucket = TreeBucket(top, "previous", torch.device("cpu"), capacity=32)
+    hidden, root = torch.randn(1, 32), torch.tensor([7])
+    tokens = draft_tokens(heads, bucket, hidden, root).tolist()
+    with torch.no_grad():
+        for i in range(1, len(top)):
+            parent, depth = top.parents[i], top.depths[i]
+            ids, _ = heads.top_tokens(heads.step(depth - 1, hidden, torch.tensor([tokens[parent]])), 3)
+            assert tokens[i] == ids[0, top.ranks[i]].item(), i
+
+
+# ---------------------------------------------------------------------------------------- decoding
+@pytest.mark.parametrize("kind", ["previous", "next", "copying"])
+def test_captured_greedy_gives_plain_static_generate_s_tokens_with_one_host_read_per_step(kind):
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(heads_of(model, kind), top_k=3, max_tree_tokens=12)
+    drafter.count_host_syncs = True
+    for ids in PROMPTS:
+        ids = torch.tensor(ids)
+        for max_new in (1, 40):
+            ref = static_generate(model, ids, max_new_tokens=max_new)
+            out = static_generate(model, ids, drafter, max_new_tokens=max_new, captured_step=True)
+            assert out.tolist() == ref.tolist()
+            assert drafter.stats.new_tokens == max_new
+            syncs = drafter.stats.host_syncs
+            assert syncs.get("step", 0) == 0, syncs  # nothing inside a step waits for the device
+            assert syncs.get("read", 0) == drafter.stats.steps, syncs  # one read per step
+
+
+def test_walks_through_any_rank_are_compacted_and_give_plain_static_generate_s_tokens(monkeypatch):
+    # drafts that know the answer: at depth d the right token sits at rank (length + d) % 2 (the other ranks
+    # are wrong), so walks end at varied depths and pass through rank-1 nodes, whose keys and values
+    # compaction must move; pure device indexing, as the heads' top-k is
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(heads_of(model, "previous"), top_k=3, max_tree_tokens=16)
+    seen = {}
+    real_run = captured.CapturedDecoder.run
+
+    def run(self, model_, bucket, cache):
+        seen["cache"] = cache
+        return real_run(self, model_, bucket, cache)
+
+    def knowing(heads, bucket, hidden, root):
+        length = seen["cache"].layers[0].cumulative_length
+        at = length + bucket.depths  # each node's position
+        right = seen["truth"].index_select(0, at)
+        good = (bucket.ranks == at % 2) | (bucket.depths == 0)
+        return torch.where(good, right, (right + 1 + bucket.ranks) % model.config.vocab_size)
+
+    monkeypatch.setattr(captured.CapturedDecoder, "run", run)
+    monkeypatch.setattr(captured, "draft_tokens", knowing)
+    for ahead in (False, True):  # one step in flight (a CPU), or two (an accelerator: the host one step behind)
+        monkeypatch.setattr(row, "decode_captured", functools.partial(captured.decode_captured, ahead=ahead))
+        for ids in PROMPTS[:2]:
+            ids = torch.tensor(ids)
+            ref = static_generate(model, ids, max_new_tokens=40)
+            seen["truth"] = torch.cat([ref[0], ref.new_zeros(64)])  # room for drafts past the end
+            out = static_generate(
+                model, ids, drafter, max_new_tokens=40, captured_step=True, return_dict_in_generate=True
+            )
+            assert out.sequences.tolist() == ref.tolist()
+            lengths = drafter.stats.accepted_lengths
+            assert max(lengths) >= 4 and len(set(lengths)) >= 3, lengths  # deep and varied walks
+            cache = getattr(out, GENERATE_CACHE_FIELD)
+            assert cache.get_seq_length() == ref.shape[1] - 1  # as `generate` leaves it, steps in flight dropped
+
+
+def test_eos_inside_an_accepted_walk_stops_there_with_steps_in_flight(monkeypatch):
+    model = tiny_model("llama", eos_token_id=None)
+    ids = torch.tensor([[5, 6, 7]])
+    long = static_generate(model, ids, max_new_tokens=30)[0, 3:].tolist()
+    eos = next(t for i, t in enumerate(long) if i >= 5 and t not in long[:i])  # first met mid-answer
+    drafter = BlockDrafter(heads_of(model, "copying"), top_k=3, max_tree_tokens=8)
+    monkeypatch.setattr(row, "decode_captured", functools.partial(captured.decode_captured, ahead=True))
+    ref = static_generate(model, ids, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+    out = static_generate(model, ids, drafter, max_new_tokens=30, eos_token_id=eos, pad_token_id=0, captured_step=True)
+    assert out.tolist() == ref.tolist() and out[0, -1].item() == eos
+
+
+# ---------------------------------------------------------------------------------------- compiled
+def test_the_step_compiles_to_one_graph_per_bucket_and_a_second_prompt_compiles_nothing():
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(gm, example_inputs):  # a torch.compile backend: called once per graph
+        graphs.append(gm)
+        return gm.forward
+
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(heads_of(model, "previous"), top_k=3, max_tree_tokens=8, packed_linear=False)
+    sizes = []
+    for ids in PROMPTS[:2]:  # another prompt length, the same cache capacity (max_length)
+        ids = torch.tensor(ids)
+        ref = static_generate(model, ids, max_length=40)
+        before = len(graphs)
+        out = static_generate(model, ids, drafter, max_length=40, captured_step=counting)
+        assert out.tolist() == ref.tolist()
+        sizes.append(set(drafter.stats.tree_sizes))
+        if not sizes[:-1]:
+            assert len(graphs) - before == len(sizes[0]) > 1  # one graph per bucket (fullgraph: no break)
+        else:
+            assert len(graphs) == before  # nothing recompiled
+    assert sizes[1] <= sizes[0]
+
+
+def test_the_step_compiles_with_aot_eager_and_gives_the_same_tokens():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(heads_of(model, "copying"), top_k=3, max_tree_tokens=4, packed_linear=False)
+    ids = torch.tensor(PROMPTS[2])
+    assert static_generate(model, ids, drafter, max_new_tokens=24, captured_step="aot_eager").tolist() == (
+        static_generate(model, ids, max_new_tokens=24).tolist()
+    )
+
+
+@pytest.mark.slow
+def test_the_step_compiles_with_inductor_on_a_cpu_and_gives_the_same_tokens():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(heads_of(model, "previous"), top_k=3, max_tree_tokens=4, packed_linear=False)
+    ids = torch.tensor(PROMPTS[1])
+    assert static_generate(model, ids, drafter, max_new_tokens=20, captured_step="inductor").tolist() == (
+        static_generate(model, ids, max_new_tokens=20).tolist()
+    )
+
+
+# ---------------------------------------------------------------------------------------- host waits
+def test_the_step_counter_counts_host_reads_host_made_tensors_and_blocking_copies():
+    counter = StepSyncCounter()
+    t = torch.arange(4)
+    with counter.phase("step"):
+        t.tolist(), t.sum().item()  # reads
+        torch.tensor([1, 2]), torch.as_tensor([3]), t.new_tensor([4])  # tensors from host values
+        torch.as_tensor(t), t.new_zeros(2), t + 1, t.to(torch.float32), t.to("cpu")  # none of these
+    assert counter.counts == {"step": 5}, counter.calls
+
+
+def test_an_uncompiled_step_waits_for_nothing_on_the_host():
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(heads_of(model, "previous"), top_k=3, max_tree_tokens=12)
+    drafter.count_host_syncs = True
+    static_generate(model, torch.tensor(PROMPTS[0]), drafter, max_new_tokens=30, captured_step=True)
+    counts = drafter.stats.host_syncs
+    assert drafter.stats.steps > 5 and counts.get("step", 0) == 0 and counts["read"] == drafter.stats.steps
+    per_step = drafter.stats.host_syncs_per_step()
+    assert sum(v for k, v in per_step.items() if k != "prefill") <= 1
+
+
+# ---------------------------------------------------------------------------------------- refusals
+def test_calls_the_captured_step_cannot_serve_are_refused_before_any_forward_or_left_to_the_static_path(monkeypatch):
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(heads_of(model, "previous"), top_k=3, max_tree_tokens=8)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    ids = torch.tensor([[5, 6, 7]])
+    gen = dict(custom_generate=hf_bpd.generate, assistant=drafter, max_new_tokens=4)
+    with pytest.raises(ValueError, match="greedy"):
+        model.generate(ids, cache_implementation="static", do_sample=True, captured_step=True, **gen)
+    with pytest.raises(ValueError, match="static cache"):
+        model.generate(ids, do_sample=False, captured_step=True, **gen)
+    with pytest.raises(ValueError, match="batch"):
+        model.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), do_sample=False, captured_step=True, **gen)
+    with pytest.raises(ValueError, match="scores"):
+        model.generate(
+            ids,
+            cache_implementation="static",
+            do_sample=False,
+            captured_step=True,
+            return_dict_in_generate=True,
+            output_scores=True,
+            **gen,
+        )
+    with pytest.raises(ValueError, match="captured_step takes"):
+        model.generate(ids, cache_implementation="static", do_sample=False, captured_step=3, **gen)
+    assert calls == []
+    hook.remove()
+    # auto on a CPU, and False anywhere: the static path
+    monkeypatch.setattr(row, "decode_captured", lambda *a, **k: pytest.fail("the captured step was taken"))
+    ref = static_generate(model, ids, max_new_tokens=10)
+    for setting in (None, False):
+        assert static_generate(model, ids, drafter, max_new_tokens=10, captured_step=setting).tolist() == ref.tolist()
+
+
+# ---------------------------------------------------------------------------------------- the shipped model
+@pytest.mark.real
+@pytest.mark.slow
+def test_shipped_drafter_in_the_captured_step_gives_plain_static_generate_s_tokens(smollm2):
+    model, tokenizer = smollm2
+    drafter = hf_bpd.load_packaged_drafter(max_tree_tokens=16)
+    drafter.count_host_syncs = True
+    accepted = []
+    for prompt in spec_bench_prompts(3):
+        inputs = chat_inputs(tokenizer, [{"role": "user", "content": prompt}])
+        ref = static_generate(model, inputs["input_ids"], max_new_tokens=40)
+        out = static_generate(model, inputs["input_ids"], drafter, max_new_tokens=40, captured_step=True)
+        assert out.tolist() == ref.tolist()
+        assert drafter.stats.host_syncs.get("step", 0) == 0
+        accepted += drafter.stats.accepted_lengths
+    assert sum(accepted) / len(accepted) > 1.2  # the shipped heads' drafts are accepted through the fixed tree
