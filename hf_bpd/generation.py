@@ -15,14 +15,16 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .compat import caller_streamer
+from .compat import CACHE_NAMES, caller_streamer, compiled_forward
 from .decode.accept import typical_acceptance
 from .decode.batch import check_batch_supported, decode_batch
 from .decode.call import DecodeCall
 from .decode.recurrent import decode_recurrent
 from .decode.row import decode
+from .decode.static_cache import is_static
 from .decode.support import check_call_supported, check_model_supported, has_recurrent_state
 from .drafting.drafter import BlockDrafter
+from .drafting.layer_features import decoding_features
 
 
 def generate(
@@ -64,6 +66,7 @@ def generate(
         raise ValueError("lossy_typical_acceptance changes how sampled tokens are accepted: it needs do_sample=True")
     check_model_supported(model)
     windows = check_call_supported(model, input_ids, generation_config, model_kwargs, assistant.tree_budget)
+    check_features_supported(model, assistant, generation_config, model_kwargs)
     batched = input_ids.shape[0] > 1
     if batched:
         check_batch_supported(input_ids, generation_config, model_kwargs)
@@ -99,6 +102,24 @@ def _prepared(model, drafter: BlockDrafter):
     inside its linear context: oneDNN packed weights on a CPU (`packed_linear.py`), the same kernels
     `hf_bpd.fast_cpu` gives plain `generate`."""
     drafter.prepare(model)
-    with drafter.linear_context:
+    # heads reading several layers: hooks keep those layers' states and fuse them (`layer_features.py`)
+    with drafter.linear_context, decoding_features(model, drafter.heads):
         yield
     drafter.review_forward_cost()
+
+
+def check_features_supported(model, drafter: BlockDrafter, generation_config: GenerationConfig, model_kwargs: dict):
+    """Heads reading several layers (`feature_layers`) capture them with hooks around the model's eager
+    forward: refuse a compiled forward (its graph would not run the hooks as the tree forward needs them)
+    and a static cache (decoded through a compiled call)."""
+    layers = getattr(getattr(drafter.heads, "config", None), "feature_layers", None)
+    if not layers:
+        return
+    static = generation_config.cache_implementation == "static" or any(
+        is_static(model_kwargs.get(name)) for name in CACHE_NAMES if model_kwargs.get(name) is not None
+    )
+    if compiled_forward(model) or static:
+        raise ValueError(
+            f"draft heads reading feature layers {layers} capture them with hooks on the eager forward: "
+            "not yet served with a compiled forward or a static cache; use a dynamic cache and an eager forward"
+        )
