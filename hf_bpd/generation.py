@@ -23,8 +23,14 @@ from .decode.call import DecodeCall
 from .decode.captured import check_captured_setting
 from .decode.recurrent import decode_recurrent
 from .decode.row import decode
-from .decode.support import check_call_supported, check_model_supported, has_recurrent_state
+from .decode.support import (
+    check_call_supported,
+    check_features_supported,
+    check_model_supported,
+    has_recurrent_state,
+)
 from .drafting.drafter import BlockDrafter
+from .drafting.layer_features import decoding_features
 
 
 def generate(
@@ -71,6 +77,7 @@ def generate(
         raise ValueError("lossy_typical_acceptance changes how sampled tokens are accepted: it needs do_sample=True")
     check_model_supported(model)
     windows = check_call_supported(model, input_ids, generation_config, model_kwargs, assistant.tree_budget)
+    check_features_supported(model, assistant, generation_config, model_kwargs)
     batched = input_ids.shape[0] > 1
     check_captured_setting(captured_step, batched, has_recurrent_state(model))
     if batched:
@@ -108,6 +115,7 @@ def _prepared(model, drafter: BlockDrafter):
     inside its linear context: oneDNN packed weights on a CPU (`packed_linear.py`), the same kernels
     `hf_bpd.fast_cpu` gives plain `generate`."""
     binding = prepare(drafter, model)
-    with binding.linear_context:
+    # heads reading several layers: hooks keep those layers' states and fuse them (`layer_features.py`)
+    with binding.linear_context, decoding_features(model, drafter.heads):
         yield
     binding.review_forward_cost(drafter)

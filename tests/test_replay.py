@@ -19,11 +19,15 @@ def decode(model, drafter, ids, n):
     return out, drafter.stats
 
 
-@pytest.mark.parametrize("token_input", ["previous", "next"])
-def test_replay_matches_the_decoding_loop_step_by_step(token_input):
+@pytest.mark.parametrize("token_input, feature_layers", [("previous", None), ("next", None), ("previous", [1, -1])])
+def test_replay_matches_the_decoding_loop_step_by_step(token_input, feature_layers):
     model = tiny_model("llama", eos_token_id=None)
     # zero residuals: heads that repeat the base model's guess, so multi-token steps happen
     heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=4, token_input=token_input)
+    if feature_layers:  # a fusion that also reads layer 1: replay fuses the layers as decoding does
+        heads = heads.with_feature_layers(feature_layers)
+        with torch.no_grad():
+            heads.fusion.linear.weight[:, :32].normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(0)
     multi = False
     for trial in range(4):

@@ -34,6 +34,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..compat import GENERATE_CACHE_FIELD, last_hidden_state_request, output_cache
 from ..drafting.calibration import SamplingWarp
 from ..drafting.drafter import BlockDrafter
+from ..drafting.layer_features import only_last_position
 from ..kv import keep_every_key
 from .accept import AcceptResult, HostStop, accept_tree, choose_tokens
 from .binding import ModelBinding, binding_of
@@ -265,7 +266,8 @@ def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.T
     first = {"is_first_iteration": True} if _takes_first_iteration(model) else {}
     model_inputs = model.prepare_inputs_for_generation(input_ids, **first, **model_kwargs)
     model_inputs["output_hidden_states"] = request = last_hidden_state_request(model)
-    out = model(**model_inputs, return_dict=True)
+    with only_last_position(model):  # heads reading several layers: their features at the last position
+        out = model(**model_inputs, return_dict=True)
     cache = output_cache(out)
     if not isinstance(cache, DynamicCache) and not is_static(cache):
         raise ValueError(f"hf_bpd needs a DynamicCache (the default) or a StaticCache, got {type(cache).__name__}")

@@ -71,8 +71,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
 
-from ..compat import CACHE_NAMES, cache_argument
-from .static_cache import check_static_supported
+from ..compat import CACHE_NAMES, cache_argument, compiled_forward
+from .static_cache import check_static_supported, is_static
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 # cache layer types that hold one key/value entry per token (what compaction and the tree mask assume);
@@ -609,4 +609,21 @@ def check_recurrent_supported(model) -> None:
             f"draft changed, and serves only the families checked to continue a cached state over a "
             f"several-token forward exactly ({', '.join(sorted(RECURRENT_SERVED))}); model type "
             f"{config.model_type!r} is not one of them; use plain generate"
+        )
+
+
+def check_features_supported(model, drafter, generation_config: GenerationConfig, model_kwargs: dict):
+    """Heads reading several layers (`feature_layers`) capture them with hooks around the model's eager
+    forward: refuse a compiled forward (its graph would not run the hooks as the tree forward needs them)
+    and a static cache (decoded through a compiled call)."""
+    layers = getattr(getattr(drafter.heads, "config", None), "feature_layers", None)
+    if not layers:
+        return
+    static = generation_config.cache_implementation == "static" or any(
+        is_static(model_kwargs.get(name)) for name in CACHE_NAMES if model_kwargs.get(name) is not None
+    )
+    if compiled_forward(model) or static:
+        raise ValueError(
+            f"draft heads reading feature layers {layers} capture them with hooks on the eager forward: "
+            "not yet served with a compiled forward or a static cache; use a dynamic cache and an eager forward"
         )

@@ -31,6 +31,16 @@ Optional context copy (`copy_dim` > 0, "previous" heads only): each head also po
 (prompt and answer so far) and mixes the token that followed the matching bigram there into its own
 distribution (`context_copy.py`): what lets the heads copy names, numbers and phrases from a long prompt.
 
+Optional features from several layers (`feature_layers`, EAGLE-3 style): the heads read a fusion of the
+base model's hidden states at a few layers instead of the last one alone, e.g. `[2, 15, -1]`. Indices are
+those of `output_hidden_states=True`'s tuple: 0 the embeddings (the first layer's input), i > 0 the output
+of decoder layer i (raw, before any final norm), -1 the final hidden state (after the final norm, what the
+heads read otherwise); -1 must be among them. The fusion (`FeatureFusion`) RMS-normalises each raw layer's
+state, concatenates them with the final one and projects back to the hidden size; it starts as the
+identity on the final state, so new fusion heads, or old heads given a fusion (`with_feature_layers`), start
+exactly where last-layer heads are. Decoding and training capture those layers with forward hooks
+(`layer_features.py`), not by keeping every layer's output.
+
 The residual weights start at zero, so an untrained head is the base LM head applied to the base hidden
 state: it repeats the base model's own next-token guess (the paper's and Medusa's initialisation).
 """
@@ -77,6 +87,7 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         token_input: str | None = None,
         copy_dim: int = 0,
         base_lm_head_sketch: dict | None = None,
+        feature_layers: list[int] | None = None,
         **kwargs,
     ) -> None:
         self.base_model_name = base_model_name
@@ -100,7 +111,84 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         self.token_input = token_input
         self.use_next_token = token_input == "next"
         self.copy_dim = copy_dim  # 0: no context copy
+        # None: the final hidden state alone (configs written before the option have none)
+        self.feature_layers = check_feature_layers(feature_layers)
         super().__init__(**kwargs)
+
+
+FINAL_HIDDEN_STATE = -1  # in `feature_layers`: the model's final hidden state (after its final norm)
+
+
+def check_feature_layers(layers) -> list[int] | None:
+    """`feature_layers` in their canonical form: distinct indices of `output_hidden_states`' tuple, ascending,
+    the final hidden state (-1) last; None stays None (the final hidden state alone). Raises ValueError on
+    anything else (other negative indices are resolved against the base model by `normalise_feature_layers`)."""
+    if layers is None:
+        return None
+    layers = [int(i) for i in layers]
+    if FINAL_HIDDEN_STATE not in layers or len(set(layers)) < 2 or len(set(layers)) != len(layers):
+        raise ValueError(
+            f"feature_layers must be distinct hidden-state indices, at least two, the final one (-1) among them; "
+            f"got {layers}"
+        )
+    if any(i < 0 and i != FINAL_HIDDEN_STATE for i in layers):
+        raise ValueError(
+            f"feature_layers {layers}: negative indices other than -1 depend on the base model's depth: resolve "
+            "them with normalise_feature_layers (BlockDraftHeads.for_base_model does)"
+        )
+    return sorted(i for i in layers if i >= 0) + [FINAL_HIDDEN_STATE]
+
+
+def normalise_feature_layers(layers, num_layers: int) -> list[int] | None:
+    """`layers` as indices of a model with `num_layers` decoder layers (`num_layers + 1` hidden states), in
+    the config's canonical form (`check_feature_layers`): -1 and `num_layers` are the final hidden state,
+    other negative indices count from it as Python's do."""
+    if layers is None:
+        return None
+    out = []
+    for i in (int(i) for i in layers):
+        j = i + num_layers + 1 if i < 0 else i
+        if not 0 <= j <= num_layers:
+            raise ValueError(f"feature layer {i} is outside the base model's hidden states 0..{num_layers} (or -1)")
+        out.append(FINAL_HIDDEN_STATE if j == num_layers else j)
+    return check_feature_layers(list(dict.fromkeys(out)))
+
+
+class RMSNorm(nn.Module):
+    """`x / rms(x) * weight`, computed in float32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class FeatureFusion(nn.Module):
+    """The layers' hidden states `[..., k * hidden]` (`feature_layers` order, the final state last) ->
+    `[..., hidden]`: each raw layer's state RMS-normalised (their scale grows through the residual stream;
+    the final state is normalised already), then one Linear over their concatenation, initialised to the
+    identity on the final state's slice (`BlockDraftHeads._init_weights`)."""
+
+    def __init__(self, hidden_size: int, num_features: int) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.norms = nn.ModuleList(RMSNorm(hidden_size) for _ in range(num_features - 1))
+        self.linear = nn.Linear(num_features * hidden_size, hidden_size)
+        self.linear._bpd_fusion_init = True
+
+    @property
+    def in_features(self) -> int:
+        return self.linear.in_features
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        parts = features.split(self.hidden_size, dim=-1)
+        raw = [norm(part) for norm, part in zip(self.norms, parts[:-1])]
+        return self.linear(torch.cat([*raw, parts[-1]], dim=-1))
 
 
 class ResidualBlock(nn.Module):
@@ -279,6 +367,8 @@ class BlockDraftHeads(PreTrainedModel):
         self.context_copy = (
             ContextCopy(config.hidden_size, config.num_heads, config.copy_dim) if config.copy_dim else None
         )
+        layers = config.feature_layers
+        self.fusion = FeatureFusion(config.hidden_size, len(layers)) if layers else None
         self.__dict__["_tied_weight"] = None
         self.__dict__["_token_embedding"] = None
         self.post_init()
@@ -290,6 +380,12 @@ class BlockDraftHeads(PreTrainedModel):
         if getattr(module, "_bpd_sink_init", False):  # context copy: the head's own distribution first
             nn.init.zeros_(module.weight)
             nn.init.constant_(module.bias, INITIAL_SINK)
+        if getattr(module, "_bpd_fusion_init", False):  # the identity on the final hidden state's slice
+            hidden = module.out_features
+            with torch.no_grad():
+                module.weight.zero_()
+                module.weight[:, -hidden:].copy_(torch.eye(hidden, dtype=module.weight.dtype))
+                module.bias.zero_()
 
     @staticmethod
     def saved_config(path, **kwargs) -> BlockDraftHeadsConfig:
@@ -332,12 +428,18 @@ class BlockDraftHeads(PreTrainedModel):
         use_next_token: bool = False,
         token_input: str | None = None,
         copy_dim: int = 0,
+        feature_layers: list[int] | None = None,
     ) -> BlockDraftHeads:
         """Untrained heads that fit `model` (hidden size, vocabulary, LM head fingerprint), bound to it.
         `draft_vocab`: token ids the heads may draft (default: all); `token_input`: which token embedding
         the heads also read, "next", "previous" or "" (module docstring; `use_next_token=True` is
-        `token_input="next"`); `copy_dim`: width of the context-copy pointer (0: none)."""
+        `token_input="next"`); `copy_dim`: width of the context-copy pointer (0: none); `feature_layers`:
+        the hidden states the heads read a fusion of (module docstring; None: the final one alone)."""
         lm_head = _output_embeddings(model)
+        if feature_layers is not None:
+            from .layer_features import decoder_layers
+
+            feature_layers = normalise_feature_layers(feature_layers, len(decoder_layers(model)))
         config = BlockDraftHeadsConfig(
             base_model_name=getattr(model.config, "_name_or_path", "") or "",
             base_model_type=getattr(model.config, "model_type", "") or "",
@@ -351,6 +453,7 @@ class BlockDraftHeads(PreTrainedModel):
             use_next_token=use_next_token,
             token_input=token_input,
             copy_dim=copy_dim,
+            feature_layers=feature_layers,
         )
         heads = cls(config)
         if draft_vocab is not None:
@@ -384,6 +487,15 @@ class BlockDraftHeads(PreTrainedModel):
     def bind(self, model: PreTrainedModel) -> BlockDraftHeads:
         """Check compatibility with `model` and borrow its LM head (when tied). Returns self."""
         self.check_compatible(model)
+        if self.config.feature_layers:  # every layer read must exist
+            from .layer_features import decoder_layers
+
+            deepest, depth = max(self.config.feature_layers), len(decoder_layers(model))
+            if deepest >= depth:
+                raise ValueError(
+                    f"these draft heads read hidden state {deepest} (feature_layers {self.config.feature_layers}), "
+                    f"but the base model has {depth} decoder layers (hidden states 0..{depth}, the last one -1)"
+                )
         weight = _output_embeddings(model).weight
         if self.config.draft_vocab_size:  # a copy of the draft rows: S x hidden, not the full V x hidden
             weight = weight.detach()[self.draft_vocab.to(weight.device)]
@@ -497,6 +609,44 @@ class BlockDraftHeads(PreTrainedModel):
             raise RuntimeError("draft heads that read a token need the base model's embeddings: call bind(model)")
         embedded = torch.nn.functional.embedding(tokens.to(weight.device), weight)
         return embedded.to(device=hidden_states.device, dtype=hidden_states.dtype)
+
+    def with_feature_layers(self, feature_layers: list[int], model: PreTrainedModel | None = None) -> BlockDraftHeads:
+        """A copy of these last-layer heads (same weights, draft vocabulary and binding) reading a fusion of
+        `feature_layers` through a new fusion that starts as the identity on the final hidden state: they
+        draft exactly as these heads until trained. `model`: the base model, to resolve negative indices
+        other than -1 (`normalise_feature_layers`)."""
+        if self.fusion is not None:
+            raise ValueError(f"these heads already read feature layers {self.config.feature_layers}")
+        if model is not None:
+            from .layer_features import decoder_layers
+
+            feature_layers = normalise_feature_layers(feature_layers, len(decoder_layers(model)))
+        heads, (missing, unexpected) = self._variant(
+            self.state_dict(), strict=False, feature_layers=check_feature_layers(feature_layers)
+        )
+        if unexpected or any(not k.startswith("fusion.") for k in missing):
+            raise RuntimeError(f"unexpected weights moving heads to feature layers: {unexpected or missing}")
+        return heads
+
+    @property
+    def feature_layers(self) -> list[int] | None:
+        """The hidden states these heads read a fusion of (`output_hidden_states` indices, -1 the final
+        one), or None: the final hidden state alone."""
+        return self.config.feature_layers
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The state the heads read: `features [..., k * hidden]` (the `feature_layers`' hidden states,
+        concatenated in that order) through the fusion -> `[..., hidden]`; heads without feature layers
+        read the final hidden state itself (returned as is)."""
+        if self.fusion is None:
+            return features
+        if features.shape[-1] != self.fusion.in_features:
+            raise ValueError(
+                f"these draft heads read {len(self.config.feature_layers)} hidden states of {self.config.hidden_size} "
+                f"(feature_layers {self.config.feature_layers}), concatenated: expected features of width "
+                f"{self.fusion.in_features}, got {features.shape[-1]}"
+            )
+        return self.fusion(features)
 
     def with_context_copy(self, copy_dim: int) -> BlockDraftHeads:
         """A copy of these heads (same weights and draft vocabulary, bound to the same base model) with a
@@ -645,7 +795,12 @@ class BlockDraftHeads(PreTrainedModel):
         `[..., h, S]` draft logits; with `return_states`, the `head_states` before the softmax layer (the
         training loss projects head by head, but must call the module itself so that a data-parallel
         wrapper synchronises gradients); with `copy_targets`, `copy_target_logprobs` (training the
-        context-copy pointer, through the module for the same reason)."""
+        context-copy pointer, through the module for the same reason). Heads with `feature_layers` take
+        either the layers' features `[..., k * hidden]`, fused here (training: the fusion learns through the
+        module), or the already fused state `[..., hidden]` (decoding fuses once per verified node:
+        `layer_features.py`)."""
+        if self.fusion is not None and hidden_states.shape[-1] == self.fusion.in_features:
+            hidden_states = self.fusion(hidden_states)
         if copy_targets is not None:
             return self.copy_target_logprobs(hidden_states, next_tokens, copy_targets)
         states = self.head_states(hidden_states, next_tokens)

@@ -112,6 +112,11 @@ def medusa_blockers(heads: BlockDraftHeads) -> list[str]:
         why.append(
             f"copy_dim={cfg.copy_dim}: the heads point into the context (context copy), which Medusa has no part for"
         )
+    if getattr(cfg, "feature_layers", None):
+        why.append(
+            f"feature_layers={cfg.feature_layers}: the heads read a fusion of several layers' hidden states, while a "
+            "Medusa head reads the last hidden state only"
+        )
     return why
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..drafting.lattice import Lattice
+from ..drafting.layer_features import decoding_features
 
 MAX_K = 16
 
@@ -88,7 +89,8 @@ def analyze_row(model, drafter, rescorer, prompt_ids: list[int], answer: list[in
     """Per-position statistics of one answer."""
     heads = drafter.heads
     ids = torch.tensor([prompt_ids + answer])
-    hidden = model(ids, output_hidden_states=True).hidden_states[-1][0]
+    with decoding_features(model, heads):  # heads reading feature layers: their fused state, as decoding has it
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1][0]
     p = len(prompt_ids)
     # position t of the answer is drafted from the hidden state of the token before it
     states = hidden[p - 1 : p - 1 + len(answer)]

@@ -32,6 +32,7 @@ import torch
 from ..decode.binding import prepare
 from ..decode.cost import ForwardCost, measure_forward_cost, speedup_bound
 from ..drafting.drafter import BlockDrafter
+from ..drafting.layer_features import decoding_features
 from ..io.models import chat_inputs
 from .bench import DEFAULT_DATA, check_data_file, environment, load_drafter, read_prompts, select_rows
 
@@ -66,12 +67,17 @@ def accept_along(tree, answer: list[int], start: int) -> tuple[list[int], bool]:
         nodes.append(child)
 
 
-def answer_hidden_states(model, prompt_ids: torch.Tensor, answer: list[int]) -> torch.Tensor:
-    """Last hidden states `[prompt + answer, hidden]` of one teacher-forced forward."""
+def answer_hidden_states(model, prompt_ids: torch.Tensor, answer: list[int], heads=None) -> torch.Tensor:
+    """Last hidden states `[prompt + answer, hidden]` of one teacher-forced forward; for `heads` reading
+    feature layers, their fused state of those layers instead (as decoding gives them: `layer_features.py`)."""
     ids = torch.cat([prompt_ids, prompt_ids.new_tensor([answer])], dim=-1)
-    with torch.no_grad():
+    with torch.no_grad(), decoding_features(model, heads):
         out = model(input_ids=ids, output_hidden_states=True, return_dict=True)
     return out.hidden_states[-1][0]
+
+
+def _reads_feature_layers(drafter: BlockDrafter) -> bool:
+    return bool(getattr(getattr(drafter.heads, "config", None), "feature_layers", None))
 
 
 def replay_turn(
@@ -83,7 +89,7 @@ def replay_turn(
         raise ValueError("an empty answer: greedy generated no token")
     step_cost = prepare(drafter, model).step_cost
     if hidden is None:
-        hidden = answer_hidden_states(model, prompt_ids, answer)
+        hidden = answer_hidden_states(model, prompt_ids, answer, drafter.heads)
     p = prompt_ids.shape[1]
     context = getattr(model.config, "max_position_embeddings", None)
     result = ReplayResult(tokens=len(answer), forwards=1)
@@ -195,9 +201,13 @@ def replay(
     for row, prompt, answer in tqdm(
         answered_turns(tokenizer, rows, answers, device), total=turns, disable=not progress, desc="replay"
     ):
-        hidden = answer_hidden_states(model, prompt, answer)
+        hidden = None  # the final hidden states, shared by the drafters whose heads read them alone
         for name, drafter in drafters.items():
-            result = replay_turn(model, drafter, prompt, answer, hidden)
+            if _reads_feature_layers(drafter):  # its own fusion of its own layers
+                result = replay_turn(model, drafter, prompt, answer, None)
+            else:
+                hidden = answer_hidden_states(model, prompt, answer) if hidden is None else hidden
+                result = replay_turn(model, drafter, prompt, answer, hidden)
             for key in ("overall", row["category"]):
                 totals[name][key][0] += result.tokens
                 totals[name][key][1] += result.forwards

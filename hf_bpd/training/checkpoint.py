@@ -28,6 +28,9 @@ import torch
 
 # arguments that do not change what is trained: where it is written or read from, and how it is logged
 _NOT_TRAINING = ("output", "features_cache", "device", "log_every", "no_progress", "model")
+# options added after runs were checkpointed: at these defaults (what those runs trained with) they are left
+# out of the fingerprint, so such runs still resume
+_LATER_OPTIONS = {"feature_layers": None, "own_prediction": 0.0, "own_top_k": 1}
 
 
 class GeneratorState:
@@ -45,7 +48,11 @@ class GeneratorState:
 
 def run_fingerprint(args: argparse.Namespace, data_digest: str) -> dict:
     """What must match for a checkpoint to continue this run: the training arguments and the data."""
-    fp = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_TRAINING}
+    fp = {
+        k: v
+        for k, v in sorted(vars(args).items())
+        if k not in _NOT_TRAINING and not (k in _LATER_OPTIONS and v == _LATER_OPTIONS[k])
+    }
     fp["data"] = data_digest
     return json.loads(json.dumps(fp, default=str))  # as run.json will hold it (paths as text, tuples as lists)
 

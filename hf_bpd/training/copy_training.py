@@ -90,7 +90,9 @@ def copy_hits(
     heads: BlockDraftHeads, hidden: torch.Tensor, read: torch.Tensor, targets: CopyTargets, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head hits `[n, h]` of the mixture's top-1 and top-k (whole vocabulary), given the true tokens
-    before each target; rows without a target never hit."""
+    before each target; rows without a target never hit. `hidden`: the heads' input as cached (feature
+    layers' states are fused here)."""
+    hidden = heads.fuse(hidden)
     memory = heads.copy_memory(targets.context, targets.lengths)
     top1, topk = [], []
     for i in range(heads.num_heads):

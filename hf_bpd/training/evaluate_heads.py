@@ -53,14 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         path = packaged_heads_dir(resolve_packaged_name(args.model)) if name == "packaged" else Path(name)
         loaded[name] = BlockDraftHeads.from_pretrained(path).bind(model).float().eval()
     most_heads = max(h.num_heads for h in loaded.values())
-    features = cached_features(model, data, most_heads, args.features_cache)
+    kinds = {tuple(h.config.feature_layers or ()) for h in loaded.values()}  # heads reading other layers
+    features = {
+        kind: cached_features(model, data, most_heads, args.features_cache, feature_layers=list(kind) or None)
+        for kind in kinds
+    }
     results = {"data": args.data, "samples": len(data), "top_k": args.top_k, "heads": {}}
     for name, heads in loaded.items():
-        feats = features
+        feats = features[tuple(heads.config.feature_layers or ())]
         if heads.num_heads < most_heads:
-            feats = type(features)(
-                features.hidden, features.targets[:, : heads.num_heads], features.next_token, features.sample
-            )
+            feats = type(feats)(feats.hidden, feats.targets[:, : heads.num_heads], feats.next_token, feats.sample)
         with torch.no_grad():
             results["heads"][name] = evaluate_saved_heads(model, heads, data, feats, args.top_k)
         print(name, json.dumps(results["heads"][name]))

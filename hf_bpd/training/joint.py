@@ -67,6 +67,13 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     torch.manual_seed(args.seed)
     resolve_heads_shape(args)
     heads = initial_heads(model, args)
+    if heads.fusion is not None or getattr(args, "feature_layers", None):
+        raise ValueError(
+            "joint mode trains heads on the final hidden state: heads reading feature layers "
+            f"({heads.config.feature_layers or args.feature_layers}) train in frozen mode"
+        )
+    if getattr(args, "own_prediction", 0.0):
+        raise ValueError("--own-prediction is a frozen-mode option")
     if heads.context_copy is not None:
         raise ValueError(
             "joint mode does not train a context-copy pointer: train the pointer in frozen mode "

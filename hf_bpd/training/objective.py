@@ -117,6 +117,7 @@ def initial_heads(model, args: argparse.Namespace, draft_vocab: torch.Tensor | N
         draft_vocab=draft_vocab,
         token_input=token_input(args),
         copy_dim=copy_dim,
+        feature_layers=getattr(args, "feature_layers", None),
     )
     return heads.float()
 
@@ -142,17 +143,23 @@ def heads_loss(
     next_tokens: torch.Tensor | None = None,
     teacher_hidden: torch.Tensor | None = None,
     teacher_weight: float = 0.0,
+    own_prediction: float = 0.0,
+    own_top_k: int = 1,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Weighted CE over heads, computed head by head (a [n, h, V] logit tensor would not fit).
     `next_tokens`: token t+1 per position, for heads with a token input. `teacher_hidden [n, h, H]`: the
     base hidden state at position t+i for head i (NaN where there is none), whose base-model logits are
-    the soft target mixed in with `teacher_weight` (module docstring). `heads` may be wrapped for data
-    parallelism (`accelerator.prepare`): the forward goes through the wrapper, or gradients would not be
-    synchronised across processes."""
+    the soft target mixed in with `teacher_weight` (module docstring). `own_prediction` ("previous" heads):
+    the probability that head i > 1 reads the heads' own prediction instead of the true token
+    (`own_prediction_tokens`). `hidden` may be heads' feature layers' concatenated states (`heads.py`):
+    the heads' forward fuses them. `heads` may be wrapped for data parallelism (`accelerator.prepare`):
+    the forward goes through the wrapper, or gradients would not be synchronised across processes."""
     from accelerate.utils import extract_model_from_parallel
 
     bare = extract_model_from_parallel(heads)
     tokens = None if next_tokens is None else bare.teacher_forced_tokens(torch.cat([next_tokens[:, None], targets], 1))
+    if own_prediction and tokens is not None and bare.conditions_on_draft:
+        tokens = own_prediction_tokens(bare, hidden, tokens, own_prediction, own_top_k)
     states = heads(hidden, tokens, return_states=True)
     project = bare.project
     total, per_head = hidden.new_zeros(()).float(), []
@@ -167,6 +174,31 @@ def heads_loss(
         per_head.append(loss.detach())
         total = total + w * loss
     return total, per_head
+
+
+@torch.no_grad()
+def own_prediction_tokens(
+    heads: BlockDraftHeads, hidden: torch.Tensor, tokens: torch.Tensor, probability: float, top_k: int = 1
+) -> torch.Tensor:
+    """The tokens "previous" heads read `[n, h]` with own predictions mixed in (EAGLE-3's training-time
+    test): head 1 reads token t+1 as given (the base model's own choice, the tree's root); head i > 1
+    reads, with `probability` per position, the token head i-1 predicts from what it read itself (its
+    top-1, or with `top_k` > 1 a draw from its top k by their probabilities), as a greedy draft branch puts
+    it at depth i-1, else the given (true) token. `hidden [n, H]` (or feature layers' `[n, k*H]`)."""
+    fused = heads.fusion is not None and hidden.shape[-1] == heads.fusion.in_features
+    state_in = heads.fuse(hidden) if fused else hidden
+    out = tokens.clone()
+    for i in range(heads.num_heads - 1):
+        logits = heads.project(heads.step(i, state_in, out[:, i])).float()
+        if top_k == 1:
+            index = logits.argmax(-1)
+        else:
+            values, top = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+            index = top.gather(-1, torch.multinomial(values.softmax(-1), 1)).squeeze(-1)
+        predicted = heads.draft_vocab.to(index.device)[index]
+        own = torch.rand(index.shape, device=index.device) < probability
+        out[:, i + 1] = torch.where(own, predicted, out[:, i + 1])
+    return out
 
 
 def teacher_loss(heads: BlockDraftHeads, logits: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,15 @@ Modes
 Runs as is on one CPU/GPU or under `accelerate launch` on several GPUs or nodes (data parallel through
 `accelerate.Accelerator`; mixed precision with `--mixed-precision bf16|fp16` where the device has it).
 
+Heads reading several layers (`--feature-layers 2,15,-1`, `heads.py`): the cached features are those
+layers' hidden states, concatenated (captured by forward hooks, `layer_features.py`), in a folder of their
+own under the cache; the fusion learns with the heads. With `--init` last-layer heads, the fusion starts as
+the identity on the final hidden state, so training continues from those heads' behaviour.
+
+Own predictions (`--own-prediction p`, "previous" heads; EAGLE-3's training-time test): head i > 1 reads,
+with probability p per position, the token the heads themselves put at depth i-1 (the previous head's top-1,
+or a draw from its top `--own-top-k`) instead of the true token: what it reads in decoding.
+
 Validation each epoch on held-out distilled samples: per-head top-1 / top-k accuracy, and the lattice
 oracle (mean longest prefix of the true continuation inside the top-k lattice).
 """
@@ -26,6 +35,7 @@ oracle (mean longest prefix of the true continuation inside the top-k lattice).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -34,7 +44,9 @@ from pathlib import Path
 
 import torch
 
-from hf_bpd.drafting.heads import BlockDraftHeads
+from hf_bpd.compat import last_hidden_state_request
+from hf_bpd.drafting.heads import FINAL_HIDDEN_STATE, BlockDraftHeads, normalise_feature_layers
+from hf_bpd.drafting.layer_features import LayerFeatures, decoder_layers
 from hf_bpd.drafting.vocab import model_vocab_size
 from hf_bpd.training.checkpoint import resume, run_fingerprint, save_epoch, track
 from hf_bpd.training.copy_training import SampleTokens, copy_hits, copy_loss, copy_targets, feature_positions
@@ -58,7 +70,8 @@ TOKEN_INPUT_CHOICES = ("previous", "next", "none")  # --token-input; "none" is t
 
 @dataclass
 class Features:
-    """Cached training positions: hidden [n, H] (base last hidden state at t), targets [n, h] (token at
+    """Cached training positions: hidden [n, H] (base last hidden state at t; with feature layers [n, k*H],
+    their hidden states at t concatenated, the final one last), targets [n, h] (token at
     t+1+i for head i, IGNORE past the end), next_token [n] (token t+1: the base model's own choice, read
     by heads with a token input), sample [n] (index of the distilled sample)."""
 
@@ -90,10 +103,18 @@ def teacher_rows(feats: Features, num_heads: int) -> torch.Tensor:
 
 @torch.no_grad()
 def compute_features(
-    model, data, num_heads: int, batch_tokens: int = 4096, progress: bool = True, first_sample: int = 0
+    model,
+    data,
+    num_heads: int,
+    batch_tokens: int = 4096,
+    progress: bool = True,
+    first_sample: int = 0,
+    feature_layers: list[int] | None = None,
 ) -> Features:
     """Base last hidden states for every response position of every sample (length-sorted batches of at
-    most `batch_tokens` padded tokens). Sample indices start at `first_sample`."""
+    most `batch_tokens` padded tokens). Sample indices start at `first_sample`. With `feature_layers`
+    (`output_hidden_states` indices), those layers' hidden states concatenated instead, captured by hooks
+    (`layer_features.LayerFeatures`) rather than by keeping every layer's."""
     import inspect
 
     from tqdm import tqdm
@@ -103,31 +124,52 @@ def compute_features(
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     hidden, targets, next_token, sample = [], [], [], []
     bar = tqdm(total=len(data), disable=not progress, desc="features")
-    for batch in length_sorted_batches(data, batch_tokens):
-        seqs, ids, mask = right_padded([data[j] for j in batch])
-        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, **extra)
-        last = out.hidden_states[-1].float().cpu()
-        for r, j in enumerate(batch):
-            start = response_positions(len(data[j]["prompt_ids"]))
-            t = head_targets(seqs[r], start, num_heads)
-            n = t.shape[0]
-            hidden.append(last[r, start : start + n].half())
-            targets.append(t)
-            next_token.append(torch.tensor(seqs[r][start + 1 : start + 1 + n], dtype=torch.long))
-            sample.append(torch.full((n,), first_sample + j, dtype=torch.long))
-        bar.update(len(batch))
+    capture = LayerFeatures(model, feature_layers) if feature_layers else contextlib.nullcontext()
+    request = last_hidden_state_request(model) if feature_layers else True
+    with capture:
+        for batch in length_sorted_batches(data, batch_tokens):
+            seqs, ids, mask = right_padded([data[j] for j in batch])
+            out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=request, **extra)
+            last = (capture.features(out) if feature_layers else out.hidden_states[-1]).float().cpu()
+            del out
+            for r, j in enumerate(batch):
+                start = response_positions(len(data[j]["prompt_ids"]))
+                t = head_targets(seqs[r], start, num_heads)
+                n = t.shape[0]
+                hidden.append(last[r, start : start + n].half())
+                targets.append(t)
+                next_token.append(torch.tensor(seqs[r][start + 1 : start + 1 + n], dtype=torch.long))
+                sample.append(torch.full((n,), first_sample + j, dtype=torch.long))
+            bar.update(len(batch))
     bar.close()
     return Features(torch.cat(hidden), torch.cat(targets), torch.cat(next_token), torch.cat(sample))
 
 
+def feature_cache_folder(cache_dir: str | Path, feature_layers: list[int] | None) -> Path:
+    """Where the chunks of these features live: `cache_dir` itself for the final hidden state alone (as
+    always), a folder of their own for feature layers (`layers-2-15-final`), so that caches of other
+    features, e.g. one shared with last-layer runs, are never mistaken for them nor replaced."""
+    if not feature_layers:
+        return Path(cache_dir)
+    names = ["final" if i == FINAL_HIDDEN_STATE else str(i) for i in feature_layers]
+    return Path(cache_dir) / ("layers-" + "-".join(names))
+
+
 def cached_features(
-    model, data, num_heads: int, cache_dir: str | Path, chunk: int = 512, progress: bool = True
+    model,
+    data,
+    num_heads: int,
+    cache_dir: str | Path,
+    chunk: int = 512,
+    progress: bool = True,
+    feature_layers: list[int] | None = None,
 ) -> Features:
     """`compute_features` for all of `data`, cached on disk in chunks of samples
     (`features-<first>-<end>.pt`). An interrupted run resumes at the first missing chunk, and a grown data
     set only computes its new samples: existing chunk files are reused when they tile the data from
-    sample 0 and hold the same samples (token digest) with enough heads; any other chunk is recomputed."""
-    cache_dir = Path(cache_dir)
+    sample 0 and hold the same samples (token digest) with enough heads; any other chunk is recomputed.
+    Features of `feature_layers` are cached in their own folder (`feature_cache_folder`)."""
+    cache_dir = feature_cache_folder(cache_dir, feature_layers)
     cache_dir.mkdir(parents=True, exist_ok=True)
 
     def rows(start: int, end: int):  # a datasets.Dataset or a list
@@ -148,7 +190,9 @@ def cached_features(
         if part is None:
             end = min(covered + chunk, len(data))
             new_rows = rows(covered, end)
-            part = compute_features(model, new_rows, num_heads, progress=progress, first_sample=covered)
+            part = compute_features(
+                model, new_rows, num_heads, progress=progress, first_sample=covered, feature_layers=feature_layers
+            )
             tmp = cache_dir / f".features-{covered:07d}-{end:07d}.tmp"
             torch.save({**part.__dict__, "digest": rows_digest(new_rows)}, tmp)
             tmp.replace(cache_dir / f"features-{covered:07d}-{end:07d}.pt")  # atomic: no half-written chunk
@@ -194,7 +238,7 @@ def evaluate(
     oracle_sum, n_pos = 0.0, 0
     ids = heads.draft_vocab
     for s in range(0, feats.hidden.shape[0], batch):
-        x = feats.hidden[s : s + batch].to(device=device, dtype=heads.dtype)
+        x = feats.hidden[s : s + batch].to(device=device, dtype=heads.dtype)  # fused by the heads' forward
         t = feats.targets[s : s + batch].to(device)
         valid = t != IGNORE
         if with_copy:
@@ -235,13 +279,17 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     torch.manual_seed(args.seed)
     resolve_heads_shape(args)
+    layers = resolved_feature_layers(model, args)
+    check_own_prediction(args)
     cache = Path(args.features_cache or Path(args.output) / "features")
     # the main process computes what the cache lacks and writes it; the others then read it back
     if accelerator.is_main_process:
-        feats = cached_features(model, data, args.num_heads, cache, progress=not args.no_progress)
+        feats = cached_features(
+            model, data, args.num_heads, cache, progress=not args.no_progress, feature_layers=layers
+        )
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
-        feats = cached_features(model, data, args.num_heads, cache, progress=False)
+        feats = cached_features(model, data, args.num_heads, cache, progress=False, feature_layers=layers)
     train_index, val_index = split_by_sample(feats, args.val_fraction, args.seed)
     if args.max_positions and train_index.numel() > args.max_positions:
         keep = torch.randperm(train_index.numel(), generator=torch.Generator().manual_seed(args.seed))
@@ -256,6 +304,9 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         vocab = model_vocab_size(model)
         draft_vocab = draft_vocabulary([data[i] for i in sorted(train_samples)], args.draft_vocab_size, vocab, always)
     heads = initial_heads(model, args, draft_vocab)
+    if layers and heads.fusion is None:  # --init last-layer heads: a fusion that starts as the identity
+        heads = heads.with_feature_layers(layers)
+    hidden_size = heads.config.hidden_size  # the teacher reads the final hidden state: the features' last slice
     sample_tokens = positions = None
     if heads.context_copy is not None:  # the pointer reads each position's context: the samples' tokens
         sample_tokens = SampleTokens.build(data, response_positions)
@@ -291,7 +342,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         for hidden, targets, next_tokens, rows, feature_rows in loader:
             teacher_hidden = None
             if args.teacher_weight and not args.freeze_heads:  # NaN marks "no teacher" (past the sample's end)
-                teacher_hidden = feats.hidden[rows.clamp(min=0).cpu()].float().to(hidden.device)
+                teacher_hidden = feats.hidden[rows.clamp(min=0).cpu()][..., -hidden_size:].float().to(hidden.device)
                 teacher_hidden[rows < 0] = float("nan")
             loss = hidden.new_zeros(()).float()
             if sample_tokens is not None:
@@ -310,6 +361,8 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
                         next_tokens,
                         teacher_hidden,
                         args.teacher_weight,
+                        own_prediction=args.own_prediction,
+                        own_top_k=args.own_top_k,
                     )
                 loss = loss + own
             accelerator.backward(loss)
@@ -338,6 +391,40 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
             print(json.dumps(record), flush=True)
         save_epoch(accelerator, args.output, fingerprint, history)
     return bare, history
+
+
+def parse_feature_layers(text: str) -> list[int]:
+    """`--feature-layers 2,15,-1` -> [2, 15, -1]."""
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"feature layers are comma-separated integers, got {text!r}") from err
+
+
+def resolved_feature_layers(model, args: argparse.Namespace) -> list[int] | None:
+    """The feature layers these heads read (`--feature-layers` resolved against `model`'s depth, or the
+    `--init` heads' own), or None: the final hidden state alone. `--init` heads with feature layers keep
+    theirs: another `--feature-layers` raises ValueError."""
+    given = getattr(args, "feature_layers", None)
+    depth = len(decoder_layers(model)) if given else None
+    wanted = normalise_feature_layers(given, depth) if given else None
+    saved = BlockDraftHeads.saved_config(args.init).feature_layers if args.init else None
+    if saved and wanted and saved != wanted:
+        raise ValueError(f"--feature-layers {wanted} differs from the --init heads in {args.init}, which read {saved}")
+    return saved or wanted
+
+
+def check_own_prediction(args: argparse.Namespace) -> None:
+    """Own-prediction training needs heads that read the token before their target."""
+    if not 0.0 <= args.own_prediction <= 1.0:
+        raise ValueError(f"--own-prediction is a probability, got {args.own_prediction}")
+    if args.own_top_k < 1:
+        raise ValueError(f"--own-top-k must be >= 1, got {args.own_top_k}")
+    if args.own_prediction and args.token_input != "previous":
+        raise ValueError(
+            "--own-prediction feeds each head the previous head's prediction: it needs --token-input previous, got "
+            f"{args.token_input}"
+        )
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -374,6 +461,27 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--freeze-heads",
         action="store_true",
         help="train only the context-copy pointer, keeping the heads' own weights (e.g. of --init heads)",
+    )
+    parser.add_argument(
+        "--feature-layers",
+        type=parse_feature_layers,
+        default=None,
+        help="frozen mode: hidden states the heads read a fusion of, as output_hidden_states indices, e.g. 2,15,-1 "
+        "(-1: the final hidden state, which must be among them; default: the final one alone). With --init "
+        "last-layer heads the fusion starts as the identity on the final state",
+    )
+    parser.add_argument(
+        "--own-prediction",
+        type=float,
+        default=0.0,
+        help="'previous' heads: probability that head i > 1 reads the heads' own prediction at depth i-1 instead "
+        "of the true token (EAGLE-3's training-time test; 0: teacher forcing, 1: always)",
+    )
+    parser.add_argument(
+        "--own-top-k",
+        type=int,
+        default=1,
+        help="with --own-prediction: 1 reads the previous head's top-1, k > 1 a draw from its top k",
     )
     parser.add_argument("--features-cache", default=None, help="frozen mode: cache folder (default: OUTPUT/features)")
     parser.add_argument("--loss-decay", type=float, default=0.8, help="head i loss weight = decay**(i-1)")
