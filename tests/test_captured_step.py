@@ -51,7 +51,7 @@ def test_best_first_topology_is_a_tree_of_the_most_probable_paths_and_every_pref
 def test_a_topology_built_from_measured_rank_acceptance_is_the_one_decoded_with():
     model = tiny_model("llama", eos_token_id=None)
     drafter = BlockDrafter(heads_of(model, "previous"), top_k=3, max_tree_tokens=8)
-    drafter.prepare(model)
+    hf_bpd.prepare(drafter, model)
     answers = [(len(p[0]), static_generate(model, torch.tensor(p), max_new_tokens=20)[0]) for p in PROMPTS]
     table = rank_acceptance(model, drafter.heads, answers, top_k=3)
     assert len(table) == 4 and all(len(r) == 3 and min(r) >= 0 and sum(r) <= 1 + 1e-9 for r in table)
