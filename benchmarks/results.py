@@ -438,6 +438,26 @@ def render_graph_trees(report: dict) -> list[str]:
     return lines
 
 
+def render_projection(report: dict) -> list[str]:
+    """research/gpu_projection.py: a PROJECTION (no run of the step): τ(n) / (t(n) + X) against plain
+    static-cache generate, at each assumed overhead X."""
+    xs = report["overhead_ms_assumed"]
+    lines = [
+        "| shape | dtype | n | τ | graph forward ms | plain static ms/token | "
+        + " | ".join(f"projected tok/s (x plain), X = {x:g} ms" for x in xs)
+        + " |",
+        "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in xs) + " |",
+    ]
+    for r in report["rows"]:
+        cells = [f"{r[f'x{x:g}ms']['tokens_per_s']:.0f} ({r[f'x{x:g}ms']['speedup']:.2f}x)" for x in xs]
+        forward = f"{r['graph_forward_ms']:.2f}" + (" (extrapolated)" if r["forward_extrapolated"] else "")
+        lines.append(
+            f"| {r['shape']} | {r['dtype']} | {r['tree_tokens']} | {r['tau']:.2f} | {forward} | "
+            f"{r['plain_static_ms_per_token']:.2f} | " + " | ".join(cells) + " |"
+        )
+    return lines
+
+
 def render_loaded_curve(report: dict) -> list[str]:
     """`research.loaded_curve`: the shipped default on a curve a loaded machine left against a fresh one."""
     rates = report["tokens_per_second"]
@@ -605,6 +625,7 @@ RENDERERS = {
     "prefill_memory": render_prefill_memory,
     "cost_model": render_cost_model,
     "graph_trees": render_graph_trees,
+    "projection": render_projection,
     "tau_by_predictability": render_tau_by_predictability,
 }
 

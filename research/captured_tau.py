@@ -1,0 +1,170 @@
+"""τ of the captured step's FIXED tree (`hf_bpd/decode/captured.py`: `Topology.best_first` over the heads' top-k
+with the rank prior, no context lookup) on the real SmolLM2-135M-Instruct, float32, measured on a CPU: τ is
+a count (new tokens per verification forward), not a time, so it does not depend on the machine's speed or
+load. The shipped drafter at `max_tree_tokens` 8, 16 and 32, `captured_step=True` (on a CPU the same step,
+run eagerly), on the first N rows of tests/data/spec_bench_sample.jsonl (dev rows spread over the
+categories), first turns, 128 new tokens; each answer checked against plain static-cache greedy `generate`.
+
+    python -m research.captured_tau --rows 10 --output benchmarks/gpu/captured_tau_smollm2_cpu.json
+
+`--replay`: the same fixed tree REPLAYED on SmolLM2's stored greedy answers
+(benchmarks/replay/spec_bench_dev_greedy128.jsonl, 128 new tokens, first turns of the same rows): one
+forward of prompt + answer gives the hidden state at every position; from each step's root (the last
+accepted token) the step's own `draft_tokens` builds the bucket's tree from the hidden state that predicted
+the root, and the deepest node whose path is the answer's next tokens is accepted, plus the bonus token, as
+the step's greedy accept does (exact where the teacher-forced argmax is the decoded one: float32, no ties).
+Minutes instead of the decode's hour on a loaded 2-core machine.
+
+    python -m research.captured_tau --replay --rows 10 --output benchmarks/gpu/captured_tau_smollm2_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import hf_bpd
+from hf_bpd.io.models import chat_inputs
+
+SAMPLE = Path(__file__).resolve().parents[1] / "tests" / "data" / "spec_bench_sample.jsonl"
+
+
+REPLAY = Path(__file__).resolve().parents[1] / "benchmarks" / "replay" / "spec_bench_dev_greedy128.jsonl"
+
+
+@torch.no_grad()
+def replay_steps(model, heads, bucket, prompt_ids: torch.Tensor, answer: list[int]) -> tuple[int, int]:
+    """(new tokens, steps) of the captured step's fixed tree over one stored greedy answer."""
+    from hf_bpd.decode.captured import draft_tokens
+
+    ids = torch.cat([prompt_ids.view(-1), torch.tensor(answer, dtype=torch.long)])
+    hidden = model(ids[None], output_hidden_states=True, return_dict=True).hidden_states[-1][0].to(heads.dtype)
+    p = prompt_ids.numel()
+    parents, depths = bucket.topology.parents, bucket.topology.depths
+    done, steps = 1, 0  # prefill emits the first answer token (the first root)
+    while done < len(answer):
+        root = p + done - 1  # index in ids of the root; hidden[root - 1] predicted it
+        tokens = draft_tokens(heads, bucket, hidden[root - 1][None], ids[root].view(1)).tolist()
+        ok = [True] * len(tokens)
+        deepest = 0
+        for i in range(1, len(tokens)):
+            pos = root + depths[i]
+            ok[i] = ok[parents[i]] and pos < ids.numel() and tokens[i] == int(ids[pos])
+            if ok[i] and depths[i] > depths[deepest]:
+                deepest = i
+        count = min(depths[deepest] + 1, len(answer) - done)
+        done, steps = done + count, steps + 1
+    return len(answer), steps  # as `stats.block_efficiency` counts: the prefill's token too
+
+
+@torch.no_grad()
+def replay(args) -> dict:
+    from hf_bpd.decode.captured import Topology, TreeBucket
+
+    model, tokenizer = hf_bpd.load_packaged_model("float32")
+    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()][: args.rows]
+    answers = {}
+    for line in REPLAY.read_text().splitlines()[1:]:
+        r = json.loads(line)
+        if r["turn"] == 0:
+            answers[r["question_id"]] = r["answer_ids"]
+    result = {
+        "model": "SmolLM2-135M-Instruct",
+        "dtype": "float32",
+        "rows": [r["dev_row"] for r in rows],
+        "max_new_tokens": 128,
+        "method": "replay of stored greedy answers",
+        "answers": str(REPLAY.name),
+        "sizes": {},
+    }
+    for n in args.sizes:
+        drafter = hf_bpd.load_packaged_drafter(max_tree_tokens=n)
+        heads = drafter.heads.bind(model)
+        topology = Topology.best_first(n, heads.num_heads, drafter.top_k)
+        bucket = TreeBucket(topology, heads.config.token_input, torch.device("cpu"), capacity=4096)
+        tokens = steps = 0
+        per_row = []
+        for r in rows:
+            prompt = chat_inputs(tokenizer, [{"role": "user", "content": r["turns"][0]}])["input_ids"]
+            new, k = replay_steps(model, heads, bucket, prompt, answers[r["question_id"]])
+            tokens, steps = tokens + new, steps + k
+            per_row.append(round(new / max(k, 1), 3))
+        row = {
+            "tree_tokens": n,
+            "tau": tokens / steps,
+            "new_tokens": tokens,
+            "steps": steps,
+            "tau_per_row": per_row,
+            "top_k": drafter.top_k,
+            "heads": heads.num_heads,
+            "topology_paths": [list(q) for q in topology.paths()[1:]],
+        }
+        result["sizes"][str(n)] = row
+        print(json.dumps({k: v for k, v in row.items() if k != "topology_paths"}), flush=True)
+    return result
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=10)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--replay", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    if args.replay:
+        t0 = time.time()
+        result = replay(args)
+        result.update(seconds=round(time.time() - t0, 1), torch=torch.__version__, machine="CPU, 2 threads, shared")
+        if args.output:
+            Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+        return
+    model, tokenizer = hf_bpd.load_packaged_model("float32")
+    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()][: args.rows]
+    inputs = [chat_inputs(tokenizer, [{"role": "user", "content": r["turns"][0]}]) for r in rows]
+    common = dict(cache_implementation="static", do_sample=False, max_new_tokens=args.max_new_tokens)
+    t0 = time.time()
+    plain = [model.generate(**x, **common) for x in inputs]
+    result = {
+        "model": "SmolLM2-135M-Instruct",
+        "dtype": "float32",
+        "rows": [r["dev_row"] for r in rows],
+        "max_new_tokens": args.max_new_tokens,
+        "sizes": {},
+    }
+    for n in args.sizes:
+        drafter = hf_bpd.load_packaged_drafter(max_tree_tokens=n)
+        tokens = steps = same = 0
+        per_row = []
+        for x, ref in zip(inputs, plain):
+            out = model.generate(**x, **common, custom_generate=hf_bpd.generate, assistant=drafter, captured_step=True)
+            s = drafter.stats
+            tokens, steps = tokens + s.new_tokens, steps + s.steps
+            same += int(out.tolist() == ref.tolist())
+            per_row.append(round(s.new_tokens / max(s.steps, 1), 3))
+        row = {
+            "tree_tokens": n,
+            "tau": tokens / steps,
+            "new_tokens": tokens,
+            "steps": steps,
+            "identical": same,
+            "of": len(inputs),
+            "tau_per_row": per_row,
+            "top_k": drafter.top_k,
+            "heads": drafter.heads.num_heads,
+        }
+        result["sizes"][str(n)] = row
+        print(json.dumps(row), flush=True)
+    result.update(seconds=round(time.time() - t0, 1), torch=torch.__version__, machine="CPU, 2 threads, shared")
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
