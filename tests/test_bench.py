@@ -437,3 +437,32 @@ def test_the_bench_runs_as_a_module_and_as_an_hf_bpd_command():
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bench", "--help"])
     assert exit_.value.code == 0
+
+
+def test_compiled_static_and_captured_methods_are_registered_and_give_plain_greedy_s_tokens():
+    # transformers' own compile of a static cache, and hf_bpd's captured step compiled (here by the quick
+    # backends: the bench compiles both with inductor), each compiled in warm-up and reported apart
+    from hf_bpd.tools.bench.cli import METHODS
+
+    assert {"greedy_static_compiled", "hf_bpd_captured"} <= set(METHODS)
+    assert {"greedy_static_compiled", "sample_static_compiled"} <= set(bench.PLAIN_METHODS)
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = hf_bpd.BlockDrafter(hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=3), top_k=3, max_tree_tokens=8)
+    tokenizer = TinyChatTokenizer()
+    rows = ROWS[1:]  # two one-turn prompts
+    first = [tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}]) for r in rows]
+    lengths = [x["input_ids"].shape[1] for x in first]
+    assert {bench.captured_capacity(n, 8) for n in lengths} == {256}  # one capacity: one graph, compiled in warm-up
+    methods = [
+        bench.greedy_method(model),
+        bench.static_compiled_method(model, tokenizer, backend="eager"),
+        bench.captured_method(model, drafter, tokenizer, 8, lengths, multi_turn=False, backend="eager"),
+    ]
+    assert [m.name for m in methods] == ["greedy", "greedy_static_compiled", "hf_bpd_captured"]
+    assert {"greedy_static_compiled", "hf_bpd_captured"} <= set(bench.COMPILE_SECONDS)
+    assert hasattr(model, "_compiled_call")  # generate took transformers' compiled call on the CPU
+    captured = methods[2].drafter
+    results = bench.run_bench(model, tokenizer, rows, methods, max_new_tokens=8, progress=False)
+    for name in ("greedy_static_compiled", "hf_bpd_captured"):
+        assert results[name]["overall"]["identical"] and results[name]["overall"]["tokens"] == 2 * 8, name
+    assert captured.stats.steps < 8  # drafted steps: the captured step ran

@@ -274,3 +274,61 @@ def test_shipped_drafter_in_the_captured_step_gives_plain_static_generate_s_toke
         assert drafter.stats.host_syncs.get("step", 0) == 0
         accepted += drafter.stats.accepted_lengths
     assert sum(accepted) / len(accepted) > 1.2  # the shipped heads' drafts are accepted through the fixed tree
+
+
+# ---------------------------------------------------------------------------------------- CPU kernels
+def mixed_kernel_plan(model, **_):
+    """A kernel plan for the tiny model's shapes that packs at 1-2 and 5-8 rows and leaves 3-4 rows (the
+    first prompt's prefill) and more to BLAS, every other shape on the streamed kernel's panels: the trees'
+    kernels are packed before any eager forward needs them, so the compiled step must pack them itself."""
+    from hf_bpd.cpu.packed_linear import KERNEL_PLAN_SIZES, STREAMED, KernelPlan, RowPlan
+
+    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear})
+    row = RowPlan(KERNEL_PLAN_SIZES, tuple(n in (1, 2, 8) for n in KERNEL_PLAN_SIZES))
+    return KernelPlan({s: row for s in shapes}, {s: STREAMED for s in shapes[::2]}), None, False
+
+
+def compiled_on_cpu_kernels(monkeypatch, backend: str):
+    """(plain static greedy, the captured step compiled with `backend` on the drafter's packed CPU kernels)
+    tokens, and the kernel ops in each graph compiled."""
+    from hf_bpd.cpu.packed_linear import packed_linear_available
+
+    if not packed_linear_available():
+        pytest.skip("this torch build has no oneDNN")
+    from torch._dynamo.backends.registry import lookup_backend
+
+    monkeypatch.setattr("hf_bpd.cpu.packed_linear.cached_kernel_plan", mixed_kernel_plan)
+    monkeypatch.setattr("hf_bpd.decode.binding.cached_kernel_plan", mixed_kernel_plan)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend(backend)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(heads_of(model, "previous"), top_k=3, max_tree_tokens=8, packed_linear=True)
+    ids = torch.tensor(PROMPTS[0])
+    ref = static_generate(model, ids, max_length=36)
+    out = static_generate(model, ids, drafter, max_length=36, captured_step=recording)
+    torch._dynamo.reset()
+    ops = [[str(n.target) for n in g.graph.nodes if n.op == "call_function"] for g in graphs]
+    return ref, out, [(sum("hf_bpd.streamed" in o for o in g), sum("hf_bpd.onednn" in o for o in g)) for g in ops]
+
+
+def test_the_compiled_step_runs_the_packed_cpu_kernels_as_ops_in_its_graphs(monkeypatch):
+    ref, out, kernels = compiled_on_cpu_kernels(monkeypatch, "aot_eager")
+    assert out.tolist() == ref.tolist()
+    # trees of 8, 2 and 1 nodes on both packed kernels (packed before the first was traced), 4 on BLAS but
+    # for the heads' LM-head rows (1-2 rows, streamed)
+    assert len(kernels) == 4 and all(streamed for streamed, _ in kernels), kernels
+    assert sum(onednn > 0 for _, onednn in kernels) == 3, kernels
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_step_on_the_packed_cpu_kernels_and_gives_the_same_tokens(monkeypatch):
+    # with freezing on, as the bench's compiled forwards leave it: the step's graphs must not freeze their state
+    monkeypatch.setattr("torch._inductor.config.freezing", True)
+    ref, out, kernels = compiled_on_cpu_kernels(monkeypatch, "inductor")
+    assert out.tolist() == ref.tolist()
+    assert all(streamed for streamed, _ in kernels) and sum(onednn > 0 for _, onednn in kernels) == 3, kernels

@@ -151,3 +151,64 @@ def test_a_new_plan_that_streams_a_shape_repacks_its_weights_on_next_use():
         got = layer(x)
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
     assert mode.packed(layer.weight).shape == (3, 16, 8) and len(mode) == 1
+
+
+# ---------------------------------------------------------------------------------------- compiled graphs
+def test_the_kernel_is_a_custom_op_that_passes_torch_s_checks():
+    g = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(21, 37, generator=g), torch.randn(5, 37, generator=g)
+    packed = streamed_linear.pack(weight)
+    torch.library.opcheck(torch.ops.hf_bpd.streamed_linear, (x, packed, 21))  # schema, fake tensor, aot dispatch
+    assert torch.equal(torch.ops.hf_bpd.streamed_linear(x, packed, 21), streamed_linear.linear(x, packed, 21))
+
+
+def mixed_stack():
+    """Linears of three shapes: one on the streamed kernel's panels, one on oneDNN's, one on BLAS; and the
+    packed-linear block serving them."""
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(
+        torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 40, bias=False), torch.nn.Linear(40, 8)
+    )
+    every = RowPlan(KERNEL_PLAN_SIZES, (True,) * len(KERNEL_PLAN_SIZES))
+    plan = KernelPlan({(24, 16): every, (40, 24): every}, {(24, 16): STREAMED})  # (8, 40): BLAS
+    return stack, PackedLinear(stack, plan=plan)
+
+
+def compiled_stack_output(backend: str, rows: int = 3):
+    """(eager output, compiled output, the ops in dynamo's graph) of `mixed_stack` inside its block,
+    compiled fullgraph (a graph break raises) with `backend`."""
+    stack, block = mixed_stack()
+    x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(rows))
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.registry.lookup_backend(backend)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with torch.no_grad(), block:
+        eager = stack(x)
+        assert block.pack_planned() == 2  # the packed copies a trace reads: its own forward cannot pack
+        compiled = torch.compile(stack, backend=recording, fullgraph=True, dynamic=False)(x)
+    torch._dynamo.reset()
+    (graph,) = graphs
+    ops = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    return eager, compiled, ops
+
+
+@pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_packed_linear_block_compiles_to_one_graph_with_its_kernels_as_custom_ops(rows):
+    eager, compiled, ops = compiled_stack_output("aot_eager", rows)
+    assert torch.equal(compiled, eager)  # the same kernels in the graph as eagerly
+    assert sum("hf_bpd.streamed_linear" in op for op in ops) == 1
+    assert sum("hf_bpd.onednn_linear" in op for op in ops) == 1
+    assert sum("linear" in op for op in ops) == 3  # and BLAS's F.linear for the third
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
+def test_inductor_compiles_a_packed_linear_block_with_its_kernels():
+    eager, compiled, ops = compiled_stack_output("inductor")
+    torch.testing.assert_close(compiled, eager)  # inductor fuses the bias and activation: rounding may move
+    assert sum("hf_bpd." in op for op in ops) == 2

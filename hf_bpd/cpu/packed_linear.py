@@ -31,6 +31,12 @@ The cost is memory: a second copy of every linear weight the forward uses (about
 between blocks until `clear()`. The original weights stay: they serve calls outside the block, autograd,
 tied embeddings and `state_dict`. A weight changed in place after packing (its `_version` moves) is
 packed again, never used stale.
+
+Compiled graphs (`torch.compile` of a forward inside a block, such as hf_bpd's captured decode step on a
+CPU): the packed kernels are custom ops there (`onednn_linear`, `streamed_linear.OP`), so the graph has
+no break and runs the plan's kernels. A trace cannot pack: `PackedLinear.pack_planned()` packs every
+weight the plan uses before it, and the graph keeps the copies it was traced with (a weight changed in
+place afterwards needs a new compile, as inductor's frozen weights do).
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ PACK_ROWS = 8
 # "auto" packs models whose float32 parameters take at most this much: the packed copy doubles their memory
 AUTO_MAX_BYTES = 2 * 1024**3
 
+ONEDNN_OP = "hf_bpd::onednn_linear"  # oneDNN's packed linear as a custom op, for compiled graphs (`onednn_linear`)
+
 _MODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its PackedLinear, shared by drafters
 _THREAD = threading.local()  # the PackedLinear blocks open in this thread, innermost last
 
@@ -81,6 +89,23 @@ def packed_linear_available() -> bool:
         return False
 
 
+@torch.library.custom_op(ONEDNN_OP, mutates_args=())
+def onednn_linear(
+    rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """oneDNN's linear on a weight packed by `_reorder_linear_weight`, as a custom op that a `torch.compile`
+    graph keeps as it is, the way `streamed_linear.OP` keeps the streamed kernel: inductor's own lowering
+    of `mkldnn._linear_pointwise` takes only weights it froze into the graph itself, not packed copies
+    that come in as inputs. What `PackedLinear.apply` calls inside a trace; eagerly it calls oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    torch._check(rows.dim() == 2, lambda: f"{ONEDNN_OP} takes 2D rows [M, K]")
+    return rows.new_empty(rows.shape[0], out_features)
+
+
 @dataclass(frozen=True)
 class RowPlan:
     """Which kernel serves one weight shape by row count (tokens x batch rows of the forward): `packed[i]`
@@ -95,6 +120,8 @@ class RowPlan:
             raise ValueError("RowPlan needs increasing sizes with one decision each")
 
     def __call__(self, rows: int) -> bool:
+        if torch.compiler.is_compiling():  # dynamo cannot trace `bisect` (C): the same index, summed
+            return self.packed[min(sum(size < rows for size in self.sizes), len(self.sizes) - 1)]
         return self.packed[min(bisect_left(self.sizes, rows), len(self.sizes) - 1)]
 
     @property
@@ -239,6 +266,10 @@ class PackedLinear:
 
     def _entry(self, weight: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None, str]:
         entry = self._packed.get(id(weight))
+        if torch.compiler.is_compiling():
+            # a traced forward reads the copies packed before it (`pack_planned`), as they are: packing is
+            # no graph op, and the graph holds them as its constants (inductor's frozen weights do the same)
+            return entry if entry is not None and entry[0] is weight else (weight, 0, None, ONEDNN)
         if entry is None or entry[0] is not weight or entry[1] != weight._version:
             kind = self._format(weight.shape)
             servable = (
@@ -258,6 +289,18 @@ class PackedLinear:
             self._packed[id(weight)] = entry
         return entry
 
+    def pack_planned(self, extra_weights: tuple[torch.Tensor, ...] = ()) -> int:
+        """Pack now every weight of the layers (and `extra_weights`: linears that are no `nn.Linear`, such as
+        the heads' borrowed LM head) whose shape the plan packs at some row count (all of them without a
+        plan), unless packed already: what a `torch.compile` trace of a forward inside a block needs, since
+        a traced forward only reads the packed copies (one packed later is used from its next compile on).
+        Returns the weights packed so far."""
+        shapes = getattr(self._plan, "shapes", None)
+        for weight in [layer.weight for layer in self.layers] + list(extra_weights):
+            if shapes is None or any(getattr(shapes.get(tuple(weight.shape)), "packed", ())):
+                self._entry(weight)
+        return len(self)
+
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`F.linear(x, weight, bias)`, on the packed weight where servable (float32 on the CPU, outside
         autograd: the packed op has no backward) and where the plan says packing is faster for this many
@@ -276,7 +319,10 @@ class PackedLinear:
                 if kind == STREAMED:
                     return streamed_linear.linear(x, packed, weight.shape[0], bias)
                 rows = x.reshape(-1, x.shape[-1])  # a 1D input is one row
-                out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+                if torch.compiler.is_compiling():
+                    out = torch.ops.hf_bpd.onednn_linear(rows, packed, bias, weight.shape[0])
+                else:
+                    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
                 return out.reshape(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
 

@@ -17,6 +17,11 @@ The C++ source is built on first use by torch's extension loader (a compiler and
 build is cached by torch, in `TORCH_EXTENSIONS_DIR` or `~/.cache/torch_extensions`). Where the CPU lacks
 AVX2/FMA, the build fails or its results disagree with `F.linear`, `available()` is False and the plan
 keeps to BLAS and oneDNN; `unavailable_reason()` says why.
+
+Compiled graphs: the kernel is also the `torch.library` custom op `hf_bpd::streamed_linear` (`OP`,
+registered at import with a fake implementation giving the output's shape), which `linear` calls inside a
+`torch.compile` trace, so a forward on packed linears compiles to one graph (`fullgraph=True`) with the
+kernel in it (inductor calls it as an extern kernel); eagerly `linear` calls the extension directly.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from .. import log
 
 SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
 PANEL = 8  # output columns per packed panel (csrc: kPanel)
+OP = "hf_bpd::streamed_linear"  # the kernel as a torch.library custom op (`streamed_linear_op`)
 
 
 @functools.cache
@@ -95,12 +101,38 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for `packed = pack(weight)`: x [..., K] float32 on the CPU."""
+    """`F.linear(x, weight, bias)` for `packed = pack(weight)`: x [..., K] float32 on the CPU. Inside a
+    `torch.compile` trace it is the custom op `hf_bpd::streamed_linear` (`OP`), which stays in the graph;
+    run eagerly it calls the extension directly (the same kernel, without the op's dispatch)."""
     rows = x.reshape(-1, x.shape[-1])
-    out = _module().linear(rows, packed, out_features)
-    if bias is not None:
-        out += bias
+    if torch.compiler.is_compiling():
+        out = torch.ops.hf_bpd.streamed_linear(rows, packed, out_features)
+        if bias is not None:
+            out = out + bias
+    else:
+        out = _module().linear(rows, packed, out_features)
+        if bias is not None:
+            out += bias
     return out.reshape(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op(OP, mutates_args=())
+def streamed_linear_op(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The kernel as a `torch.library` custom op, `torch.ops.hf_bpd.streamed_linear(rows [M, K], packed,
+    out_features) -> [M, out_features]`: what `torch.compile` keeps in its graph (dynamo cannot trace into
+    the pybind extension; an op it can), inductor calling it as an extern kernel. Registered at import;
+    the extension is built on the first call, not here."""
+    return _module().linear(rows, packed, out_features)
+
+
+@streamed_linear_op.register_fake
+def _(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    torch._check(rows.dim() == 2, lambda: "hf_bpd::streamed_linear takes 2D rows [M, K]")
+    torch._check(
+        packed.dim() == 3 and packed.shape[1] == rows.shape[1] and packed.shape[2] == PANEL,
+        lambda: "hf_bpd::streamed_linear: the packed weight does not match the rows",
+    )
+    return rows.new_empty(rows.shape[0], out_features)  # contiguous, as the kernel's output
 
 
 def _module():

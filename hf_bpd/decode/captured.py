@@ -53,6 +53,10 @@ blocking cross-device copies, tensors made from host values): an uncompiled step
 read per step (`BlockDrafter.count_host_syncs`; tests/test_captured_step.py). A compiled step's graph
 cannot hold one (`fullgraph=True` raises on the graph break a host read is).
 
+On a CPU, `captured_step="inductor"` compiles the step with the drafter's CPU kernels inside
+(`packed_linear`: oneDNN's and the streamed kernel's packed weights are custom ops in the graph, packed
+before the first compile, `PackedLinear.pack_planned`); the graphs are never frozen (`CapturedDecoder.run`).
+
 Only the public extension points: 4D masks, `position_ids` and the static cache's own tensors.
 """
 
@@ -338,7 +342,8 @@ _COMPILED: dict = {}  # backend -> the compiled step
 def compiled_step(backend, device_type: str):
     """`captured_step` compiled with `backend` (fullgraph, static shapes: one graph per bucket and cache
     capacity; shared by every decoder, so a second call with the same shapes compiles nothing), or as it is
-    for None. Inductor on a GPU replays it as CUDA graphs (mode "reduce-overhead")."""
+    for None. Inductor on a GPU replays it as CUDA graphs (mode "reduce-overhead"); on a CPU the graph calls
+    the drafter's packed CPU kernels (`packed_linear`) as custom ops. Never frozen (`CapturedDecoder.run`)."""
     if backend is None:
         return captured_step
     fn = _COMPILED.get((backend, device_type))
@@ -381,8 +386,23 @@ class CapturedDecoder:
         return self.buckets[max(fits)] if fits else None
 
     def run(self, model, bucket: TreeBucket, cache) -> torch.Tensor:
-        if self.backend is None or bucket.compiled:
+        if self.backend is None:
             return self.step_fn(model, self.heads, bucket, cache, self.state)
+        # never inductor's freezing, which a process may have turned on for a compiled forward (the bench does):
+        # dynamo and inductor would make constants of the step's state and cache tensors, which change from call
+        # to call (read where a graph is compiled, so around every call: any may recompile)
+        import torch._inductor.config as inductor_config  # loaded by torch.compile on first use: not before
+
+        with inductor_config.patch(freezing=False):
+            if bucket.compiled:
+                return self.step_fn(model, self.heads, bucket, cache, self.state)
+            return self._compile(model, bucket, cache)
+
+    def _compile(self, model, bucket: TreeBucket, cache) -> torch.Tensor:
+        packed = active_packed_linear()
+        if packed is not None:  # the graph takes the packed copies there are (`PackedLinear.pack_planned`)
+            tied = self.heads.__dict__.get("_tied_weight")  # the LM-head rows the heads borrow
+            packed.pack_planned(() if tied is None else (tied,))
         # a bucket's first call compiles its graph: every decoder's graphs are entries of the one compiled
         # function, so its entry limit (8 by default) is raised to the graphs decoders may hold
         with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)):

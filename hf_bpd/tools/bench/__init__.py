@@ -30,6 +30,8 @@ from .methods import (
     answer_nll,
     assisted_method,
     bpd_method,
+    captured_capacity,
+    captured_method,
     compiled_method,
     fast_cpu_method,
     greedy_bpd_method,
@@ -40,6 +42,7 @@ from .methods import (
     reference_name,
     run_bench,
     static_cache_method,
+    static_compiled_method,
     window_warm_up,
 )
 from .report import (
@@ -72,6 +75,8 @@ __all__ = [
     "assisted_method",
     "baseline_line",
     "bpd_method",
+    "captured_capacity",
+    "captured_method",
     "bundled_prompts",
     "check_data_file",
     "compiled_method",
@@ -102,6 +107,7 @@ __all__ = [
     "select_rows",
     "state_digest",
     "static_cache_method",
+    "static_compiled_method",
     "summarize",
     "turn_key",
     "window_warm_up",

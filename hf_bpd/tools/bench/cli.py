@@ -27,6 +27,7 @@ from .methods import (
     Method,
     assisted_method,
     bpd_method,
+    captured_method,
     compiled_method,
     fast_cpu_method,
     greedy_bpd_method,
@@ -36,8 +37,28 @@ from .methods import (
     prompt_lookup_method,
     run_bench,
     static_cache_method,
+    static_compiled_method,
 )
 from .report import drafted_step_share, environment, round_speedups, summarize, write_report
+
+# the methods `--methods` takes besides hf_bpd+RESCORER (`main` builds each on demand)
+METHODS = (
+    "greedy",
+    "greedy_fast",
+    "greedy_compiled",
+    "prompt_lookup",
+    "prompt_lookup_fast",
+    "assisted",
+    "hf_bpd",
+    "hf_bpd_compiled",
+    "greedy_static",
+    "greedy_static_fast",
+    "greedy_static_compiled",
+    "hf_bpd_static",
+    "hf_bpd_captured",
+    "hf_bpd_typical",
+    "hf_bpd_greedy",
+)
 
 
 def rescorer_specs(methods: list[str], model: str | None = None) -> dict:
@@ -83,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         "which hf_bpd's forwards use), greedy_compiled (plain generate with torch.compile and inductor freezing; "
         "speedups divide by the fastest plain method), greedy_static (plain generate on a static cache, which "
         "generate compiles with CUDA graphs on a GPU), greedy_static_fast (the same on fast_cpu's kernels), "
-        "hf_bpd_static (hf_bpd on a static cache), prompt_lookup, "
+        "greedy_static_compiled (plain generate on a static cache compiled by transformers itself, CompileConfig, "
+        "on any device), hf_bpd_static (hf_bpd on a static cache), hf_bpd_captured (greedy: hf_bpd's captured step "
+        "on a static cache compiled by inductor, on the drafter's CPU kernels), prompt_lookup, "
         "prompt_lookup_fast, assisted (the shipped rescorer LM as a draft "
         "model), hf_bpd (heads alone), hf_bpd+NAME with NAME a shipped rescorer (hf_bpd.packaged_rescorers()), "
         "hf_bpd_typical (with --do-sample: Medusa's typical acceptance, lossy), hf_bpd_greedy (with --do-sample: "
@@ -242,6 +265,16 @@ def main(argv: list[str] | None = None) -> int:
         copy.forward_cost = None
         return copy
 
+    def captured() -> Method:
+        from ...io.models import chat_inputs
+
+        if args.do_sample:
+            raise SystemExit("hf_bpd_captured is greedy (the captured step decodes greedily): drop --do-sample")
+        first = [chat_inputs(tokenizer, [{"role": "user", "content": r["turns"][0]}]) for r in rows]
+        lengths = [x["input_ids"].shape[1] for x in first]
+        multi_turn = any(len(r["turns"]) > 1 for r in rows)
+        return captured_method(model, drafter, tokenizer, args.max_new_tokens, lengths, multi_turn, decoding=decoding)
+
     def greedy_twin() -> Method:
         if not args.do_sample:
             raise SystemExit("hf_bpd_greedy is hf_bpd decoding greedily inside a sampled run: add --do-sample")
@@ -261,19 +294,22 @@ def main(argv: list[str] | None = None) -> int:
         # a static cache: plain generate's fastest decoding on a GPU, and hf_bpd on the same cache
         "greedy_static": lambda: static_cache_method(model, decoding),
         "greedy_static_fast": lambda: fast_cpu_method(static_cache_method(model, decoding), model),
+        "greedy_static_compiled": lambda: static_compiled_method(model, tokenizer, decoding),
         "hf_bpd_static": lambda: bpd_method(
             model, drafter.with_rescorer(drafter.rescorer), "hf_bpd_static", {**decoding, **STATIC}
         ),
+        "hf_bpd_captured": captured,
         "hf_bpd_typical": typical,
         "hf_bpd_greedy": greedy_twin,
     }
+    assert set(available) == set(METHODS), sorted(set(available) ^ set(METHODS))
+    rows = select_rows(read_prompts(args.data), args.categories, args.per_category, args.limit, args.spread)
     unknown = {m for m in args.methods if m not in available and not m.startswith("hf_bpd+")}
     if unknown:
         raise SystemExit(f"unknown methods {sorted(unknown)}; available: {sorted(available)} and hf_bpd+RESCORER")
     methods = [available["greedy"]()] + [
         available[m]() if m in available else with_rescorer(m.split("+", 1)[1]) for m in args.methods if m != "greedy"
     ]
-    rows = select_rows(read_prompts(args.data), args.categories, args.per_category, args.limit, args.spread)
     if batched:
         from .batch import run_batch_bench
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ...compat import cache_argument
 from ...cpu.packed_linear import fast_cpu
 from ...decode.binding import binding_of, prepare
 from ...decode.support import attention_windows
@@ -42,6 +43,9 @@ class Method:
     name: str
     run: Callable
     drafter: BlockDrafter | None = None
+    # for a method whose forwards run inside graphs compiled before the bench's counting hook was set (a hook
+    # added later is not traced into them): its forwards from (sequences, new tokens, stats)
+    forwards: Callable | None = None
 
 
 GREEDY = {"do_sample": False}
@@ -148,6 +152,101 @@ def window_warm_up(model, tokenizer, device) -> list[tuple[dict, int]]:
         return {k: v[:, :n] for k, v in inputs.items()}
 
     return [decode for size in sizes for decode in ((first(max(size - 16, 1)), 32), (first(size + 16), 8))]
+
+
+def static_compiled_method(model, tokenizer, decoding: dict = GREEDY, backend: str = "inductor") -> Method:
+    """Plain `generate` on a static cache that transformers itself compiles (`<reference>_static_compiled`):
+    a `CompileConfig` asks `generate` to compile its one-token steps on any device (`_compile_all_devices`,
+    which `_valid_auto_compile_criteria` reads; a GPU needs no flag), through the model's own compiled call
+    (`get_compiled_call`; the prefill runs eagerly). The GPU users' baseline, and on a CPU a candidate for
+    the fastest plain decoding: on a CPU without CUDA graphs (mode "default") and with inductor's
+    freezing (weights packed into the graph, as `compiled_method`'s). Compiled here on two warm-up prompts
+    of different lengths (the static cache's length differs, so the second makes its dimension dynamic),
+    before any timing; the compile time is reported apart (`COMPILE_SECONDS`)."""
+    from transformers import CompileConfig
+
+    device = next(model.parameters()).device
+    on_cpu = device.type == "cpu"
+    config = CompileConfig(
+        backend=backend,
+        mode="default" if on_cpu else "reduce-overhead",
+        options={"freezing": True} if on_cpu and backend == "inductor" else None,
+    )
+    config._compile_all_devices = True  # transformers' flag: compile on this device too (a CPU)
+    name = f"{reference_name(decoding)}_static_compiled"
+    settings = {**decoding, **STATIC, "compile_config": config}
+
+    def run(inputs, n):
+        return model.generate(**inputs, **settings, max_new_tokens=n), None
+
+    short, longer = (
+        chat_inputs(tokenizer, [{"role": "user", "content": text}], device)
+        for text in ("Hi.", "Say hello to the world in three different languages, please.")
+    )
+    t0 = time.perf_counter()
+    for inputs in (short, longer, short):
+        run(inputs, 16)
+    COMPILE_SECONDS[name] = time.perf_counter() - t0
+    return Method(name, run, forwards=lambda seq, new, stats: new)  # plain: one forward per new token
+
+
+# the static cache of the captured method holds its turn's prompt, answer and one largest tree, rounded up
+# to a multiple of this: each capacity is a graph per tree size, so a run needs few, all compiled in warm-up
+CAPTURED_CAPACITY_STEP = 256
+
+
+def captured_capacity(prompt_tokens: int, max_new_tokens: int, step: int = CAPTURED_CAPACITY_STEP) -> int:
+    """The static cache capacity `captured_method` decodes a prompt of `prompt_tokens` on: room for the
+    answer and a whole tree of the largest size past it (so every step takes the largest bucket, the one
+    graph of that capacity the warm-up compiled), rounded up to `step`."""
+    from ...decode.captured import CAPTURED_TREE_SIZES
+
+    return -(-(prompt_tokens + max_new_tokens + CAPTURED_TREE_SIZES[-1]) // step) * step
+
+
+def captured_method(
+    model,
+    drafter: BlockDrafter,
+    tokenizer,
+    max_new_tokens: int,
+    prompts: list[int] = (),
+    multi_turn: bool = True,
+    backend: str = "inductor",
+    decoding: dict = GREEDY,
+) -> Method:
+    """hf_bpd's captured decode step (`decode/captured.py`: each greedy step one function over device
+    tensors) compiled with `backend` (`torch.compile`, one graph per tree size and cache capacity), on a
+    static cache: `hf_bpd_captured`. On a CPU it runs on the drafter's kernels (`packed_linear`: oneDNN's
+    and the streamed kernel's packed weights, custom ops inside the graph), as `hf_bpd` does. Each turn
+    decodes on a `StaticCache` of `captured_capacity` positions, so that the capacities of a run are few:
+    those of `prompts` (the run's first-turn prompt lengths in tokens) and, for `multi_turn` rows, the next
+    one up are compiled here, in warm-up, before any timing, and reported apart (`COMPILE_SECONDS`). A
+    drafter copy of its own (own calibration); the tokens are plain greedy's, as the bench checks."""
+    from transformers import StaticCache
+
+    own = drafter.with_rescorer(drafter.rescorer)
+    prepare(own, model)
+    name = "hf_bpd_captured"
+    settings = {**decoding, "custom_generate": bpd_generate, "assistant": own, "captured_step": backend}
+
+    def decode(inputs, n, capacity):
+        cache = StaticCache(config=model.config, max_cache_len=capacity)
+        cache_kwarg = {cache_argument(model) or "past_key_values": cache}  # "cache" in newer transformers
+        return model.generate(**inputs, **settings, max_new_tokens=n, **cache_kwarg), own.stats
+
+    def run(inputs, n):
+        return decode(inputs, n, captured_capacity(inputs["input_ids"].shape[1], n))
+
+    device = next(model.parameters()).device
+    warm = chat_inputs(tokenizer, [{"role": "user", "content": "Hi."}], device)
+    capacities = {captured_capacity(length, max_new_tokens) for length in (*prompts, warm["input_ids"].shape[1])}
+    if multi_turn:  # a later turn holds the first turn's prompt and answer: often the next capacity up
+        capacities |= {c + CAPTURED_CAPACITY_STEP for c in capacities}
+    t0 = time.perf_counter()
+    for capacity in sorted(capacities):  # a few tokens decoded on each capacity: its graph compiles
+        decode(warm, 8, capacity)
+    COMPILE_SECONDS[name] = time.perf_counter() - t0
+    return Method(name, run, own, forwards=lambda seq, new, stats: stats.forwards)
 
 
 def prompt_lookup_method(model, num_tokens: int = 10, decoding: dict = GREEDY) -> Method:
@@ -262,7 +361,10 @@ def run_bench(
                     counter.count = 0
                     t0 = time.perf_counter()
                     seq, stats = m.run(inputs, max_new_tokens)
-                    results[m.name] = (seq, counter.count, stats, time.perf_counter() - t0)
+                    secs = time.perf_counter() - t0
+                    if m.forwards is not None:  # forwards in compiled graphs, which the counter's hook misses
+                        counter.count = m.forwards(seq, seq.shape[1] - n, stats)
+                    results[m.name] = (seq, counter.count, stats, secs)
                     if stats is not None and stats.forwards != counter.count:
                         raise RuntimeError(
                             f"{m.name}: stats count {stats.forwards} forwards, the model ran {counter.count}"

@@ -81,6 +81,8 @@ PLAIN_METHODS = (
     "sample_compiled",
     "greedy_static",
     "greedy_static_fast",
+    "greedy_static_compiled",
+    "sample_static_compiled",
     "sample_static_fast",
     "sample_static",
 )
