@@ -5,12 +5,12 @@ them (`--feature-layers`, `--own-prediction`)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 from conftest import tiny_distilled, tiny_model
+from test_training import args_for
 
 import hf_bpd
 from hf_bpd import BlockDrafter, BlockDraftHeads
@@ -291,16 +291,6 @@ def test_a_static_cache_or_compiled_forward_is_refused_for_fusion_heads():
 
 
 # --- training ---
-
-
-def args_for(tmp_path, **kw):
-    parser = argparse.ArgumentParser()
-    train_heads.add_args(parser)
-    base = ["--data", "unused", "--output", str(tmp_path), "--no-progress", "--log-every", "0"]
-    for k, v in kw.items():
-        flag = f"--{k.replace('_', '-')}"
-        base += [flag] if v is True else [flag, str(v)]
-    return parser.parse_args(base)
 
 
 def test_compute_features_of_feature_layers_are_the_hidden_states_of_those_layers():

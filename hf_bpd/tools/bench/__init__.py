@@ -7,109 +7,18 @@
 - `report`: summaries (speedups over the fastest plain method), tables, plot, environment, result files;
 - `cli`: the command line.
 
-Every name below is public and re-exported here (`from hf_bpd.tools.bench import run_bench`).
+Every public name of these modules can also be imported from here (`from hf_bpd.tools.bench import run_bench`).
 """
 
-from .batch import left_padded_batch, row_tokens, run_batch_bench
-from .cli import main, rescorer_specs
-from .data import BUNDLED_PROMPTS, DEFAULT_DATA, bundled_prompts, check_data_file, read_prompts, select_rows
-from .journal import (
-    RESUME_KEYS,
-    append_records,
-    load_journal,
-    merge_journals,
-    merged_environment,
-    read_journal,
-    state_digest,
-)
-from .methods import (
-    COMPILE_SECONDS,
-    GREEDY,
-    STATIC,
-    Method,
-    answer_nll,
-    assisted_method,
-    bpd_method,
-    captured_capacity,
-    captured_method,
-    compiled_method,
-    fast_cpu_method,
-    greedy_bpd_method,
-    greedy_method,
-    learned,
-    load_drafter,
-    prompt_lookup_method,
-    reference_name,
-    run_bench,
-    static_cache_method,
-    static_compiled_method,
-    window_warm_up,
-)
-from .report import (
-    PLAIN_METHODS,
-    MethodTotals,
-    baseline_line,
-    drafted_step_share,
-    environment,
-    fastest_plain,
-    markdown_table,
-    plot,
-    round_speedups,
-    summarize,
-    turn_key,
-    write_report,
-)
+from . import batch, cli, data, journal, methods, report
 
-__all__ = [
-    "BUNDLED_PROMPTS",
-    "COMPILE_SECONDS",
-    "DEFAULT_DATA",
-    "GREEDY",
-    "PLAIN_METHODS",
-    "RESUME_KEYS",
-    "STATIC",
-    "Method",
-    "MethodTotals",
-    "answer_nll",
-    "append_records",
-    "assisted_method",
-    "baseline_line",
-    "bpd_method",
-    "captured_capacity",
-    "captured_method",
-    "bundled_prompts",
-    "check_data_file",
-    "compiled_method",
-    "drafted_step_share",
-    "environment",
-    "fast_cpu_method",
-    "fastest_plain",
-    "greedy_bpd_method",
-    "greedy_method",
-    "learned",
-    "left_padded_batch",
-    "load_drafter",
-    "load_journal",
-    "main",
-    "markdown_table",
-    "merge_journals",
-    "merged_environment",
-    "plot",
-    "prompt_lookup_method",
-    "read_journal",
-    "read_prompts",
-    "reference_name",
-    "rescorer_specs",
-    "round_speedups",
-    "row_tokens",
-    "run_batch_bench",
-    "run_bench",
-    "select_rows",
-    "state_digest",
-    "static_cache_method",
-    "static_compiled_method",
-    "summarize",
-    "turn_key",
-    "window_warm_up",
-    "write_report",
-]
+_MODULES = (data, methods, batch, journal, report, cli)
+
+
+def __getattr__(name: str):
+    # the package re-exports its modules' public names without listing them a second time
+    if not name.startswith("_"):
+        for module in _MODULES:
+            if hasattr(module, name):
+                return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
