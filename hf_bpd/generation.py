@@ -2,9 +2,10 @@
 
     model.generate(**inputs, custom_generate=hf_bpd.generate, assistant=drafter, max_new_tokens=N)
 
-It refuses what the loops would not decode exactly (`support.py`, before any forward), then runs one row
-through `decoding.decode`, a batch through `batch.decode_batch`, and a model with recurrent state (one row
-or a batch) through `recurrent.decode_recurrent`.
+It refuses what the loops would not decode exactly (`decode/support.py`, before any forward), then runs one
+row through `decode/row.py` (on a static cache, optionally the captured step, `decode/captured.py`), a batch
+through `decode/batch.py`, and a model with recurrent state (one row or a batch) through
+`decode/recurrent.py`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What one `generate` call's decoding loop keeps, whichever loop it is: one row (`decoding.decode`), a batch
+"""What one `generate` call's decoding loop keeps, whichever loop it is: one row (`row.decode`), a batch
 (`batch.decode_batch`) or chains of a model with recurrent state (`recurrent.decode_recurrent`).
 
 The loops differ in how they verify (a tree, a batch of trees, a chain) and how they update the cache;

@@ -67,7 +67,7 @@ def chain_room(drafter: BlockDrafter, replays: list[list[int]], active: list[int
 
 def decode_recurrent(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: dict):
     """The chain loop (module docstring) for one row or a batch, on a call already checked and a drafter
-    prepared for its model. Returns what `generate` returns: one row as `decoding.decode` does, a batch
+    prepared for its model. Returns what `generate` returns: one row as `row.decode` does, a batch
     padded on the right with the pad token as `batch.decode_batch` does."""
     model, drafter, clock, stats = call.model, call.drafter, call.clock, call.stats
     batch_size, device, pad = input_ids.shape[0], input_ids.device, call.pad

@@ -17,7 +17,7 @@ The host then replays the walk: tokens up to the first unmatched draw (or a stop
 puts the generator back to its state after the last emitted draw. The draws past the walk's end were
 made from a node the walk never reached; putting the generator back undoes them, so the random stream
 moves exactly one `torch.multinomial` call per emitted token, in order, as plain `generate` moves it,
-and a seed gives the same tokens (the module docstring of `decoding.py` has the proof of exactness; this
+and a seed gives the same tokens (the module docstring of `row.py` has the proof of exactness; this
 changes only when tokens are read, not which are drawn).
 
 The price is the wasted draws (the tree's depth + 1 draws per step against the emitted tokens): on a CPU,
