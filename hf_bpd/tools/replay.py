@@ -96,7 +96,7 @@ def replay_turn(
     t = 1  # the prefill emitted answer[0]
     while t < len(answer):
         sequence = torch.cat([prompt_ids, prompt_ids.new_tensor([answer[:t]])], dim=-1)
-        max_depth = None if context is None else max(context - (p + t - 1) - 1, 0)  # as `decoding.decode`
+        max_depth = None if context is None else max(context - (p + t - 1) - 1, 0)  # as `row.decode`
         tree = drafter.draft(hidden[p + t - 2][None], sequence, max_depth, step_cost=step_cost)[0]
         nodes, finished = accept_along(tree, answer, t)
         drafter.observe([nodes], [finished])
