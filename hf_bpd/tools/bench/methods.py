@@ -159,8 +159,9 @@ def static_compiled_method(model, tokenizer, decoding: dict = GREEDY, backend: s
     a `CompileConfig` asks `generate` to compile its one-token steps on any device (`_compile_all_devices`,
     which `_valid_auto_compile_criteria` reads; a GPU needs no flag), through the model's own compiled call
     (`get_compiled_call`; the prefill runs eagerly). The GPU users' baseline, and on a CPU a candidate for
-    the fastest plain decoding: on a CPU without CUDA graphs (mode "default") and with inductor's
-    freezing (weights packed into the graph, as `compiled_method`'s). Compiled here on two warm-up prompts
+    the fastest plain decoding: on a CPU without CUDA graphs (mode "default") and without inductor's
+    freezing, which dynamo reads globally (`compiled_method` sets it) and which would make the static cache's
+    tensors constants of the graph, stale for the next call's cache. Compiled here on two warm-up prompts
     of different lengths (the static cache's length differs, so the second makes its dimension dynamic),
     before any timing; the compile time is reported apart (`COMPILE_SECONDS`)."""
     from transformers import CompileConfig
@@ -170,14 +171,16 @@ def static_compiled_method(model, tokenizer, decoding: dict = GREEDY, backend: s
     config = CompileConfig(
         backend=backend,
         mode="default" if on_cpu else "reduce-overhead",
-        options={"freezing": True} if on_cpu and backend == "inductor" else None,
     )
     config._compile_all_devices = True  # transformers' flag: compile on this device too (a CPU)
     name = f"{reference_name(decoding)}_static_compiled"
     settings = {**decoding, **STATIC, "compile_config": config}
 
     def run(inputs, n):
-        return model.generate(**inputs, **settings, max_new_tokens=n), None
+        import torch._inductor.config as inductor_config  # loaded by torch.compile on first use: not before
+
+        with inductor_config.patch(freezing=False):
+            return model.generate(**inputs, **settings, max_new_tokens=n), None
 
     short, longer = (
         chat_inputs(tokenizer, [{"role": "user", "content": text}], device)
