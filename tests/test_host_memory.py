@@ -5,6 +5,9 @@ model's shared fast-kernel block opens it."""
 from __future__ import annotations
 
 import resource
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,8 +38,26 @@ def fewest_faults(tries: int = 3) -> int:
     return min(faults_of_a_second_big_block() for _ in range(tries))
 
 
+def in_a_fresh_process(check: str) -> None:
+    """Run `check` (a function of this file) in a new Python process. malloc's settings and heap are the
+    process's: a fresh one starts from glibc's own state, whatever the tests before this one allocated."""
+    here = Path(__file__).resolve().parent
+    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_host_memory as t; t.{check}()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @needs_glibc
 def test_freed_memory_is_reused_inside_the_block_only():
+    in_a_fresh_process("reused_inside_the_block_only")
+
+
+@needs_glibc
+def test_nested_blocks_restore_on_the_outermost_exit():
+    in_a_fresh_process("nested_blocks_restore_on_the_outermost_exit")
+
+
+def reused_inside_the_block_only():
     assert faults_of_a_second_big_block() > PAGES // 2  # a fresh mapping: every page faulted in again
     with reuse_freed_memory():
         faults_of_a_second_big_block()  # the heap grows once
@@ -44,8 +65,7 @@ def test_freed_memory_is_reused_inside_the_block_only():
     assert faults_of_a_second_big_block() > PAGES // 2
 
 
-@needs_glibc
-def test_nested_blocks_restore_on_the_outermost_exit():
+def nested_blocks_restore_on_the_outermost_exit():
     with reuse_freed_memory():
         with reuse_freed_memory():
             assert host_memory._depth == 2
