@@ -37,23 +37,33 @@ REPLAY = Path(__file__).resolve().parents[1] / "benchmarks" / "replay" / "spec_b
 
 
 @torch.no_grad()
-def replay_steps(model, heads, bucket, prompt_ids: torch.Tensor, answer: list[int]) -> tuple[int, int]:
-    """(new tokens, steps) of the captured step's fixed tree over one stored greedy answer."""
-    from hf_bpd.decode.captured import draft_tokens
+def replay_steps(
+    model, heads, bucket, prompt_ids: torch.Tensor, answer: list[int], log_scales, lookup_scales
+) -> tuple[int, int]:
+    """(new tokens, steps) of the captured step's tree (fixed, or grown each step) over one stored greedy
+    answer."""
+    from hf_bpd.decode.captured import CapturedState, fixed_tree, grown_tree
 
     ids = torch.cat([prompt_ids.view(-1), torch.tensor(answer, dtype=torch.long)])
     hidden = model(ids[None], output_hidden_states=True, return_dict=True).hidden_states[-1][0].to(heads.dtype)
     p = prompt_ids.numel()
-    parents, depths = bucket.topology.parents, bucket.topology.depths
     done, steps = 1, 0  # prefill emits the first answer token (the first root)
     while done < len(answer):
         root = p + done - 1  # index in ids of the root; hidden[root - 1] predicted it
-        tokens = draft_tokens(heads, bucket, hidden[root - 1][None], ids[root].view(1)).tolist()
+        state = CapturedState(
+            ids[root].view(1), hidden[root - 1][None], torch.tensor(10**9), log_scales, ids, lookup_scales, "", True
+        )  # the sequence buffer holds the whole answer: the lookup reads only the first root + 1 tokens
+        if bucket.grown:
+            tree = grown_tree(heads, bucket, state, torch.tensor(root))
+        else:
+            tree = fixed_tree(heads, bucket, state)
+        tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+        drafted = tree.drafted.tolist()
         ok = [True] * len(tokens)
         deepest = 0
         for i in range(1, len(tokens)):
             pos = root + depths[i]
-            ok[i] = ok[parents[i]] and pos < ids.numel() and tokens[i] == int(ids[pos])
+            ok[i] = drafted[i] and ok[parents[i]] and pos < ids.numel() and tokens[i] == int(ids[pos])
             if ok[i] and depths[i] > depths[deepest]:
                 deepest = i
         count = min(depths[deepest] + 1, len(answer) - done)
@@ -64,6 +74,7 @@ def replay_steps(model, heads, bucket, prompt_ids: torch.Tensor, answer: list[in
 @torch.no_grad()
 def replay(args) -> dict:
     from hf_bpd.decode.captured import Topology, TreeBucket
+    from hf_bpd.drafting.lookup import MAX_NGRAM
 
     model, tokenizer = hf_bpd.load_packaged_model("float32")
     rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()][: args.rows]
@@ -81,30 +92,46 @@ def replay(args) -> dict:
         "answers": str(REPLAY.name),
         "sizes": {},
     }
-    for n in args.sizes:
-        drafter = hf_bpd.load_packaged_drafter(max_tree_tokens=n)
-        heads = drafter.heads.bind(model)
-        topology = Topology.best_first(n, heads.num_heads, drafter.top_k)
-        bucket = TreeBucket(topology, heads.config.token_input, torch.device("cpu"), capacity=4096)
-        tokens = steps = 0
-        per_row = []
-        for r in rows:
-            prompt = chat_inputs(tokenizer, [{"role": "user", "content": r["turns"][0]}])["input_ids"]
-            new, k = replay_steps(model, heads, bucket, prompt, answers[r["question_id"]])
-            tokens, steps = tokens + new, steps + k
-            per_row.append(round(new / max(k, 1), 3))
-        row = {
-            "tree_tokens": n,
-            "tau": tokens / steps,
-            "new_tokens": tokens,
-            "steps": steps,
-            "tau_per_row": per_row,
-            "top_k": drafter.top_k,
-            "heads": heads.num_heads,
-            "topology_paths": [list(q) for q in topology.paths()[1:]],
-        }
-        result["sizes"][str(n)] = row
-        print(json.dumps({k: v for k, v in row.items() if k != "topology_paths"}), flush=True)
+    prompts = {
+        r["question_id"]: chat_inputs(tokenizer, [{"role": "user", "content": r["turns"][0]}])["input_ids"]
+        for r in rows
+    }
+    for tree in args.trees:
+        for n in args.sizes:
+            drafter = hf_bpd.load_packaged_drafter(max_tree_tokens=n)
+            heads = drafter.heads.bind(model)
+            kind, cpu = heads.config.token_input, torch.device("cpu")
+            if tree == "fixed":
+                topology = Topology.best_first(n, heads.num_heads, drafter.top_k)
+                bucket = TreeBucket(topology, kind, cpu, capacity=4096)
+            else:
+                topology, lookup = None, drafter.context_lookup if tree == "lookup" else 0
+                bucket = TreeBucket(
+                    None, kind, cpu, 4096, size=n, max_depth=heads.num_heads, top_k=drafter.top_k, lookup=lookup
+                )
+            log_scales = torch.tensor(drafter.log_scales())
+            lookup_scales = torch.tensor(drafter.lookup_log_scales(drafter.context_lookup, MAX_NGRAM))
+            tokens = steps = 0
+            per_row = []
+            for r in rows:
+                prompt, answer = prompts[r["question_id"]], answers[r["question_id"]]
+                new, k = replay_steps(model, heads, bucket, prompt, answer, log_scales, lookup_scales)
+                tokens, steps = tokens + new, steps + k
+                per_row.append(round(new / max(k, 1), 3))
+            row = {
+                "tree": tree,
+                "tree_tokens": n,
+                "tau": tokens / steps,
+                "new_tokens": tokens,
+                "steps": steps,
+                "tau_per_row": per_row,
+                "top_k": drafter.top_k,
+                "heads": heads.num_heads,
+            }
+            if topology is not None:
+                row["topology_paths"] = [list(q) for q in topology.paths()[1:]]
+            result["sizes"][str(n) if tree == "fixed" else f"{tree}{n}"] = row
+            print(json.dumps({k: v for k, v in row.items() if k not in ("topology_paths", "tau_per_row")}), flush=True)
     return result
 
 
@@ -116,6 +143,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--output", default=None)
     parser.add_argument("--replay", action="store_true")
+    parser.add_argument(
+        "--trees",
+        nargs="+",
+        choices=["fixed", "grown", "lookup"],
+        default=["fixed", "grown", "lookup"],
+        help="with --replay",
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.replay:

@@ -6,6 +6,7 @@ device function over a fixed tree topology per bucket. The same tokens as plain 
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -112,6 +113,7 @@ def test_walks_through_any_rank_are_compacted_and_give_plain_static_generate_s_t
     # compaction must move; pure device indexing, as the heads' top-k is
     model = tiny_model("llama", eos_token_id=None)
     drafter = BlockDrafter(heads_of(model, "previous"), top_k=3, max_tree_tokens=16)
+    drafter.captured_topology = Topology.best_first(16, 4, 3)  # "previous" heads would grow their trees
     seen = {}
     real_run = captured.CapturedDecoder.run
 
@@ -127,6 +129,7 @@ def test_walks_through_any_rank_are_compacted_and_give_plain_static_generate_s_t
         return torch.where(good, right, (right + 1 + bucket.ranks) % model.config.vocab_size)
 
     monkeypatch.setattr(captured.CapturedDecoder, "run", run)
+    monkeypatch.setattr(captured.BucketChooser, "choose", lambda self, fits: max(fits))  # the deepest trees
     monkeypatch.setattr(captured, "draft_tokens", knowing)
     for ahead in (False, True):  # one step in flight (a CPU), or two (an accelerator: the host one step behind)
         monkeypatch.setattr(row, "decode_captured", functools.partial(captured.decode_captured, ahead=ahead))
@@ -142,6 +145,174 @@ def test_walks_through_any_rank_are_compacted_and_give_plain_static_generate_s_t
             assert max(lengths) >= 4 and len(set(lengths)) >= 3, lengths  # deep and varied walks
             cache = getattr(out, GENERATE_CACHE_FIELD)
             assert cache.get_seq_length() == ref.shape[1] - 1  # as `generate` leaves it, steps in flight dropped
+
+
+def test_grown_tree_on_the_device_is_the_tree_the_eager_drafter_grows():
+    from hf_bpd.drafting.expansion import GrownTree
+
+    model = tiny_model("llama")
+    drafter = BlockDrafter(random_heads(model, num_heads=3, token_input="previous", std=0.3), top_k=3)
+    hf_bpd.prepare(drafter, model)
+    heads = drafter.heads
+    for n in (1, 2, 8, 16):
+        bucket = TreeBucket(None, "previous", torch.device("cpu"), 32, size=n, max_depth=min(3, n - 1), top_k=3)
+        state = captured.CapturedState(
+            torch.tensor([7]),
+            torch.randn(1, 32),
+            torch.tensor(99),
+            torch.tensor(drafter.log_scales()),
+            torch.zeros(40, dtype=torch.long),
+            torch.zeros(4, 1),
+            "x",
+            True,
+        )
+        tree = captured.grown_tree(heads, bucket, state, torch.tensor(3))
+        eager, _ = GrownTree.on_host(7, drafter.grow(state.hidden, state.root, budget=n).flat().tolist())
+        kept = tree.drafted.nonzero().flatten().tolist()
+        assert [tree.tokens[i].item() for i in kept] == eager.tokens
+        assert [kept.index(tree.parents[i].item()) for i in kept[1:]] == eager.parents[1:]
+        for i in kept:  # depths and ancestors: the parents' chain
+            chain, j = {i}, i
+            while j:
+                j = tree.parents[j].item()
+                chain.add(j)
+            assert tree.depths[i].item() == len(chain) - 1
+            assert set(tree.ancestors[i].nonzero().flatten().tolist()) == chain
+
+
+def test_grown_tree_with_the_context_lookup_chain_keeps_the_nodes_the_eager_merge_keeps():
+    from hf_bpd.drafting.expansion import GrownTree
+    from hf_bpd.drafting.lookup import lookup_continuation, merge_lookup
+
+    def paths(tokens, parents, kept):  # each kept node's token path from the root
+        out = set()
+        for i in kept:
+            path, j = [], i
+            while j:
+                path.append(tokens[j])
+                j = parents[j]
+            out.add(tuple(reversed(path)))
+        return out
+
+    model = tiny_model("llama")
+    drafter = BlockDrafter(random_heads(model, num_heads=3, token_input="previous", std=0.3), top_k=3)
+    hf_bpd.prepare(drafter, model)
+    g = torch.Generator().manual_seed(0)
+    chained = 0
+    for trial in range(12):
+        n, chain = (8, 16)[trial % 2], 5
+        context = torch.randint(0, 50, (20,), generator=g)
+        context[-3:] = context[4:7] if trial % 3 else context[-3:]  # a repeated trigram, or a random tail
+        bucket = TreeBucket(None, "previous", torch.device("cpu"), 64, size=n, max_depth=3, top_k=3, lookup=chain)
+        state = captured.CapturedState(
+            context[-1:],
+            torch.randn(1, 32, generator=g),
+            torch.tensor(99),
+            torch.tensor(drafter.log_scales()),
+            torch.cat([context, torch.zeros(20, dtype=torch.long)]),
+            torch.zeros(4, chain + 1),
+            "x",
+            True,
+        )
+        tree = captured.grown_tree(drafter.heads, bucket, state, torch.tensor(19))
+        kept = tree.drafted.nonzero().flatten().tolist()
+        eager, arcs = GrownTree.on_host(
+            int(context[-1]), drafter.grow(state.hidden, state.root, budget=n).flat().tolist()
+        )
+        tokens, ngram = lookup_continuation(context.numpy(), chain)
+        merged, _ = merge_lookup(eager, arcs, tokens, ngram, drafter.calibration, n)
+        expected = paths(merged.tokens, merged.parents, range(len(merged)))
+        assert paths(tree.tokens.tolist(), tree.parents.tolist(), kept) == expected, trial
+        chained += any(len(p) > 3 for p in expected)  # deeper than the heads reach: a chain's nodes
+    assert chained >= 4
+
+
+def test_grown_trees_with_deep_walks_and_dropped_nodes_give_plain_static_generate_s_tokens(monkeypatch):
+    # a search that knows the answer: its nodes alternate a wrong and a right child of the last right node,
+    # the right chain cut at a depth that varies with the position, the wrong nodes sometimes dropped
+    # (-inf) and the tree sometimes short of its size (pads): walks of varied depth through nodes whose
+    # index is not their depth's, which compaction must move
+    from hf_bpd.drafting.expansion import GrownTree
+
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(heads_of(model, "previous"), top_k=3, max_tree_tokens=16)
+    seen = {}
+    real_run = captured.CapturedDecoder.run
+
+    def run(self, model_, bucket, cache):
+        seen["cache"] = cache
+        return real_run(self, model_, bucket, cache)
+
+    def knowing(heads, hidden, root, top_k, budget, log_scales, warp=None, depth_limit=None):
+        length = seen["cache"].layers[0].cumulative_length
+        depth = (length % 5).clamp_max(depth_limit)  # the right chain's depth
+        truth = seen["truth"]
+        tokens, parents, logprobs, right = [], [], [], torch.zeros((), dtype=torch.long)
+        for d in range(1, depth_limit + 1):
+            if 2 * d > budget - 2:
+                break
+            good = truth.index_select(0, (length + d).view(1))[0]
+            tokens += [(good + 1) % model.config.vocab_size, torch.where(d <= depth, good, (good + 2) % 97)]
+            parents += [right, right]
+            logprobs += [torch.tensor(-math.inf if d % 2 else -1.0), torch.tensor(-0.5)]
+            right = torch.tensor(len(tokens))
+        if not tokens:
+            empty = torch.zeros(1, 0)
+            return GrownTree(empty.long(), empty.long(), empty)
+        return GrownTree(torch.stack(tokens)[None], torch.stack(parents)[None], torch.stack(logprobs)[None])
+
+    monkeypatch.setattr(captured.CapturedDecoder, "run", run)
+    monkeypatch.setattr(captured.BucketChooser, "choose", lambda self, fits: max(fits))  # the deepest trees
+    monkeypatch.setattr(captured, "grow_on_device", knowing)
+    for ahead in (False, True):
+        monkeypatch.setattr(row, "decode_captured", functools.partial(captured.decode_captured, ahead=ahead))
+        for ids in PROMPTS[:2]:
+            ids = torch.tensor(ids)
+            ref = static_generate(model, ids, max_new_tokens=40)
+            seen["truth"] = torch.cat([ref[0], ref.new_zeros(64)])
+            out = static_generate(
+                model, ids, drafter, max_new_tokens=40, captured_step=True, return_dict_in_generate=True
+            )
+            assert out.sequences.tolist() == ref.tolist()
+            lengths = drafter.stats.accepted_lengths
+            assert max(lengths) >= 4 and len(set(lengths)) >= 3, lengths
+            assert getattr(out, GENERATE_CACHE_FIELD).get_seq_length() == ref.shape[1] - 1
+
+
+def test_the_bucket_chooser_tries_every_size_then_takes_the_most_tokens_per_second_and_revisits():
+    chooser = captured.BucketChooser(rate=1.0, revisit=5)
+    fits = [1, 4, 8]
+    assert chooser.choose(fits) == 8
+    chooser.observe(8, {1: 1, 4: 2, 8: 3}, 0.30)  # 10 tokens/s
+    assert chooser.choose(fits) == 4  # untried, though its tokens are known
+    chooser.observe(4, {1: 1, 4: 2}, 0.10)  # 20 tokens/s
+    assert chooser.choose(fits) == 1
+    chooser.observe(1, {1: 1}, 0.08)  # 12.5 tokens/s
+    assert [chooser.choose(fits) for _ in range(1)] == [4]
+    for _ in range(5):
+        chooser.observe(4, {1: 1, 4: 2}, 0.10)
+    assert chooser.choose(fits) == 8  # not chosen for more than 5 steps: tried again
+    chooser.observe(8, {1: 1, 4: 2, 8: 3}, 0.12)  # the load is gone: 25 tokens/s
+    assert chooser.choose(fits) == 1  # as stale
+    chooser.observe(1, {1: 1}, 0.08)
+    assert chooser.choose(fits) == 8 and chooser.choose([1, 4]) == 4  # of what fits the cache's room
+
+
+@pytest.mark.parametrize(
+    "seconds, sizes",
+    [((1.0, 1.1, 1.2, 1.4, 1.8, 2.6, 4.0), (1, 2, 4, 8, 16)), ((1.0,) * 7, (1, 2, 4, 8, 16, 32, 64))],
+)
+def test_buckets_are_the_tree_sizes_the_forward_cost_curve_can_pay_for(seconds, sizes):
+    from hf_bpd.decode.cost import ForwardCost
+
+    model = tiny_model("llama", eos_token_id=None)
+    curve = ForwardCost((1, 2, 4, 8, 16, 32, 64), seconds)  # a CPU's steep curve, a GPU's flat one
+    drafter = BlockDrafter(heads_of(model, "previous"), top_k=3, max_tree_tokens="auto", forward_cost=curve)
+    ids = torch.tensor(PROMPTS[0])
+    ref = static_generate(model, ids, max_new_tokens=12)
+    assert static_generate(model, ids, drafter, max_new_tokens=12, captured_step=True).tolist() == ref.tolist()
+    decoder = next(d for d in captured._DECODERS[model].values() if isinstance(d, captured.CapturedDecoder))
+    assert tuple(decoder.buckets) == sizes
 
 
 def test_eos_inside_an_accepted_walk_stops_there_with_steps_in_flight(monkeypatch):
@@ -175,11 +346,12 @@ def test_the_step_compiles_to_one_graph_per_bucket_and_a_second_prompt_compiles_
         out = static_generate(model, ids, drafter, max_length=40, captured_step=counting)
         assert out.tolist() == ref.tolist()
         sizes.append(set(drafter.stats.tree_sizes))
-        if not sizes[:-1]:
-            assert len(graphs) - before == len(sizes[0]) > 1  # one graph per bucket (fullgraph: no break)
+        decoder = next(d for d in captured._DECODERS[model].values() if isinstance(d, captured.CapturedDecoder))
+        if not sizes[:-1]:  # one graph per bucket (fullgraph: no break), all compiled before the first step
+            assert len(graphs) - before == len(decoder.buckets) > 1 and drafter.stats.time_warm_up > 0
+            assert sizes[0] <= set(decoder.buckets)
         else:
-            assert len(graphs) == before  # nothing recompiled
-    assert sizes[1] <= sizes[0]
+            assert len(graphs) == before and drafter.stats.time_warm_up == 0  # nothing recompiled
 
 
 @pytest.mark.parametrize(

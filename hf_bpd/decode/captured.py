@@ -7,46 +7,52 @@ graph of it per bucket and a GPU replays it as one CUDA graph:
                                           # turns auto on for CUDA (`AUTO_DEVICES`)
 
 The step, in order, all on the device (`captured_step`):
-  tree      the heads' top-k, indexed by a FIXED topology (`Topology`: each node a (parent, rank) pair, so
-            its token is rank r of its depth's head applied to its parent's token for "previous" heads, to
-            the root for "next" heads, to nothing for plain Medusa heads). Nodes that would sit past the
-            positions the model serves become masked pads (nobody attends to them, no walk enters them).
+  tree      "previous" heads GROW it (`grown_tree`): the best-first search the eager path runs
+            (`expansion.grow_on_device`), N nodes, from the last step's root and hidden state, with the
+            calibration's depth weights as a device buffer; depths and the ancestor mask follow from the
+            parents by `max_depth` gathers. Other heads fill a FIXED topology (`Topology`, `fixed_tree`: each
+            node a (parent, rank) pair, its token rank r of its depth's head applied to the root for
+            "next" heads, to nothing for plain Medusa heads, to the parent's token for "previous" heads
+            given a topology). Nodes the search did not reach, or
+            past the positions the model serves, become masked pads (nobody attends to them, no walk enters).
   mask      [1, 1, N, capacity] from the cache's length AS A DEVICE TENSOR (the static layers' own
             `cumulative_length`): the cached columns, then the tree's ancestor mask at columns
             length .. length + N - 1, the rest masked.
   forward   the tree on the static cache (`StaticLayer.update` writes at length + arange(N)), position
             ids length + depth.
   accept    greedy: the deepest node whose path the model's argmax agrees with (`greedy_last_node`'s rule),
-            its path as [D + 1] node indices, the emitted tokens and their count.
+            its path as [D + 1] node indices, the emitted tokens and their count; and what each smaller
+            bucket's tree (this tree's first s nodes) would have emitted, for the bucket chooser.
   compact   the kept nodes' keys/values copied (device indices, `index_copy_`) to the front of the tree slot
             of every layer, and every layer's `cumulative_length` set in place to length + count: no
             `crop(int)`, no host integer.
   next      the next step's root (the bonus token) and hidden state (the last accepted node's) written
             into the decoder's state buffers.
-It returns one small int64 buffer [count, tokens...]: the host reads it with one copy per step (into pinned
-memory, non-blocking, on an accelerator; `stats.host_syncs["read"]`), and runs eos, max length, the
-streamer and the stats on it, ONE STEP BEHIND: on an accelerator the next step is launched before the
-last one is read (`CapturedDecoder`'s loop keeps at most two steps in flight, within the cache's room), and a
-step launched after the one that stopped is simply dropped (the cache's length is put back at the end).
+It returns one small int64 buffer [count, tokens..., smaller buckets' counts...]: the host reads it with one
+copy per step (into pinned memory, non-blocking, on an accelerator; `stats.host_syncs["read"]`), and runs
+eos, max length, the streamer and the stats on it, ONE STEP BEHIND: on an accelerator the next step is
+launched before the last one is read (`CapturedDecoder`'s loop keeps at most two steps in flight, within the
+cache's room), and a step launched after the one that stopped is simply dropped (the cache's length is put
+back at the end).
 
-Why a fixed topology per bucket: the tree is then pure tensor indexing of the heads' top-k (the static
-Medusa tree), and its depths, ancestor mask and the walk's path selector are constants of the bucket, made
-once; the whole step is one graph whose only inputs are the state buffers and the cache. The topology is
-built best-first from a table of per-(depth, rank) acceptance (`Topology.best_first`; `rank_prior` by
-default, `rank_acceptance` measures it on the base model's own greedy answers) or given as Medusa-style
-rank paths (`Topology.from_paths`); `drafter.captured_topology = ...` makes a drafter use one. Bucket n is
-its first n nodes (parents come before their children, so every prefix is a tree). The host picks each
-step's bucket: the largest that fits the cache's room (a bound, while a step is in flight). A fixed tree
-cannot follow each step's head probabilities as the best-first search does (`expansion.grow_on_device`,
-which also traces as one fullgraph graph: its per-step parents would make the depths and the ancestor mask
-per-step tensors instead of constants, the natural next step).
+Buckets: the tree sizes of `CAPTURED_TREE_SIZES` up to the drafter's tree budget and `MAX_BUCKET_COST`
+(or `drafter.captured_sizes = (...)`), one graph each, all compiled before a call's first step
+(`CapturedDecoder.warm_up`). The host picks each step's bucket (`BucketChooser`): the most tokens per
+second, both learned online on this device (so a GPU's flat cost curve picks large trees and a CPU's
+steep one small trees), among those that fit the cache's room (a bound, while a step is in flight). A
+fixed topology (`Topology.best_first` from a table of per-(depth, rank) acceptance, `rank_prior` by default,
+`rank_acceptance` measured on the base model's own greedy answers, or Medusa-style rank paths,
+`Topology.from_paths`; `drafter.captured_topology = ...` makes any drafter use one) is pure tensor
+indexing of the heads' top-k, its bucket n its first n nodes; it cannot follow each step's head
+probabilities, which is why "previous" heads grow theirs.
 
 What the captured step does not do (the call then takes the existing static path, `row.decode`, or is
 refused when `captured_step=True` asked for it; `captured_refusal`): sampling, logits processors, stopping
 criteria without a host form (`HostStop`), per-token scores/logits, batches, recurrent state, attention
 windows, padded prompts, rescorers, context-copy heads. The n-gram context lookup (`BlockDrafter.
-context_lookup`) is OFF in this step (it reads the context on the host), and the calibration is neither
-read nor updated (the topology does not depend on it).
+context_lookup`) runs ON THE DEVICE inside the step (`lookup.lookup_on_device`, over a sequence buffer the
+step appends its tokens to) for grown trees, and is off for fixed topologies. The calibration's weights
+are read once per call and not updated by the steps.
 
 Host waits are counted with `syncs.StepSyncCounter` (device-to-host reads, `.item()`, `.tolist()`,
 blocking cross-device copies, tensors made from host values): an uncompiled step makes none, the loop one
@@ -64,6 +70,8 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import math
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -72,13 +80,20 @@ import torch
 
 from ..compat import CACHE_NAMES, cache_argument, last_hidden_state_request
 from ..cpu.packed_linear import active_packed_linear
+from ..drafting.expansion import grow_on_device
+from ..drafting.lookup import LOOKUP_PROBABILITY, MAX_NGRAM, lookup_on_device
 from .accept import AcceptResult
+from .cost import running_mean
 from .static_cache import is_static, static_capacity
 from .support import has_recurrent_state, index_position_block
 from .syncs import StepSyncCounter, phase
 
 # tree sizes a captured step is compiled for (one graph each), cut to the drafter's tree budget
 CAPTURED_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# buckets whose tree costs more than this many one-token forwards by the drafter's forward-cost curve are
+# not compiled (a CPU's steep curve; a GPU's flat one keeps them all): each is a graph to compile per cache
+# capacity, and a tree that dear would need a tau the heads do not reach to pay for itself
+MAX_BUCKET_COST = 2.0
 # graphs the compiled step may hold: a few buckets for each cache capacity a process decodes on
 RECOMPILE_LIMIT = 64
 # device types where `captured_step=None` (auto) takes the captured step: none until a GPU run has checked
@@ -211,7 +226,34 @@ class TreeBucket:
     levels (which nodes each depth's head expands, which rank each node takes), depths, parents, the
     ancestor mask, and the path selector of the accept walk."""
 
-    def __init__(self, topology: Topology, token_input: str, device: torch.device, capacity: int) -> None:
+    def __init__(
+        self,
+        topology: Topology | None,
+        token_input: str,
+        device: torch.device,
+        capacity: int,
+        *,
+        size: int | None = None,
+        max_depth: int | None = None,
+        top_k: int | None = None,
+        sizes: tuple[int, ...] = (),
+        lookup: int = 0,
+    ) -> None:
+        self.columns = torch.arange(capacity, device=device)
+        self.path_depths = None
+        self.compiled = False  # its graph was compiled (`CapturedDecoder.run`)
+        self.topology = topology
+        if topology is None:  # grown each step (`grown_tree`): only its size and depth are constants
+            n = self.size = size
+            # the heads' depth, and a context-lookup chain of `lookup` nodes that competes with their nodes
+            self.head_depth, self.lookup = min(max_depth, n - 1), min(lookup, n - 1)
+            self.max_depth, self.top_k, self.levels = max(self.head_depth, self.lookup), top_k, []
+            self.chain_depths = torch.arange(1, self.lookup + 1, device=device)
+            # chain node j (merged index n + j) hangs below node n + j - 1, the first below the root
+            self.chain_parents = torch.tensor([0, *range(n, n + self.lookup - 1)][: self.lookup], device=device)
+            self.merged_slots = torch.arange(n + self.lookup, device=device)
+            self._common(device, sizes)
+            return
         n = self.size = len(topology)
         depths = topology.depths
         self.max_depth = max(depths)
@@ -240,22 +282,30 @@ class TreeBucket:
             )
         level_order = [i for level in levels for i in level]
         self.node_order = torch.tensor(sorted(range(n), key=level_order.__getitem__), device=device)
-        self.topology = topology
         self.depths = torch.tensor(depths, device=device)
         self.ranks = torch.tensor(topology.ranks, device=device)
         self.parents = torch.tensor([max(p, 0) for p in topology.parents], device=device)
-        self.is_root = torch.arange(n, device=device) == 0
         ancestors = torch.eye(n, dtype=torch.bool)
         for i in range(1, n):
             ancestors[i] |= ancestors[topology.parents[i]]
         self.ancestors = ancestors.to(device)
+        self.top_k = max([k for *_, k in self.levels], default=1)
+        self._common(device, sizes)
+
+    def _common(self, device: torch.device, sizes: tuple[int, ...]) -> None:
+        n = self.size
+        self.is_root = torch.arange(n, device=device) == 0
+        self.drafted = torch.ones(n, dtype=torch.bool, device=device)
         self.eye = torch.eye(n, dtype=torch.bool, device=device)
         self.path_depths = torch.arange(self.max_depth + 1, device=device)
-        self.by_depth = self.depths[None, :] == self.path_depths[:, None]  # [D + 1, N]
-        self.columns = torch.arange(capacity, device=device)
         self.slots = torch.arange(n, device=device)
-        self.top_k = max([k for *_, k in self.levels], default=1)
-        self.compiled = False  # its graph was compiled (`CapturedDecoder.run`)
+        # the smaller buckets whose steps this one's walk also scores (its first s nodes: `BucketChooser`)
+        self.within = tuple(s for s in sizes if s <= n) or (n,)
+        self.within_sizes = torch.tensor(self.within, device=device)
+
+    @property
+    def grown(self) -> bool:
+        return self.topology is None
 
 
 def draft_tokens(heads, bucket: TreeBucket, hidden: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
@@ -277,24 +327,100 @@ def draft_tokens(heads, bucket: TreeBucket, hidden: torch.Tensor, root: torch.Te
     return torch.cat(level_tokens).index_select(0, bucket.node_order)
 
 
+@dataclass
+class DeviceTree:
+    """One step's draft tree on the device, N nodes in an order where parents precede their children: token
+    ids, depths, parent indices (the root's: 0), the ancestor mask [N, N] (each node's row: itself and its
+    ancestors) and which nodes were drafted (the others are masked pads no walk enters)."""
+
+    tokens: torch.Tensor
+    depths: torch.Tensor
+    parents: torch.Tensor
+    ancestors: torch.Tensor
+    drafted: torch.Tensor
+
+
+def fixed_tree(heads, bucket: TreeBucket, state: CapturedState) -> DeviceTree:
+    """The bucket's fixed topology filled from the heads' top-k (`draft_tokens`)."""
+    tokens = draft_tokens(heads, bucket, state.hidden, state.root)
+    return DeviceTree(tokens, bucket.depths, bucket.parents, bucket.ancestors, bucket.drafted)
+
+
+def ancestry(parents: torch.Tensor, slots: torch.Tensor, eye: torch.Tensor, max_depth: int):
+    """(depths [N], ancestor mask [N, N]) of a tree given by its parents (the root's: 0), by `max_depth`
+    gathers that walk every node up one level at a time, in parallel."""
+    node, depths, ancestors = slots, torch.zeros_like(slots), eye
+    for _ in range(max_depth):
+        depths = depths + (node != 0).long()
+        node = parents.index_select(0, node)
+        ancestors = ancestors | eye.index_select(0, node)
+    return depths, ancestors
+
+
+def grown_tree(heads, bucket: TreeBucket, state: CapturedState, length: torch.Tensor) -> DeviceTree:
+    """The tree the best-first search grows this step ("previous" heads; `expansion.grow_on_device`, the
+    search the eager path runs, with the calibration's depth weights as a device buffer): its nodes follow
+    each step's head probabilities, where a fixed topology only follows ranks. A search that stops short of
+    N nodes leaves masked pads. With `bucket.lookup`, the context-lookup chain (`lookup_on_device` over
+    the sequence buffer, whose first `length` + 1 tokens are the context) joins the heads' nodes and the N
+    of highest calibrated path probability are kept, as the eager drafter's `merge_lookup` does (a chain
+    token the heads drafted too is a second node here, not merged into theirs)."""
+    n = bucket.size
+    grown = grow_on_device(
+        heads, state.hidden, state.root, bucket.top_k, n, state.log_scales, depth_limit=bucket.head_depth
+    )
+    pad = n - 1 - grown.tokens.shape[1]  # a Python int while tracing: shapes are static
+    device = state.root.device
+    tokens = torch.cat([state.root, grown.tokens[0], state.root.new_zeros(pad)])
+    parents = torch.cat([state.root.new_zeros(1), grown.parents[0], state.root.new_zeros(pad)])
+    reached = torch.cat(
+        [bucket.is_root[:1], grown.logprobs[0] > -math.inf, torch.zeros(pad, dtype=torch.bool, device=device)]
+    )
+    depths, ancestors = ancestry(parents, bucket.slots, bucket.eye, bucket.head_depth)
+    if not bucket.lookup:
+        return DeviceTree(tokens, depths, parents, ancestors, reached)
+    # the heads' nodes' calibrated path log-probabilities (as the search ranked them), then the chain's
+    logprobs = torch.cat([tokens.new_zeros(1).float(), grown.logprobs[0].float(), tokens.new_zeros(pad).float()])
+    arcs = (logprobs + state.log_scales.index_select(0, depths)).clamp_max(0.0).masked_fill(~reached, -1e4)
+    paths = (ancestors.float() * arcs[None, :]).sum(-1).masked_fill(~reached, -math.inf)
+    chain, real, ngram = lookup_on_device(state.sequence, length + 1, bucket.lookup)
+    scales = state.lookup_scales.index_select(0, ngram.view(1))[0, 1 : bucket.lookup + 1]
+    chain_arcs = (math.log(LOOKUP_PROBABILITY) + scales).clamp_max(0.0)
+    chain_paths = chain_arcs.cumsum(0).masked_fill(~real, -math.inf)
+    keys = torch.cat([paths.masked_fill(bucket.is_root, math.inf), chain_paths])
+    # by path probability, then depth, then index: parents before children (a child's path is never more
+    # probable, and ties go to the shallower node), so the first N are a tree
+    by_depth = torch.sort(torch.cat([depths, bucket.chain_depths]), stable=True).indices
+    keep = by_depth.index_select(0, torch.sort(-keys.index_select(0, by_depth), stable=True).indices[:n])
+    where = torch.full_like(bucket.merged_slots, 0).scatter(0, keep, bucket.slots)  # merged index -> kept index
+    merged_parents = torch.cat([parents, bucket.chain_parents])
+    parents = where.index_select(0, merged_parents.index_select(0, keep))
+    tokens = torch.cat([tokens, chain]).index_select(0, keep)
+    drafted = (keys > -math.inf).index_select(0, keep)
+    depths, ancestors = ancestry(parents, bucket.slots, bucket.eye, bucket.max_depth)
+    return DeviceTree(tokens, depths, parents, ancestors, drafted)
+
+
 def captured_step(model, heads, bucket: TreeBucket, cache, state: CapturedState) -> torch.Tensor:
     """One greedy decoding step on the device (module docstring): draft, mask, forward, accept, compact,
-    and the next root and hidden state into `state`. Returns [1 + D + 1] int64: the count of emitted
-    tokens, then the tokens (padded past the count). Nothing in it reads a value on the host."""
+    and the next root and hidden state into `state`. Returns [1 + D + 1 + S] int64: the count of emitted
+    tokens, the tokens (padded past the count), then the count each smaller bucket's tree (this one's first
+    s nodes, s in `bucket.within`) would have emitted. Nothing in it reads a value on the host."""
     device = state.root.device
     n = bucket.size
     length = cache.layers[0].cumulative_length.clone()  # the forward adds n to it in place
     with torch.no_grad():
-        tokens = draft_tokens(heads, bucket, state.hidden, state.root)
-        valid = (length + bucket.depths) < state.limit  # positions the model serves: others are pads
-        seen = (bucket.ancestors & valid[None, :]) | bucket.eye
+        tree = grown_tree(heads, bucket, state, length) if bucket.grown else fixed_tree(heads, bucket, state)
+        tokens, depths, ancestors = tree.tokens, tree.depths, tree.ancestors
+        valid = ((length + depths) < state.limit) & tree.drafted  # positions the model serves, drafted nodes
+        seen = (ancestors & valid[None, :]) | bucket.eye
         rel = bucket.columns - length
         in_tree = (rel >= 0) & (rel < n)
         tree_columns = seen.index_select(1, rel.clamp(0, n - 1)) & in_tree[None, :]
         allowed = (bucket.columns < length)[None, :] | tree_columns
         dtype = state.hidden.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-        positions = (length + bucket.depths).clamp_max(state.limit - 1)
+        positions = (length + depths).clamp_max(state.limit - 1)
         out = model(
             input_ids=tokens[None],
             attention_mask=mask[None, None],
@@ -305,13 +431,16 @@ def captured_step(model, heads, bucket: TreeBucket, cache, state: CapturedState)
             return_dict=True,
         )
         choices = out.logits[0].argmax(dim=-1)  # [N]
-        matched = (tokens == choices.index_select(0, bucket.parents)) | bucket.is_root
+        matched = (tokens == choices.index_select(0, tree.parents)) | bucket.is_root
         good = matched & valid
-        reached = ~(bucket.ancestors & ~good[None, :]).any(-1)
-        last = (reached.long() * (bucket.depths + 1)).argmax(dim=0, keepdim=True)  # [1]: no 0-d index (a host int)
-        count = bucket.depths.index_select(0, last) + 1  # [1]
-        on_path = bucket.ancestors.index_select(0, last) & bucket.by_depth  # [D + 1, N]
+        reached = ~(ancestors & ~good[None, :]).any(-1)
+        last = (reached.long() * (depths + 1)).argmax(dim=0, keepdim=True)  # [1]: no 0-d index (a host int)
+        count = depths.index_select(0, last) + 1  # [1]
+        by_depth = depths[None, :] == bucket.path_depths[:, None]  # [D + 1, N]
+        on_path = ancestors.index_select(0, last) & by_depth
         path = on_path.long().argmax(-1)  # node at each depth of the walk (0 past its end)
+        prefix = reached[None, :] & (bucket.slots[None, :] < bucket.within_sizes[:, None])  # [S, N]
+        within = (prefix.long() * (depths + 1)[None, :]).amax(-1)
         emitted = choices.index_select(0, path)
         target = length + bucket.path_depths
         source = length + path
@@ -319,19 +448,24 @@ def captured_step(model, heads, bucket: TreeBucket, cache, state: CapturedState)
             for t in (layer.keys, layer.values):
                 t.index_copy_(2, target, t.index_select(2, source))
             layer.cumulative_length.copy_((length + count).view(()))
+        state.sequence.index_copy_(0, length + 1 + bucket.path_depths, emitted)  # past the count: never read
         state.root.copy_(choices.index_select(0, last))
         state.hidden.copy_(out.hidden_states[-1][0].index_select(0, last).to(dtype))
-        return torch.cat([count, emitted])
+        return torch.cat([count, emitted, within])
 
 
 @dataclass
 class CapturedState:
     """What the step carries from one call to the next, on the device: the root token [1], the hidden state
-    [1, H] it came from, the first position the model does not serve (0-d), and two constants of the call."""
+    [1, H] it came from, the first position the model does not serve (0-d), the calibration's depth
+    weights, and two constants of the call."""
 
     root: torch.Tensor
     hidden: torch.Tensor
     limit: torch.Tensor
+    log_scales: torch.Tensor  # [heads + 1]: the calibration's depth weights a grown tree is searched with
+    sequence: torch.Tensor  # [capacity + room]: the context, then the tokens each step emits (context lookup)
+    lookup_scales: torch.Tensor  # [MAX_NGRAM + 1, chain + 1]: the calibration's weights of lookup chains
     cache_name: str
     hidden_request: int | bool
 
@@ -358,32 +492,91 @@ class CapturedDecoder:
     """The buckets, state buffers and compiled step of one (model, heads, cache shape): kept across
     `generate` calls (`decoder_for`), so their graphs are reused."""
 
-    def __init__(self, model, heads, topology: Topology, sizes, capacity: int, device, dtype, backend):
+    def __init__(
+        self,
+        model,
+        heads,
+        topology: Topology | None,
+        sizes,
+        capacity: int,
+        device,
+        dtype,
+        backend,
+        top_k: int,
+        lookup: int = 0,
+    ):
         self.heads, self.backend = heads, backend  # not the model: decoders are kept per model, weakly
         kind = heads.config.token_input
-        self.buckets = {n: TreeBucket(topology.prefix(n), kind, device, capacity) for n in sizes}
+        if topology is None:  # grown each step by the best-first search, with a context-lookup chain
+            self.buckets = {
+                n: TreeBucket(
+                    None,
+                    kind,
+                    device,
+                    capacity,
+                    size=n,
+                    max_depth=heads.num_heads,
+                    top_k=top_k,
+                    sizes=sizes,
+                    lookup=lookup,
+                )
+                for n in sizes
+            }
+        else:
+            self.buckets = {n: TreeBucket(topology.prefix(n), kind, device, capacity, sizes=sizes) for n in sizes}
+        self.lookup = max(b.lookup if b.grown else 0 for b in self.buckets.values())
+        deepest = max(b.max_depth for b in self.buckets.values())
         self.state = CapturedState(
             root=torch.zeros(1, dtype=torch.long, device=device),
             hidden=torch.zeros(1, heads.config.hidden_size, dtype=dtype, device=device),
             limit=torch.zeros((), dtype=torch.long, device=device),
+            log_scales=torch.zeros(heads.num_heads + 1, device=device),
+            sequence=torch.zeros(capacity + deepest + 2, dtype=torch.long, device=device),
+            lookup_scales=torch.zeros(MAX_NGRAM + 1, self.lookup + 1, device=device),
             cache_name=cache_argument(model),
             hidden_request=last_hidden_state_request(model),
         )
         if device.type == "cuda":  # updated in place by every replay: fixed addresses for CUDA graphs
-            for t in (self.state.root, self.state.hidden, self.state.limit):
+            for t in (self.state.root, self.state.hidden, self.state.limit, self.state.log_scales):
+                torch._dynamo.mark_static_address(t)
+            for t in (self.state.sequence, self.state.lookup_scales):
                 torch._dynamo.mark_static_address(t)
         self.step_fn = compiled_step(backend, device.type)
         active_packed_linear()  # makes this thread's packed-linear stack, which the heads' graph guards on
 
-    def start(self, root: torch.Tensor, hidden: torch.Tensor, limit: int) -> None:
-        self.state.root.copy_(root.view(1))
+    def start(self, ids: torch.Tensor, hidden: torch.Tensor, limit: int, drafter) -> None:
+        """The call's state, once before its first step: the context `ids [L]` (its last token the first
+        root), the hidden state that predicted it, the first position the model does not serve, and the
+        drafter's calibration weights (read here, not updated by the steps)."""
+        self.state.root.copy_(ids[-1:])
         self.state.hidden.copy_(hidden.view(1, -1))
         self.state.limit.fill_(limit)
+        self.state.log_scales.copy_(torch.tensor(drafter.log_scales()))
+        self.state.sequence[: ids.shape[0]].copy_(ids)
+        if self.lookup:
+            self.state.lookup_scales.copy_(torch.tensor(drafter.lookup_log_scales(self.lookup, MAX_NGRAM)))
 
-    def bucket(self, room: int) -> TreeBucket | None:
-        """The largest bucket of at most `room` nodes (None: not even the root fits)."""
-        fits = [n for n in self.buckets if n <= room]
-        return self.buckets[max(fits)] if fits else None
+    def fitting(self, room: int) -> list[int]:
+        """The bucket sizes of at most `room` nodes (none: not even the root fits)."""
+        return [n for n in self.buckets if n <= room]
+
+    def warm_up(self, model, cache) -> float:
+        """Compile every bucket not compiled yet, before the call's first step is timed (issue #58, point
+        3): each runs once from the call's state, which is then put back, with the cache's length (what
+        a step wrote past it is never read). Returns the seconds it took (0: nothing to compile)."""
+        cold = [b for b in self.buckets.values() if not b.compiled]
+        if self.backend is None or not cold:
+            return 0.0
+        t0 = time.perf_counter()
+        saved = [t.clone() for t in (self.state.root, self.state.hidden)]
+        length = cache.layers[0].cumulative_length.clone()
+        for bucket in cold:
+            self.run(model, bucket, cache)
+            self.state.root.copy_(saved[0])
+            self.state.hidden.copy_(saved[1])
+            for layer in cache.layers:
+                layer.cumulative_length.copy_(length)
+        return time.perf_counter() - t0
 
     def run(self, model, bucket: TreeBucket, cache) -> torch.Tensor:
         if self.backend is None:
@@ -421,21 +614,79 @@ def decoder_for(call, cache, backend: str | None, topology: Topology | None = No
     budget = max(1, min(drafter.tree_budget, CAPTURED_TREE_SIZES[-1]))
     if topology is None:
         topology = getattr(drafter, "captured_topology", None)  # set by the user (module docstring)
-    if topology is None:
+    if topology is None and not heads.conditions_on_draft:  # only "previous" heads grow trees on the device
         topology = Topology.best_first(budget, heads.num_heads, drafter.top_k)
-    budget = min(budget, len(topology))
+    if topology is not None:
+        budget = min(budget, len(topology))
     sizes = tuple(n for n in CAPTURED_TREE_SIZES if n < budget) + (budget,)
+    cost = drafter.forward_cost
+    if cost is not None:
+        sizes = tuple(n for n in sizes if n == sizes[0] or cost(n) <= MAX_BUCKET_COST * cost(1))
+    chosen = getattr(drafter, "captured_sizes", None)  # set by the user (module docstring)
+    if chosen:
+        sizes = tuple(sorted({min(max(int(n), 1), budget) for n in chosen}))
     layer = cache.layers[0]
-    key = (id(heads), static_capacity(cache), layer.keys.device, layer.keys.dtype, topology, sizes, backend)
+    lookup = drafter.context_lookup if topology is None else 0  # the chain joins grown trees only
+    shape = (id(heads), layer.keys.device, layer.keys.dtype, topology, sizes, backend, drafter.top_k, lookup)
     decoders = _DECODERS.setdefault(model, {})
-    decoder = decoders.get(key)
+    decoder = decoders.get((shape, static_capacity(cache)))
     if decoder is None:
         dtype = next(model.parameters()).dtype
         decoder = CapturedDecoder(
-            model, heads, topology, sizes, static_capacity(cache), layer.keys.device, dtype, backend
+            model,
+            heads,
+            topology,
+            sizes,
+            static_capacity(cache),
+            layer.keys.device,
+            dtype,
+            backend,
+            drafter.top_k,
+            lookup,
         )
-        decoders[key] = decoder
+        decoders[(shape, static_capacity(cache))] = decoder
+    # one chooser for every capacity: the buckets' costs and yields do not depend on it
+    decoder.chooser = decoders.setdefault(("chooser", shape), BucketChooser())
     return decoder
+
+
+class BucketChooser:
+    """Which bucket each step verifies: the most expected tokens per second of step, both measured online.
+    A bucket's tokens: a running mean of what its tree emitted, from its own steps and from every larger
+    bucket's (the step scores each smaller bucket's first nodes: `TreeBucket.within`). Its seconds: a
+    running mean of its steps' host-measured time (launch to read, or read to read while steps overlap).
+    Every size is tried once, largest first (its steps score the smaller ones), and one left unchosen for
+    `revisit` steps is tried again, so a load that came and went does not fix the choice for good.
+    The sizes it learns are the GPU's own on a GPU: not the eager forward-cost curve."""
+
+    def __init__(self, rate: float = 0.1, revisit: int = 100) -> None:
+        self.rate, self.revisit = rate, revisit
+        self.tokens: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}
+        self.chosen_at: dict[int, int] = {}
+        self.steps = 0
+
+    def choose(self, fits: list[int]) -> int:
+        untried = [n for n in fits if n not in self.seconds]
+        if untried:
+            return max(untried)
+        stale = [n for n in fits if self.steps - self.chosen_at[n] > self.revisit]
+        if stale:
+            return max(stale)
+        return max(fits, key=lambda n: self.tokens[n] / self.seconds[n])
+
+    def observe(self, size: int, within: dict[int, int], seconds: float | None) -> None:
+        """One step of bucket `size`: the tokens it and each smaller bucket would have emitted, its time."""
+        self.steps += 1
+        self.chosen_at[size] = self.steps
+        for n, tokens in within.items():
+            self.tokens[n] = running_mean(self.tokens.get(n), tokens, self.rate)
+        if seconds is not None:
+            self.seconds[size] = running_mean(self.seconds.get(size), seconds, self.rate)
+
+    def expected_rate(self, size: int) -> float | None:
+        """Tokens per second expected of `size` (None: not measured yet)."""
+        return self.tokens[size] / self.seconds[size] if size in self.seconds else None
 
 
 # ------------------------------------------------------------------------------------------ the call
@@ -538,30 +789,37 @@ def decode_captured(call, input_ids: torch.Tensor, model_kwargs: dict, ahead: bo
     decoder = decoder_for(call, cache, backend)
     capacity = static_capacity(cache)
     limit = call.context if call.context is not None else capacity + decoder.buckets[max(decoder.buckets)].max_depth + 1
-    decoder.start(ids[0, -1:], hidden_last, limit)
+    decoder.start(ids[0], hidden_last, limit, drafter)
+    stats.time_warm_up = decoder.warm_up(call.model, cache)
     ahead = device.type != "cpu" if ahead is None else ahead
     counter = StepSyncCounter() if drafter.count_host_syncs else None
     stop, max_length = call.stop, call.stop.max_length
-    in_flight: deque[tuple[TreeBucket, HostRead]] = deque()
+    in_flight: deque[tuple[TreeBucket, HostRead, float]] = deque()
     cached = len(sequence) - 1  # tokens in the cache as the host knows them (the root is not cached)
-    done = False
+    done, last_read = False, time.perf_counter()
     while not done:
         while len(in_flight) < (2 if ahead else 1):
-            bound = cached + sum(b.max_depth + 1 for b, _ in in_flight)
+            bound = cached + sum(b.max_depth + 1 for b, *_ in in_flight)
             sure = len(sequence) + len(in_flight)  # each step in flight adds at least one token
             if max_length is not None and sure >= max_length:
                 break  # a step in flight ends the call: launching another would be wasted
-            bucket = decoder.bucket(capacity - bound)
-            if bucket is None:
+            fits = decoder.fitting(capacity - bound)
+            if not fits:
                 break
+            bucket = decoder.buckets[decoder.chooser.choose(fits)]
+            launched = time.perf_counter()
             with phase(counter, "step") if backend is None else contextlib.nullcontext():
                 values = decoder.run(call.model, bucket, cache)
-            in_flight.append((bucket, HostRead(values)))
+            in_flight.append((bucket, HostRead(values), launched))
         if not in_flight:
             raise RuntimeError(f"a static cache of {capacity} positions has no room left for the next step")
-        bucket, pending = in_flight.popleft()
+        bucket, pending, launched = in_flight.popleft()
         with phase(counter, "read"):
             values = pending.read()
+        now = time.perf_counter()
+        d = bucket.max_depth
+        decoder.chooser.observe(bucket.size, dict(zip(bucket.within, values[d + 2 :])), now - max(launched, last_read))
+        last_read = now
         count, tokens = values[0], []
         for token in values[1 : 1 + count]:
             sequence.append(token)

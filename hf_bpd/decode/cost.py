@@ -271,14 +271,14 @@ class LearnedForwardCost:
         """One timed verification forward of `n` tree tokens."""
         bucket, ratio = self._bucket(n), seconds / self.curve(n)
         self.timed[bucket] = self.timed.get(bucket, 0) + 1
-        self.factors[bucket] = _running_mean(self.factors.get(bucket), ratio, self.rate)
-        self.overall = _running_mean(self.overall, ratio, self.rate)
+        self.factors[bucket] = running_mean(self.factors.get(bucket), ratio, self.rate)
+        self.overall = running_mean(self.overall, ratio, self.rate)
         for other in self.factors:
             if other != bucket:
-                self.factors[other] = _running_mean(self.factors[other], self.overall, self.stale_rate)
+                self.factors[other] = running_mean(self.factors[other], self.overall, self.stale_rate)
 
 
-def _running_mean(old: float | None, new: float, rate: float) -> float:
+def running_mean(old: float | None, new: float, rate: float) -> float:
     return new if old is None else old + rate * (new - old)
 
 
@@ -328,7 +328,7 @@ class BatchForwardCost:
 
     def observe(self, width: int, seconds: float) -> None:
         """One timed verification forward of the batch, its trees padded to `width`."""
-        self.seconds[width] = _running_mean(self.seconds.get(width), seconds, self.rate)
+        self.seconds[width] = running_mean(self.seconds.get(width), seconds, self.rate)
 
 
 @dataclass
@@ -413,12 +413,12 @@ class StepChooser:
             self.plain_run = 0
             self.drafted_run += 1
             seconds, self.pending_charge = seconds + self.pending_charge, 0.0
-            self.drafted_rate = _running_mean(self.drafted_rate, tokens / max(seconds, 1e-9), self.rate)
+            self.drafted_rate = running_mean(self.drafted_rate, tokens / max(seconds, 1e-9), self.rate)
         else:
             self.drafted_run = 0
             self.plain_timed += 1
             earlier = None if self.plain_timed == 2 else self.plain_step_seconds  # the second replaces the first
-            self.plain_step_seconds = _running_mean(earlier, seconds, self.rate)
+            self.plain_step_seconds = running_mean(earlier, seconds, self.rate)
 
     def charge_drafting(self, seconds: float) -> None:
         """Seconds drafted steps caused that another step paid (class docstring)."""

@@ -24,6 +24,7 @@ class DecodingStats:
     time_verify: float = 0.0
     time_accept: float = 0.0
     time_cache: float = 0.0
+    time_warm_up: float = 0.0  # the captured step: graphs compiled before the first step (`CapturedDecoder.warm_up`)
     rows: list[DecodingStats] = field(default_factory=list)  # batches: each row's own steps and tokens
     host_syncs: dict[str, int] = field(default_factory=dict)  # by phase, when counted (count_host_syncs)
     replayed: int = 0  # tokens re-read after a recurrent state was restored (`recurrent.py`)

@@ -37,7 +37,7 @@ from .calibration import GREEDY, HEADS, SAMPLED, AcceptanceCalibration, Arc, Sam
 from .expansion import GrownTree, chain_lattice, expand_tree, grow_on_device
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
-from .lookup import lookup_continuation, merge_lookup
+from .lookup import lookup_continuation, lookup_source, merge_lookup
 from .tree import DraftTree
 
 RECENT_STEPS = 16  # steps whose tree sizes bound how far "previous" heads grow a tree that will be cut
@@ -404,13 +404,30 @@ class BlockDrafter:
         (`grows_on_device`), not read yet. `budget`: nodes to grow (default: this step's growth budget)."""
         if budget is None:
             budget = growth_budget(self.tree_budget, self._recent_sizes, self.forward_cost is not None)
-        log_scales = [0.0] * (self.heads.num_heads + 1)
-        if self.calibration is not None:
-            self.calibration.regime = GREEDY if warp is None else SAMPLED
-            log_scales[1:] = [math.log(self.calibration.scale(HEADS, d)) for d in range(1, len(log_scales))]
+        log_scales = self.log_scales(sampled=warp is not None)
         with self.heads_context:
             hidden = hidden.to(self.heads.device, self.heads.dtype)
             return grow_on_device(self.heads, hidden, root, self.top_k, budget, log_scales, warp, max_depth)
+
+    def log_scales(self, sampled: bool = False) -> list[float]:
+        """The calibration's log multiplier of the heads' arcs at each depth (index 0 unused; all 0 without a
+        calibration), for greedy or sampled decoding: how `grow_on_device` weighs each depth's
+        probabilities."""
+        scales = [0.0] * (self.heads.num_heads + 1)
+        if self.calibration is not None:
+            self.calibration.regime = SAMPLED if sampled else GREEDY
+            scales[1:] = [math.log(self.calibration.scale(HEADS, d)) for d in range(1, len(scales))]
+        return scales
+
+    def lookup_log_scales(self, chain: int, max_ngram: int) -> list[list[float]]:
+        """The calibration's log multiplier of a context-lookup chain's arcs (`lookup.py`), per match length
+        n (row n; row 0 unused) and depth (column d; column 0 unused), up to `chain` nodes deep."""
+        rows = [[0.0] * (chain + 1) for _ in range(max_ngram + 1)]
+        if self.calibration is not None:
+            self.calibration.regime = GREEDY
+            for n in range(1, max_ngram + 1):
+                rows[n][1:] = [math.log(self.calibration.scale(lookup_source(n), d)) for d in range(1, chain + 1)]
+        return rows
 
     def observe(self, accepted_nodes: list[list[int]], finished: list[bool]) -> None:
         """Feed back one verification step: per row, the tree nodes the base model accepted (root first)

@@ -230,7 +230,7 @@ def grow_on_device(
     root: torch.Tensor,
     top_k: int,
     budget: int,
-    log_scales: list[float],
+    log_scales: list[float] | torch.Tensor,
     warp: SamplingWarp | None = None,
     depth_limit: int | None = None,
 ) -> GrownTree:
@@ -253,7 +253,8 @@ def grow_on_device(
         empty = torch.zeros(rows, 0, device=device)
         return GrownTree(empty.long(), empty.long(), empty)
     per_round = round_size(budget)
-    scales = torch.tensor(log_scales, device=device)
+    # a tensor as it is: the captured step passes a device buffer (a host list would be a graph constant)
+    scales = log_scales if isinstance(log_scales, torch.Tensor) else torch.tensor(log_scales, device=device)
     with torch.no_grad():
         ids, values = heads.top_tokens(heads.step(0, hidden, root), top_k)  # [B, k]
         if warp is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 from .calibration import AcceptanceCalibration, Arc, calibrated_logprob
 from .tree import DraftTree
@@ -83,3 +84,30 @@ def merge_lookup(
     logprobs = tree.path_logprobs(arcs, calibration)
     order = sorted(range(1, len(tree)), key=lambda i: (-logprobs[i], tree.depths[i], i))[: max_nodes - 1]
     return tree.reordered([0, *order]), [arcs[0], *(arcs[i] for i in order)]
+
+
+def lookup_on_device(
+    sequence: torch.Tensor, length: torch.Tensor, chain_len: int, max_ngram: int = MAX_NGRAM
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`lookup_continuation` as tensor ops with fixed shapes (the captured step's, issue #58): `sequence [S]`
+    holds the context in its first `length` (a 0-d device tensor) entries, anything after. Returns the
+    chain's `chain_len` tokens, which of them are real (after a match, before the context's end) and the
+    match length n (0-d; 0: no match). The same choice: the longest n, then an occurrence with `chain_len`
+    tokens after it, then the most recent."""
+    size = sequence.shape[0]
+    cols = torch.arange(size, device=sequence.device)
+    matched = torch.ones(size, dtype=torch.bool, device=sequence.device)
+    ngram_at = torch.zeros(size, dtype=torch.long, device=sequence.device)
+    for k in range(max_ngram):  # matches of length k + 1 ending at each column
+        last = sequence.index_select(0, (length - 1 - k).clamp_min(0).view(1))
+        matched = matched & (sequence.index_select(0, (cols - k).clamp_min(0)) == last) & (cols >= k)
+        matched = matched & (length - 1 - k >= 0)
+        ngram_at = torch.where(matched, k + 1, ngram_at)
+    ngram_at = ngram_at * (cols <= length - 2)  # a match ends before the context's last token
+    full = (cols + chain_len < length).long()
+    key = torch.where(ngram_at > 0, ngram_at * (4 * size) + full * (2 * size) + cols, -1)
+    end = key.argmax(dim=0, keepdim=True)  # [1]
+    ngram = ngram_at.index_select(0, end)
+    at = end + 1 + torch.arange(chain_len, device=sequence.device)
+    chain = sequence.index_select(0, at.clamp_max(size - 1))
+    return chain, (at < length) & (ngram > 0), ngram[0]

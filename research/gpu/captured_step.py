@@ -192,6 +192,7 @@ class Runner:
                 self.emit({**base, "method": "captured", "tree_tokens": n, "skipped": "time budget"})
                 continue
             drafter = BlockDrafter(heads, top_k=10, max_tree_tokens=n, **self.cpu_kwargs)
+            drafter.captured_sizes = (n,)  # one graph: this size's time (the cache margin leaves it room)
             stats = {}
 
             def captured(m, drafter=drafter, stats=stats):
@@ -290,6 +291,7 @@ class Runner:
                 extra = dict(custom_generate=hf_bpd.generate, assistant=drafter, captured_step=False)
             elif method == "captured":
                 drafter = load_drafter(max_tree_tokens=trees)
+                drafter.captured_sizes = tuple(self.args.trees)  # the chooser's buckets: one graph each
                 extra = dict(custom_generate=hf_bpd.generate, assistant=drafter, captured_step=True)
             outs, seconds, drafted, steps = self.run_rows(model, inputs, extra, drafter)
             new = sum(len(o) for o in outs)
