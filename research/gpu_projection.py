@@ -3,10 +3,12 @@ an H200, from the cost model with the step's overhead, before any GPU run of the
 
     projected tokens/s (n) = τ(n) / (t(n) + X)        against plain static-cache generate: 1 / g
 
-  τ(n)  the captured step's τ with its FIXED tree of n nodes (`Topology.best_first`, rank prior, shipped
-        heads, top-k 10, no context lookup) on the real SmolLM2-135M-Instruct in float32, 128 new tokens, on
-        10 Spec-Bench dev rows: measured on a CPU (benchmarks/gpu/captured_tau_smollm2_cpu.json,
-        `research/captured_tau.py`). τ is a count, the same on any machine for the same tokens (float32).
+  τ(n)  the captured step's τ with trees of n nodes, each kind the step builds: a FIXED tree
+        (`Topology.best_first`, rank prior), trees GROWN each step by the best-first search, and grown trees
+        with the context-lookup chain merged in (LOOKUP, what the step runs for the shipped heads); shipped
+        heads, top-k 10, on the real SmolLM2-135M-Instruct in float32, 128 new tokens, Spec-Bench dev rows
+        (`research/captured_tau.py --replay`, --tau's file). τ is a count, the same on any machine for the
+        same tokens (float32).
   t(n)  a tree forward of n tokens on a static cache in a captured CUDA graph on an H200 (claim
         `gpu_graph_trees_h200`, benchmarks/gpu/graph_trees_h200.json, random weights, 256 cached tokens),
         taken conservatively: the largest time measured at any size up to the first measured size >= n
@@ -16,7 +18,8 @@ an H200, from the cost model with the step's overhead, before any GPU run of the
         8192-token draft projections and top-k), the greedy accept (argmax, path compare), the compaction
         (`index_copy_` of the kept keys and values into every layer) and the one pinned host read. In one
         captured graph these are a few hundred small kernels at a few microseconds each on an H200:
-        ASSUMED X = 1.0 ms (central) and shown at 0.5 and 2.0 ms. Not measured: research/gpu/captured_step.py
+        ASSUMED X = 1.0 ms (central) and shown at 0.5 and 2.0 ms (a grown tree's search adds a few rounds
+        of the heads and a top-k each, and the lookup one pass over the sequence buffer: toward 2 ms). Not measured: research/gpu/captured_step.py
         measures the whole step (its `ms_per_step`) on the next lease and replaces this.
   g     plain greedy `generate` on a static cache (transformers' compiled step, CUDA graphs) per token on an
         H200 (claims `gpu_plain_generate_135m_fp32_h200`: 3.72 ms; `gpu_plain_generate_1b_bf16_h200`: 2.46 ms;
@@ -66,12 +69,16 @@ def main(argv=None) -> None:
     rows = []
     for (shape, dtype), name in PLAIN.items():
         g = json.loads((GPU / name).read_text())["plain_generate_s_per_token"][shape]["static"]
-        for n_text, t in sorted(tau_report["sizes"].items(), key=lambda kv: int(kv[0])):
-            n = int(n_text)
+        trees = ("fixed", "grown", "lookup")
+        for t in sorted(
+            tau_report["sizes"].values(), key=lambda r: (trees.index(r.get("tree", "fixed")), r["tree_tokens"])
+        ):
+            n = t["tree_tokens"]
             forward, extrapolated = graph_forward_s(graph["rows"], shape, n)
             row = {
                 "shape": shape,
                 "dtype": dtype,
+                "tree": t.get("tree", "fixed"),
                 "tree_tokens": n,
                 "tau": t["tau"],
                 "graph_forward_ms": 1e3 * forward,
@@ -111,7 +118,7 @@ def main(argv=None) -> None:
     for r in rows:
         c = r[f"x{CENTRAL_MS:g}ms"]
         print(
-            f"{r['shape']} {r['dtype']} n={r['tree_tokens']}: tau {r['tau']:.2f}, t(n) {r['graph_forward_ms']:.2f} ms"
+            f"{r['shape']} {r['dtype']} {r['tree']} n={r['tree_tokens']}: tau {r['tau']:.2f}, t(n) {r['graph_forward_ms']:.2f} ms"
             f"{' (extrapolated)' if r['forward_extrapolated'] else ''}, step {c['step_ms']:.2f} ms -> "
             f"{c['tokens_per_s']:.0f} tok/s vs plain {r['plain_static_tokens_per_s']:.0f} ({c['speedup']:.2f}x; "
             + ", ".join(f"X={x:g}: {r[f'x{x:g}ms']['speedup']:.2f}x" for x in OVERHEADS_MS)

@@ -200,8 +200,8 @@ CAPTURED_CAPACITY_STEP = 256
 
 def captured_capacity(prompt_tokens: int, max_new_tokens: int, step: int = CAPTURED_CAPACITY_STEP) -> int:
     """The static cache capacity `captured_method` decodes a prompt of `prompt_tokens` on: room for the
-    answer and a whole tree of the largest size past it (so every step takes the largest bucket, the one
-    graph of that capacity the warm-up compiled), rounded up to `step`."""
+    answer and a whole tree of the largest size past it (so every bucket fits up to the last step: the
+    step's choice is its own, not the cache's), rounded up to `step`."""
     from ...decode.captured import CAPTURED_TREE_SIZES
 
     return -(-(prompt_tokens + max_new_tokens + CAPTURED_TREE_SIZES[-1]) // step) * step
