@@ -443,17 +443,27 @@ def render_projection(report: dict) -> list[str]:
     static-cache generate, at each assumed overhead X."""
     xs = report["overhead_ms_assumed"]
     lines = [
-        "| shape | dtype | n | τ | graph forward ms | plain static ms/token | "
+        "| shape | dtype | tree | n | τ | graph forward ms | plain static ms/token | "
         + " | ".join(f"projected tok/s (x plain), X = {x:g} ms" for x in xs)
         + " |",
-        "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in xs) + " |",
+        "| --- | --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in xs) + " |",
     ]
     for r in report["rows"]:
         cells = [f"{r[f'x{x:g}ms']['tokens_per_s']:.0f} ({r[f'x{x:g}ms']['speedup']:.2f}x)" for x in xs]
         forward = f"{r['graph_forward_ms']:.2f}" + (" (extrapolated)" if r["forward_extrapolated"] else "")
         lines.append(
-            f"| {r['shape']} | {r['dtype']} | {r['tree_tokens']} | {r['tau']:.2f} | {forward} | "
+            f"| {r['shape']} | {r['dtype']} | {r.get('tree', 'fixed')} | {r['tree_tokens']} | {r['tau']:.2f} | {forward} | "
             f"{r['plain_static_ms_per_token']:.2f} | " + " | ".join(cells) + " |"
+        )
+    return lines
+
+
+def render_tau_by_tree(report: dict) -> list[str]:
+    """research/captured_tau.py --replay: the captured step's τ per tree kind and size."""
+    lines = ["| tree | nodes | τ | new tokens | steps |", "| --- | --- | --- | --- | --- |"]
+    for r in report["sizes"].values():
+        lines.append(
+            f"| {r.get('tree', 'fixed')} | {r['tree_tokens']} | {r['tau']:.2f} | {r['new_tokens']} | {r['steps']} |"
         )
     return lines
 
@@ -626,6 +636,7 @@ RENDERERS = {
     "cost_model": render_cost_model,
     "graph_trees": render_graph_trees,
     "projection": render_projection,
+    "tau": render_tau_by_tree,
     "tau_by_predictability": render_tau_by_predictability,
 }
 
