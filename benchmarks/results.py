@@ -452,7 +452,8 @@ def render_projection(report: dict) -> list[str]:
         cells = [f"{r[f'x{x:g}ms']['tokens_per_s']:.0f} ({r[f'x{x:g}ms']['speedup']:.2f}x)" for x in xs]
         forward = f"{r['graph_forward_ms']:.2f}" + (" (extrapolated)" if r["forward_extrapolated"] else "")
         lines.append(
-            f"| {r['shape']} | {r['dtype']} | {r.get('tree', 'fixed')} | {r['tree_tokens']} | {r['tau']:.2f} | {forward} | "
+            f"| {r['shape']} | {r['dtype']} | {r.get('tree', 'fixed')} | {r['tree_tokens']} | {r['tau']:.2f} | "
+            f"{forward} | "
             f"{r['plain_static_ms_per_token']:.2f} | " + " | ".join(cells) + " |"
         )
     return lines

@@ -19,7 +19,8 @@ an H200, from the cost model with the step's overhead, before any GPU run of the
         (`index_copy_` of the kept keys and values into every layer) and the one pinned host read. In one
         captured graph these are a few hundred small kernels at a few microseconds each on an H200:
         ASSUMED X = 1.0 ms (central) and shown at 0.5 and 2.0 ms (a grown tree's search adds a few rounds
-        of the heads and a top-k each, and the lookup one pass over the sequence buffer: toward 2 ms). Not measured: research/gpu/captured_step.py
+        of the heads and a top-k each, and the lookup one pass over the sequence buffer: toward 2 ms).
+        Not measured: research/gpu/captured_step.py
         measures the whole step (its `ms_per_step`) on the next lease and replaces this.
   g     plain greedy `generate` on a static cache (transformers' compiled step, CUDA graphs) per token on an
         H200 (claims `gpu_plain_generate_135m_fp32_h200`: 3.72 ms; `gpu_plain_generate_1b_bf16_h200`: 2.46 ms;
@@ -118,7 +119,8 @@ def main(argv=None) -> None:
     for r in rows:
         c = r[f"x{CENTRAL_MS:g}ms"]
         print(
-            f"{r['shape']} {r['dtype']} {r['tree']} n={r['tree_tokens']}: tau {r['tau']:.2f}, t(n) {r['graph_forward_ms']:.2f} ms"
+            f"{r['shape']} {r['dtype']} {r['tree']} n={r['tree_tokens']}: tau {r['tau']:.2f}, "
+            f"t(n) {r['graph_forward_ms']:.2f} ms"
             f"{' (extrapolated)' if r['forward_extrapolated'] else ''}, step {c['step_ms']:.2f} ms -> "
             f"{c['tokens_per_s']:.0f} tok/s vs plain {r['plain_static_tokens_per_s']:.0f} ({c['speedup']:.2f}x; "
             + ", ".join(f"X={x:g}: {r[f'x{x:g}ms']['speedup']:.2f}x" for x in OVERHEADS_MS)
