@@ -102,10 +102,13 @@ class BlockDrafter:
       batch's); `root_trees(roots)` for a plain step; `cut(trees, limit)` for a step's node limit;
       `chains(trees, room)` for models verified one chain at a time;
     - `grow(...)` and `grows_on_device`: the next tree grown on the device inside a fused accept;
+    - `log_scales()` and `lookup_log_scales(...)`: the calibration's weights, read once per call by the
+      captured step (`decode/captured.py`), which grows its trees and finds its lookup chains on the device;
     - `observe(accepted_nodes, finished)`: the verification fed back to the calibration;
     - settings and state they read: `tree_budget`, `max_tree_tokens`, `forward_cost` (which the binding
       measures into), `rescorer`, `packed_linear`, `profile`, `fused_sampling`, `count_host_syncs`, `heads`,
-      `calibration`, and `stats` (the call's `DecodingStats`, set with `heads_context`, the kernels the heads
+      `calibration`, `top_k`, `context_lookup`, the captured step's optional `captured_topology` and
+      `captured_sizes`, and `stats` (the call's `DecodingStats`, set with `heads_context`, the kernels the heads
       run in, where the drafter is bound to a model: `hf_bpd.prepare`); `exclusive()`, held while decoding.
     """
 
