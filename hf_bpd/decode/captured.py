@@ -240,7 +240,6 @@ class TreeBucket:
         lookup: int = 0,
     ) -> None:
         self.columns = torch.arange(capacity, device=device)
-        self.path_depths = None
         self.compiled = False  # its graph was compiled (`CapturedDecoder.run`)
         self.topology = topology
         if topology is None:  # grown each step (`grown_tree`): only its size and depth are constants
@@ -392,7 +391,7 @@ def grown_tree(heads, bucket: TreeBucket, state: CapturedState, length: torch.Te
     # probable, and ties go to the shallower node), so the first N are a tree
     by_depth = torch.sort(torch.cat([depths, bucket.chain_depths]), stable=True).indices
     keep = by_depth.index_select(0, torch.sort(-keys.index_select(0, by_depth), stable=True).indices[:n])
-    where = torch.full_like(bucket.merged_slots, 0).scatter(0, keep, bucket.slots)  # merged index -> kept index
+    where = torch.zeros_like(bucket.merged_slots).scatter(0, keep, bucket.slots)  # merged index -> kept index
     merged_parents = torch.cat([parents, bucket.chain_parents])
     parents = where.index_select(0, merged_parents.index_select(0, keep))
     tokens = torch.cat([tokens, chain]).index_select(0, keep)
@@ -524,7 +523,7 @@ class CapturedDecoder:
             }
         else:
             self.buckets = {n: TreeBucket(topology.prefix(n), kind, device, capacity, sizes=sizes) for n in sizes}
-        self.lookup = max(b.lookup if b.grown else 0 for b in self.buckets.values())
+        self.lookup = min(lookup, max(sizes) - 1) if topology is None else 0  # the longest bucket's chain
         deepest = max(b.max_depth for b in self.buckets.values())
         self.state = CapturedState(
             root=torch.zeros(1, dtype=torch.long, device=device),
@@ -629,7 +628,8 @@ def decoder_for(call, cache, backend: str | None, topology: Topology | None = No
     lookup = drafter.context_lookup if topology is None else 0  # the chain joins grown trees only
     shape = (id(heads), layer.keys.device, layer.keys.dtype, topology, sizes, backend, drafter.top_k, lookup)
     decoders = _DECODERS.setdefault(model, {})
-    decoder = decoders.get((shape, static_capacity(cache)))
+    key = (shape, static_capacity(cache))
+    decoder = decoders.get(key)
     if decoder is None:
         dtype = next(model.parameters()).dtype
         decoder = CapturedDecoder(
@@ -644,7 +644,7 @@ def decoder_for(call, cache, backend: str | None, topology: Topology | None = No
             drafter.top_k,
             lookup,
         )
-        decoders[(shape, static_capacity(cache))] = decoder
+        decoders[key] = decoder
     # one chooser for every capacity: the buckets' costs and yields do not depend on it
     decoder.chooser = decoders.setdefault(("chooser", shape), BucketChooser())
     return decoder
@@ -675,18 +675,13 @@ class BucketChooser:
             return max(stale)
         return max(fits, key=lambda n: self.tokens[n] / self.seconds[n])
 
-    def observe(self, size: int, within: dict[int, int], seconds: float | None) -> None:
+    def observe(self, size: int, within: dict[int, int], seconds: float) -> None:
         """One step of bucket `size`: the tokens it and each smaller bucket would have emitted, its time."""
         self.steps += 1
         self.chosen_at[size] = self.steps
         for n, tokens in within.items():
             self.tokens[n] = running_mean(self.tokens.get(n), tokens, self.rate)
-        if seconds is not None:
-            self.seconds[size] = running_mean(self.seconds.get(size), seconds, self.rate)
-
-    def expected_rate(self, size: int) -> float | None:
-        """Tokens per second expected of `size` (None: not measured yet)."""
-        return self.tokens[size] / self.seconds[size] if size in self.seconds else None
+        self.seconds[size] = running_mean(self.seconds.get(size), seconds, self.rate)
 
 
 # ------------------------------------------------------------------------------------------ the call
