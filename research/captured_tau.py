@@ -38,21 +38,23 @@ REPLAY = Path(__file__).resolve().parents[1] / "benchmarks" / "replay" / "spec_b
 
 @torch.no_grad()
 def replay_steps(
-    model, heads, bucket, prompt_ids: torch.Tensor, answer: list[int], log_scales, lookup_scales
+    model, heads, bucket, prompt_ids: torch.Tensor, answer: list[int], state, calibration, learning: bool
 ) -> tuple[int, int]:
     """(new tokens, steps) of the captured step's tree (fixed, or grown each step) over one stored greedy
-    answer."""
-    from hf_bpd.decode.captured import CapturedState, fixed_tree, grown_tree
+    answer. `learning`: the step's calibration learns from each walk (`observe_walk`), from `calibration`'s
+    sums, which it updates after the answer (a drafter serving the rows one call after another)."""
+    from hf_bpd.decode.captured import fixed_tree, grown_tree, observe_walk
 
     ids = torch.cat([prompt_ids.view(-1), torch.tensor(answer, dtype=torch.long)])
     hidden = model(ids[None], output_hidden_states=True, return_dict=True).hidden_states[-1][0].to(heads.dtype)
     p = prompt_ids.numel()
+    # the sequence buffer holds the whole answer: the lookup reads only the first root + 1 tokens
+    state.load(ids, hidden[p - 1], 10**9, calibration if learning else None)
     done, steps = 1, 0  # prefill emits the first answer token (the first root)
     while done < len(answer):
         root = p + done - 1  # index in ids of the root; hidden[root - 1] predicted it
-        state = CapturedState(
-            ids[root].view(1), hidden[root - 1][None], torch.tensor(10**9), log_scales, ids, lookup_scales, "", True
-        )  # the sequence buffer holds the whole answer: the lookup reads only the first root + 1 tokens
+        state.root.copy_(ids[root].view(1))
+        state.hidden.copy_(hidden[root - 1][None])
         if bucket.grown:
             tree = grown_tree(heads, bucket, state, torch.tensor(root))
         else:
@@ -68,13 +70,16 @@ def replay_steps(
                 deepest = i
         count = min(depths[deepest] + 1, len(answer) - done)
         done, steps = done + count, steps + 1
+        if learning:
+            observe_walk(state, tree, tree.ancestors[deepest], tree.drafted & (bucket.slots != 0))
+    if learning:
+        state.save(calibration)
     return len(answer), steps  # as `stats.block_efficiency` counts: the prefill's token too
 
 
 @torch.no_grad()
 def replay(args) -> dict:
-    from hf_bpd.decode.captured import Topology, TreeBucket
-    from hf_bpd.drafting.lookup import MAX_NGRAM
+    from hf_bpd.decode.captured import CapturedState, Topology, TreeBucket
 
     model, tokenizer = hf_bpd.load_packaged_model("float32")
     rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()][: args.rows]
@@ -105,17 +110,19 @@ def replay(args) -> dict:
                 topology = Topology.best_first(n, heads.num_heads, drafter.top_k)
                 bucket = TreeBucket(topology, kind, cpu, capacity=4096)
             else:
-                topology, lookup = None, drafter.context_lookup if tree == "lookup" else 0
+                topology, lookup = None, drafter.context_lookup if tree in ("lookup", "learned") else 0
                 bucket = TreeBucket(
                     None, kind, cpu, 4096, size=n, max_depth=heads.num_heads, top_k=drafter.top_k, lookup=lookup
                 )
-            log_scales = torch.tensor(drafter.log_scales())
-            lookup_scales = torch.tensor(drafter.lookup_log_scales(drafter.context_lookup, MAX_NGRAM))
+            depth = max(bucket.max_depth, heads.num_heads)
+            state = CapturedState.empty(heads.config.hidden_size, depth, 4096, "cpu", heads.dtype)
             tokens = steps = 0
             per_row = []
             for r in rows:
                 prompt, answer = prompts[r["question_id"]], answers[r["question_id"]]
-                new, k = replay_steps(model, heads, bucket, prompt, answer, log_scales, lookup_scales)
+                new, k = replay_steps(
+                    model, heads, bucket, prompt, answer, state, drafter.calibration, learning=tree == "learned"
+                )
                 tokens, steps = tokens + new, steps + k
                 per_row.append(round(new / max(k, 1), 3))
             row = {
@@ -146,9 +153,9 @@ def main() -> None:
     parser.add_argument(
         "--trees",
         nargs="+",
-        choices=["fixed", "grown", "lookup"],
-        default=["fixed", "grown", "lookup"],
-        help="with --replay",
+        choices=["fixed", "grown", "lookup", "learned"],
+        default=["fixed", "grown", "lookup", "learned"],
+        help="with --replay; learned: lookup, with the calibration learning on the device from every walk",
     )
     args = parser.parse_args()
     torch.set_num_threads(2)

@@ -19,6 +19,7 @@ from hf_bpd import BlockDrafter, BlockDraftHeads
 from hf_bpd.compat import GENERATE_CACHE_FIELD
 from hf_bpd.decode.captured import Topology, TreeBucket, draft_tokens, rank_acceptance
 from hf_bpd.decode.syncs import StepSyncCounter
+from hf_bpd.drafting.calibration import GREEDY
 from hf_bpd.io.models import chat_inputs
 
 PROMPTS = ([[5, 6, 7]], [[9, 3, 4, 8, 11, 12]], [[40, 41, 40, 41, 40]])
@@ -105,6 +106,8 @@ def test_captured_greedy_gives_plain_static_generate_s_tokens_with_one_host_read
             syncs = drafter.stats.host_syncs
             assert syncs.get("step", 0) == 0, syncs  # nothing inside a step waits for the device
             assert syncs.get("read", 0) == drafter.stats.steps, syncs  # one read per step
+    learned = drafter.calibration.summary()  # what the steps learned on the device, kept by the drafter
+    assert (len(learned) > 0) == (kind == "previous"), learned  # grown trees only: a fixed one has no estimates
 
 
 def test_walks_through_any_rank_are_compacted_and_give_plain_static_generate_s_tokens(monkeypatch):
@@ -156,16 +159,8 @@ def test_grown_tree_on_the_device_is_the_tree_the_eager_drafter_grows():
     heads = drafter.heads
     for n in (1, 2, 8, 16):
         bucket = TreeBucket(None, "previous", torch.device("cpu"), 32, size=n, max_depth=min(3, n - 1), top_k=3)
-        state = captured.CapturedState(
-            torch.tensor([7]),
-            torch.randn(1, 32),
-            torch.tensor(99),
-            torch.tensor(drafter.log_scales()),
-            torch.zeros(40, dtype=torch.long),
-            torch.zeros(4, 1),
-            "x",
-            True,
-        )
+        state = captured.CapturedState.empty(32, 3, 40, "cpu", torch.float32)
+        state.load(torch.tensor([7]), torch.randn(1, 32), 99, drafter.calibration)
         tree = captured.grown_tree(heads, bucket, state, torch.tensor(3))
         eager, _ = GrownTree.on_host(7, drafter.grow(state.hidden, state.root, budget=n).flat().tolist())
         kept = tree.drafted.nonzero().flatten().tolist()
@@ -204,16 +199,14 @@ def test_grown_tree_with_the_context_lookup_chain_keeps_the_nodes_the_eager_merg
         context = torch.randint(0, 50, (20,), generator=g)
         context[-3:] = context[4:7] if trial % 3 else context[-3:]  # a repeated trigram, or a random tail
         bucket = TreeBucket(None, "previous", torch.device("cpu"), 64, size=n, max_depth=3, top_k=3, lookup=chain)
-        state = captured.CapturedState(
-            context[-1:],
-            torch.randn(1, 32, generator=g),
-            torch.tensor(99),
-            torch.tensor(drafter.log_scales()),
-            torch.cat([context, torch.zeros(20, dtype=torch.long)]),
-            torch.zeros(4, chain + 1),
-            "x",
-            True,
-        )
+        calibration = drafter.calibration  # evidence of every source and depth, different each trial
+        for source in captured.CALIBRATION_SOURCES:
+            for d in range(1, calibration.max_depth + 1):
+                predicted = 20 * float(torch.rand((), generator=g))
+                calibration.predicted[(GREEDY, source, d)] = predicted
+                calibration.accepted[(GREEDY, source, d)] = predicted * 1.5 * float(torch.rand((), generator=g))
+        state = captured.CapturedState.empty(32, chain, 40, "cpu", torch.float32)
+        state.load(context, torch.randn(1, 32, generator=g), 99, drafter.calibration)
         tree = captured.grown_tree(drafter.heads, bucket, state, torch.tensor(19))
         kept = tree.drafted.nonzero().flatten().tolist()
         eager, arcs = GrownTree.on_host(
@@ -225,6 +218,44 @@ def test_grown_tree_with_the_context_lookup_chain_keeps_the_nodes_the_eager_merg
         assert paths(tree.tokens.tolist(), tree.parents.tolist(), kept) == expected, trial
         chained += any(len(p) > 3 for p in expected)  # deeper than the heads reach: a chain's nodes
     assert chained >= 4
+
+
+def test_the_step_s_calibration_learns_from_each_walk_what_the_host_calibration_learns():
+    from hf_bpd.drafting.calibration import AcceptanceCalibration, Arc
+
+    g = torch.Generator().manual_seed(1)
+    sources, deepest, n = captured.CALIBRATION_SOURCES, 6, 12
+    host = AcceptanceCalibration()
+    host.observe(Arc(-0.3, sources[2]), 2, True)  # earlier evidence, which the call starts from
+    state = captured.CapturedState.empty(8, deepest, 16, "cpu", torch.float32)
+    state.load(torch.tensor([1, 2]), torch.zeros(1, 8), 99, host)
+    for _ in range(30):
+        parents, depths = [0], [0]
+        for i in range(1, n):
+            parent = int(torch.randint(0, i, (), generator=g))
+            parent = parent if depths[parent] < deepest else 0
+            parents.append(parent)
+            depths.append(depths[parent] + 1)
+        parents, depths = torch.tensor(parents), torch.tensor(depths)
+        ancestors = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            ancestors[i] |= ancestors[parents[i]]
+        raw = torch.rand(n, generator=g).log()
+        source = torch.randint(0, len(sources), (n,), generator=g)
+        compared = torch.rand(n, generator=g) > 0.2
+        compared[0] = False  # the root is never an arc
+        on_walk = ancestors[int(torch.randint(0, n, (), generator=g))]
+        tree = captured.DeviceTree(torch.zeros(n, dtype=torch.long), depths, parents, ancestors, compared, raw, source)
+        captured.observe_walk(state, tree, on_walk, compared)
+        for i in range(1, n):
+            if compared[i] and on_walk[parents[i]]:
+                host.observe(Arc(float(raw[i]), sources[source[i]]), int(depths[i]), bool(on_walk[i]))
+    torch.testing.assert_close(state.calibration, host.count_table(sources, deepest + 1))
+    expected = [[math.log(host.scale(s, d)) for d in range(deepest + 1)] for s in sources]
+    torch.testing.assert_close(captured.calibrated_log_scales(state), torch.tensor(expected))
+    back = AcceptanceCalibration()
+    state.save(back)
+    assert back.summary() == pytest.approx(host.summary())
 
 
 def test_grown_trees_with_deep_walks_and_dropped_nodes_give_plain_static_generate_s_tokens(monkeypatch):

@@ -80,8 +80,9 @@ import torch
 
 from ..compat import CACHE_NAMES, cache_argument, last_hidden_state_request
 from ..cpu.packed_linear import active_packed_linear
+from ..drafting.calibration import HEADS
 from ..drafting.expansion import grow_on_device
-from ..drafting.lookup import LOOKUP_PROBABILITY, MAX_NGRAM, lookup_on_device
+from ..drafting.lookup import LOOKUP_PROBABILITY, MAX_NGRAM, lookup_on_device, lookup_source
 from .accept import AcceptResult
 from .cost import running_mean
 from .static_cache import is_static, static_capacity
@@ -101,6 +102,9 @@ RECOMPILE_LIMIT = 64
 AUTO_DEVICES: frozenset[str] = frozenset()
 # values `generate(captured_step=...)` takes besides a torch.compile backend name
 CAPTURED_SETTINGS = (None, True, False)
+# the calibration's sources a grown tree's arcs come from, by row of the step's count table: the heads'
+# arcs, then the context-lookup chains of an n-gram match, n = 1 .. MAX_NGRAM
+CALIBRATION_SOURCES = (HEADS, *(lookup_source(n) for n in range(1, MAX_NGRAM + 1)))
 
 
 # --------------------------------------------------------------------------------------------- topology
@@ -337,6 +341,10 @@ class DeviceTree:
     parents: torch.Tensor
     ancestors: torch.Tensor
     drafted: torch.Tensor
+    # grown trees: each node's raw arc log-probability and its `CALIBRATION_SOURCES` row, which the step's
+    # calibration learns from (`observe_walk`); a fixed topology has no estimates to calibrate
+    arc_logprobs: torch.Tensor | None = None
+    sources: torch.Tensor | None = None
 
 
 def fixed_tree(heads, bucket: TreeBucket, state: CapturedState) -> DeviceTree:
@@ -365,9 +373,8 @@ def grown_tree(heads, bucket: TreeBucket, state: CapturedState, length: torch.Te
     of highest calibrated path probability are kept, as the eager drafter's `merge_lookup` does (a chain
     token the heads drafted too is a second node here, not merged into theirs)."""
     n = bucket.size
-    grown = grow_on_device(
-        heads, state.hidden, state.root, bucket.top_k, n, state.log_scales, depth_limit=bucket.head_depth
-    )
+    scales = calibrated_log_scales(state)
+    grown = grow_on_device(heads, state.hidden, state.root, bucket.top_k, n, scales[0], depth_limit=bucket.head_depth)
     pad = n - 1 - grown.tokens.shape[1]  # a Python int while tracing: shapes are static
     device = state.root.device
     tokens = torch.cat([state.root, grown.tokens[0], state.root.new_zeros(pad)])
@@ -376,15 +383,17 @@ def grown_tree(heads, bucket: TreeBucket, state: CapturedState, length: torch.Te
         [bucket.is_root[:1], grown.logprobs[0] > -math.inf, torch.zeros(pad, dtype=torch.bool, device=device)]
     )
     depths, ancestors = ancestry(parents, bucket.slots, bucket.eye, bucket.head_depth)
+    raw = torch.cat([tokens.new_zeros(1).float(), grown.logprobs[0].float(), tokens.new_zeros(pad).float()])
+    raw = raw.masked_fill(~reached, -1e4)  # the heads' own arc estimates (pads: none)
     if not bucket.lookup:
-        return DeviceTree(tokens, depths, parents, ancestors, reached)
+        return DeviceTree(tokens, depths, parents, ancestors, reached, raw, torch.zeros_like(tokens))
     # the heads' nodes' calibrated path log-probabilities (as the search ranked them), then the chain's
-    logprobs = torch.cat([tokens.new_zeros(1).float(), grown.logprobs[0].float(), tokens.new_zeros(pad).float()])
-    arcs = (logprobs + state.log_scales.index_select(0, depths)).clamp_max(0.0).masked_fill(~reached, -1e4)
+    arcs = (raw + scales[0].index_select(0, depths)).clamp_max(0.0).masked_fill(~reached, -1e4)
     paths = (ancestors.float() * arcs[None, :]).sum(-1).masked_fill(~reached, -math.inf)
     chain, real, ngram = lookup_on_device(state.sequence, length + 1, bucket.lookup)
-    scales = state.lookup_scales.index_select(0, ngram.view(1))[0, 1 : bucket.lookup + 1]
-    chain_arcs = (math.log(LOOKUP_PROBABILITY) + scales).clamp_max(0.0)
+    chain_raw = torch.full_like(bucket.chain_depths, math.log(LOOKUP_PROBABILITY), dtype=raw.dtype)
+    chain_scales = scales.index_select(0, ngram.view(1))[0, 1 : bucket.lookup + 1]
+    chain_arcs = (chain_raw + chain_scales).clamp_max(0.0)
     chain_paths = chain_arcs.cumsum(0).masked_fill(~real, -math.inf)
     keys = torch.cat([paths.masked_fill(bucket.is_root, math.inf), chain_paths])
     # by path probability, then depth, then index: parents before children (a child's path is never more
@@ -396,8 +405,31 @@ def grown_tree(heads, bucket: TreeBucket, state: CapturedState, length: torch.Te
     parents = where.index_select(0, merged_parents.index_select(0, keep))
     tokens = torch.cat([tokens, chain]).index_select(0, keep)
     drafted = (keys > -math.inf).index_select(0, keep)
+    raw = torch.cat([raw, chain_raw]).index_select(0, keep)
+    sources = torch.cat([torch.zeros_like(parents), ngram.view(1).expand(bucket.lookup)]).index_select(0, keep)
     depths, ancestors = ancestry(parents, bucket.slots, bucket.eye, bucket.max_depth)
-    return DeviceTree(tokens, depths, parents, ancestors, drafted)
+    return DeviceTree(tokens, depths, parents, ancestors, drafted, raw, sources)
+
+
+def calibrated_log_scales(state: CapturedState) -> torch.Tensor:
+    """[len(CALIBRATION_SOURCES), C]: the calibration's log multiplier of an arc of each source (row) at each
+    depth (column d: depth d), from the step's count table, as `AcceptanceCalibration.scale` computes it."""
+    accepted, predicted = state.calibration.unbind(0)
+    return ((accepted + state.prior) / (predicted + state.prior)).log().index_select(1, state.depth_keys)
+
+
+def observe_walk(state: CapturedState, tree: DeviceTree, on_walk: torch.Tensor, compared: torch.Tensor) -> None:
+    """The calibration learns from one step, on the device, as `BlockDrafter.observe` does on the host:
+    every `compared` node whose parent is on the accepted walk adds its estimated acceptance (its raw arc
+    probability) to its (source, depth) key's predicted sum, and 1 to the accepted sum when the walk took
+    it. So the next step's tree is grown and merged with what this call has shown (repetitive text: the
+    lookup chains' weights rise within the call), with no host value."""
+    observed = (on_walk.index_select(0, tree.parents) & compared).float() * state.learning
+    columns = state.calibration.shape[2]
+    keys = tree.sources * columns + state.depth_keys.index_select(0, tree.depths)
+    counts = state.calibration.view(2, -1)
+    counts[0].index_add_(0, keys, on_walk.float() * observed)
+    counts[1].index_add_(0, keys, tree.arc_logprobs.exp() * observed)
 
 
 def captured_step(model, heads, bucket: TreeBucket, cache, state: CapturedState) -> torch.Tensor:
@@ -441,6 +473,8 @@ def captured_step(model, heads, bucket: TreeBucket, cache, state: CapturedState)
         prefix = reached[None, :] & (bucket.slots[None, :] < bucket.within_sizes[:, None])  # [S, N]
         within = (prefix.long() * (depths + 1)[None, :]).amax(-1)
         emitted = choices.index_select(0, path)
+        if tree.arc_logprobs is not None:
+            observe_walk(state, tree, ancestors.index_select(0, last)[0], valid & ~bucket.is_root)
         target = length + bucket.path_depths
         source = length + path
         for layer in cache.layers:
@@ -455,18 +489,73 @@ def captured_step(model, heads, bucket: TreeBucket, cache, state: CapturedState)
 
 @dataclass
 class CapturedState:
-    """What the step carries from one call to the next, on the device: the root token [1], the hidden state
-    [1, H] it came from, the first position the model does not serve (0-d), the calibration's depth
-    weights, and two constants of the call."""
+    """What the step carries from one step to the next, on the device: the root token [1], the hidden state
+    [1, H] it came from, the first position the model does not serve (0-d), the sequence so far, the
+    calibration's sums (learned by every step: `observe_walk`), and two constants of the call."""
 
     root: torch.Tensor
     hidden: torch.Tensor
     limit: torch.Tensor
-    log_scales: torch.Tensor  # [heads + 1]: the calibration's depth weights a grown tree is searched with
     sequence: torch.Tensor  # [capacity + room]: the context, then the tokens each step emits (context lookup)
-    lookup_scales: torch.Tensor  # [MAX_NGRAM + 1, chain + 1]: the calibration's weights of lookup chains
+    # [2, len(CALIBRATION_SOURCES), C]: accepted and predicted sums per (source, depth key), C > any depth
+    calibration: torch.Tensor
+    depth_keys: torch.Tensor  # [C]: a depth's column in `calibration` (deeper than its max_depth: that one)
+    prior: torch.Tensor  # 0-d: the calibration's pseudo-observations
+    learning: torch.Tensor  # 0-d: 1, or 0 for a drafter without a calibration (its weights stay neutral)
     cache_name: str
     hidden_request: int | bool
+
+    @classmethod
+    def empty(
+        cls, hidden_size: int, depth: int, sequence_length: int, device, dtype, cache_name="", hidden_request=True
+    ) -> CapturedState:
+        """Buffers for trees up to `depth` deep (heads or a lookup chain), to be `load`ed per call."""
+        columns = depth + 1
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(
+            root=zeros(1),
+            hidden=zeros(1, hidden_size, dtype=dtype),
+            limit=zeros(),
+            sequence=zeros(sequence_length),
+            calibration=zeros(2, len(CALIBRATION_SOURCES), columns, dtype=torch.float32),
+            depth_keys=torch.arange(columns, device=device),
+            prior=zeros(dtype=torch.float32),
+            learning=zeros(dtype=torch.float32),
+            cache_name=cache_name,
+            hidden_request=hidden_request,
+        )
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every buffer (CUDA graphs need their addresses fixed)."""
+        fields = (self.root, self.hidden, self.limit, self.sequence, self.calibration, self.depth_keys)
+        return (*fields, self.prior, self.learning)
+
+    def load(self, ids: torch.Tensor, hidden: torch.Tensor, limit: int, calibration) -> None:
+        """A call's start: the context `ids [L]` (its last token the first root), the hidden state that
+        predicted it, the first position the model does not serve, and the drafter's `calibration`'s greedy
+        sums (an `AcceptanceCalibration`, or None: neutral weights, nothing learned)."""
+        self.root.copy_(ids[-1:])
+        self.hidden.copy_(hidden.view(1, -1))
+        self.limit.fill_(limit)
+        self.sequence[: ids.shape[0]].copy_(ids)
+        columns = self.calibration.shape[2]
+        if calibration is None:
+            self.calibration.zero_()
+            self.prior.fill_(1.0)
+            self.learning.fill_(0.0)
+            return
+        self.calibration.copy_(calibration.count_table(CALIBRATION_SOURCES, columns))
+        self.depth_keys.copy_(torch.arange(columns).clamp_max(calibration.max_depth))
+        self.prior.fill_(calibration.prior)
+        self.learning.fill_(1.0)
+
+    def save(self, calibration) -> None:
+        """What the call's steps learned, into the drafter's `calibration` (one read, after the call)."""
+        if calibration is not None:
+            calibration.load_count_table(CALIBRATION_SOURCES, self.calibration.cpu())
 
 
 _COMPILED: dict = {}  # backend -> the compiled step
@@ -525,35 +614,24 @@ class CapturedDecoder:
             self.buckets = {n: TreeBucket(topology.prefix(n), kind, device, capacity, sizes=sizes) for n in sizes}
         self.lookup = min(lookup, max(sizes) - 1) if topology is None else 0  # the longest bucket's chain
         deepest = max(b.max_depth for b in self.buckets.values())
-        self.state = CapturedState(
-            root=torch.zeros(1, dtype=torch.long, device=device),
-            hidden=torch.zeros(1, heads.config.hidden_size, dtype=dtype, device=device),
-            limit=torch.zeros((), dtype=torch.long, device=device),
-            log_scales=torch.zeros(heads.num_heads + 1, device=device),
-            sequence=torch.zeros(capacity + deepest + 2, dtype=torch.long, device=device),
-            lookup_scales=torch.zeros(MAX_NGRAM + 1, self.lookup + 1, device=device),
-            cache_name=cache_argument(model),
-            hidden_request=last_hidden_state_request(model),
+        self.state = CapturedState.empty(
+            heads.config.hidden_size,
+            max(deepest, heads.num_heads),
+            capacity + deepest + 2,
+            device,
+            dtype,
+            cache_argument(model),
+            last_hidden_state_request(model),
         )
         if device.type == "cuda":  # updated in place by every replay: fixed addresses for CUDA graphs
-            for t in (self.state.root, self.state.hidden, self.state.limit, self.state.log_scales):
-                torch._dynamo.mark_static_address(t)
-            for t in (self.state.sequence, self.state.lookup_scales):
+            for t in self.state.tensors():
                 torch._dynamo.mark_static_address(t)
         self.step_fn = compiled_step(backend, device.type)
         active_packed_linear()  # makes this thread's packed-linear stack, which the heads' graph guards on
 
     def start(self, ids: torch.Tensor, hidden: torch.Tensor, limit: int, drafter) -> None:
-        """The call's state, once before its first step: the context `ids [L]` (its last token the first
-        root), the hidden state that predicted it, the first position the model does not serve, and the
-        drafter's calibration weights (read here, not updated by the steps)."""
-        self.state.root.copy_(ids[-1:])
-        self.state.hidden.copy_(hidden.view(1, -1))
-        self.state.limit.fill_(limit)
-        self.state.log_scales.copy_(torch.tensor(drafter.log_scales()))
-        self.state.sequence[: ids.shape[0]].copy_(ids)
-        if self.lookup:
-            self.state.lookup_scales.copy_(torch.tensor(drafter.lookup_log_scales(self.lookup, MAX_NGRAM)))
+        """The call's state, once before its first step (`CapturedState.load`)."""
+        self.state.load(ids, hidden, limit, drafter.calibration)
 
     def fitting(self, room: int) -> list[int]:
         """The bucket sizes of at most `room` nodes (none: not even the root fits)."""
@@ -567,12 +645,13 @@ class CapturedDecoder:
         if self.backend is None or not cold:
             return 0.0
         t0 = time.perf_counter()
-        saved = [t.clone() for t in (self.state.root, self.state.hidden)]
+        kept = (self.state.root, self.state.hidden, self.state.calibration)  # what a step changes that is read
+        saved = [t.clone() for t in kept]
         length = cache.layers[0].cumulative_length.clone()
         for bucket in cold:
             self.run(model, bucket, cache)
-            self.state.root.copy_(saved[0])
-            self.state.hidden.copy_(saved[1])
+            for t, value in zip(kept, saved):
+                t.copy_(value)
             for layer in cache.layers:
                 layer.cumulative_length.copy_(length)
         return time.perf_counter() - t0
@@ -827,6 +906,7 @@ def decode_captured(call, input_ids: torch.Tensor, model_kwargs: dict, ahead: bo
         call.emit(AcceptResult(nodes=list(range(len(tokens))), tokens=tokens, scores=[], logits=[], finished=done))
     for layer in cache.layers:  # steps launched after the last one read are dropped: the cache as `generate` leaves it
         layer.cumulative_length.fill_(len(sequence) - 1)
+    decoder.state.save(drafter.calibration)
     new = torch.tensor([sequence[ids.shape[1] :]], dtype=ids.dtype, device=device)
     out = call.output([torch.cat([ids, new], dim=-1)], cache)
     if counter is not None:

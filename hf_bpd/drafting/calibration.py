@@ -79,6 +79,25 @@ class AcceptanceCalibration:
         self.predicted[key] += math.exp(arc.logprob)
         self.accepted[key] += float(accepted)
 
+    def count_table(self, sources: tuple[str, ...], columns: int, regime: str = GREEDY) -> torch.Tensor:
+        """[2, len(sources), columns] float32: the accepted and predicted sums of `regime`'s keys, row s for
+        `sources[s]`, column d for depth key d (depths past `max_depth` share its column): the form a
+        decoding step on the device learns in (`decode/captured.py`), read back with `load_count_table`."""
+        table = torch.zeros(2, len(sources), columns)
+        for s, source in enumerate(sources):
+            for d in range(min(columns, self.max_depth + 1)):
+                key = (regime, source, d)
+                table[0, s, d], table[1, s, d] = self.accepted.get(key, 0.0), self.predicted.get(key, 0.0)
+        return table
+
+    def load_count_table(self, sources: tuple[str, ...], table: torch.Tensor, regime: str = GREEDY) -> None:
+        """`count_table`'s sums, learned further elsewhere, taken back as this calibration's."""
+        for s, source in enumerate(sources):
+            for d in range(min(table.shape[2], self.max_depth + 1)):
+                accepted, predicted = float(table[0, s, d]), float(table[1, s, d])
+                if accepted or predicted:
+                    self.accepted[(regime, source, d)], self.predicted[(regime, source, d)] = accepted, predicted
+
     def summary(self) -> dict[str, float]:
         """{"source@depth": multiplier} for every key with evidence (for reports); sampled calls' keys
         end in " sampled"."""

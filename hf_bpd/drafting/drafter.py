@@ -37,7 +37,7 @@ from .calibration import GREEDY, HEADS, SAMPLED, AcceptanceCalibration, Arc, Sam
 from .expansion import GrownTree, chain_lattice, expand_tree, grow_on_device
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
-from .lookup import lookup_continuation, lookup_source, merge_lookup
+from .lookup import lookup_continuation, merge_lookup
 from .tree import DraftTree
 
 RECENT_STEPS = 16  # steps whose tree sizes bound how far "previous" heads grow a tree that will be cut
@@ -102,8 +102,8 @@ class BlockDrafter:
       batch's); `root_trees(roots)` for a plain step; `cut(trees, limit)` for a step's node limit;
       `chains(trees, room)` for models verified one chain at a time;
     - `grow(...)` and `grows_on_device`: the next tree grown on the device inside a fused accept;
-    - `log_scales()` and `lookup_log_scales(...)`: the calibration's weights, read once per call by the
-      captured step (`decode/captured.py`), which grows its trees and finds its lookup chains on the device;
+    - `log_scales()`: the calibration's depth weights of the heads' arcs, which `grow` searches with (the
+      captured step, `decode/captured.py`, reads the `calibration`'s sums instead and learns on the device);
     - `observe(accepted_nodes, finished)`: the verification fed back to the calibration;
     - settings and state they read: `tree_budget`, `max_tree_tokens`, `forward_cost` (which the binding
       measures into), `rescorer`, `packed_linear`, `profile`, `fused_sampling`, `count_host_syncs`, `heads`,
@@ -421,16 +421,6 @@ class BlockDrafter:
             self.calibration.regime = SAMPLED if sampled else GREEDY
             scales[1:] = [math.log(self.calibration.scale(HEADS, d)) for d in range(1, len(scales))]
         return scales
-
-    def lookup_log_scales(self, chain: int, max_ngram: int) -> list[list[float]]:
-        """The calibration's log multiplier of a context-lookup chain's arcs (`lookup.py`), per match length
-        n (row n; row 0 unused) and depth (column d; column 0 unused), up to `chain` nodes deep."""
-        rows = [[0.0] * (chain + 1) for _ in range(max_ngram + 1)]
-        if self.calibration is not None:
-            self.calibration.regime = GREEDY
-            for n in range(1, max_ngram + 1):
-                rows[n][1:] = [math.log(self.calibration.scale(lookup_source(n), d)) for d in range(1, chain + 1)]
-        return rows
 
     def observe(self, accepted_nodes: list[list[int]], finished: list[bool]) -> None:
         """Feed back one verification step: per row, the tree nodes the base model accepted (root first)
