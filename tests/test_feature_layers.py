@@ -303,6 +303,27 @@ def test_compute_features_of_feature_layers_are_the_hidden_states_of_those_layer
     assert not model._forward_hooks and not model._forward_pre_hooks
 
 
+def test_a_last_layer_cache_reads_the_final_state_from_a_layers_cache_instead_of_computing_it(tmp_path, monkeypatch):
+    model = model_of()
+    data = tiny_distilled(model, n=7, new=6)
+    plain = train_heads.compute_features(model, data, 2, progress=False)
+    cache = tmp_path / "features"
+    train_heads.cached_features(model, data.select(range(4)), 2, cache, chunk=4, progress=False, feature_layers=[1, -1])
+    computed = []
+    real = train_heads.compute_features
+
+    def counting(model, rows, *a, **kw):
+        computed.append((len(rows), kw.get("feature_layers")))
+        return real(model, rows, *a, **kw)
+
+    monkeypatch.setattr(train_heads, "compute_features", counting)
+    got = train_heads.cached_features(model, data, 2, cache, chunk=4, progress=False)
+    assert computed == [(3, None)]  # samples 0..3 from the layers' cache: only 4..6 computed
+    for f in ("hidden", "targets", "next_token", "sample"):
+        assert torch.equal(getattr(got, f), getattr(plain, f)), f
+    assert sorted(p.name for p in (cache / "layers-1-final").iterdir()) == ["features-0000000-0000004.pt"]
+
+
 def test_training_fusion_heads_changes_the_fusion_and_decodes_losslessly(tmp_path):
     model = model_of()
     data = tiny_distilled(model, n=12, new=12)

@@ -9,7 +9,7 @@ graph of it per bucket and a GPU replays it as one CUDA graph:
 The step, in order, all on the device (`captured_step`):
   tree      "previous" heads GROW it (`grown_tree`): the best-first search the eager path runs
             (`expansion.grow_on_device`), N nodes, from the last step's root and hidden state, with the
-            calibration's depth weights as a device buffer; depths and the ancestor mask follow from the
+            calibration's weights computed from its sums on the device; depths and the ancestor mask follow from the
             parents by `max_depth` gathers. Other heads fill a FIXED topology (`Topology`, `fixed_tree`: each
             node a (parent, rank) pair, its token rank r of its depth's head applied to the root for
             "next" heads, to nothing for plain Medusa heads, to the parent's token for "previous" heads
@@ -23,6 +23,8 @@ The step, in order, all on the device (`captured_step`):
   accept    greedy: the deepest node whose path the model's argmax agrees with (`greedy_last_node`'s rule),
             its path as [D + 1] node indices, the emitted tokens and their count; and what each smaller
             bucket's tree (this tree's first s nodes) would have emitted, for the bucket chooser.
+  learn     a grown tree's calibration sums updated from the walk (`observe_walk`, what
+            `BlockDrafter.observe` learns on the host), so the next step is weighed with them.
   compact   the kept nodes' keys/values copied (device indices, `index_copy_`) to the front of the tree slot
             of every layer, and every layer's `cumulative_length` set in place to length + count: no
             `crop(int)`, no host integer.
@@ -51,8 +53,8 @@ refused when `captured_step=True` asked for it; `captured_refusal`): sampling, l
 criteria without a host form (`HostStop`), per-token scores/logits, batches, recurrent state, attention
 windows, padded prompts, rescorers, context-copy heads. The n-gram context lookup (`BlockDrafter.
 context_lookup`) runs ON THE DEVICE inside the step (`lookup.lookup_on_device`, over a sequence buffer the
-step appends its tokens to) for grown trees, and is off for fixed topologies. The calibration's weights
-are read once per call and not updated by the steps.
+step appends its tokens to) for grown trees, and is off for fixed topologies. The drafter's calibration
+sums are read at a call's start, learned on by every step and written back after the call's last one.
 
 Host waits are counted with `syncs.StepSyncCounter` (device-to-host reads, `.item()`, `.tolist()`,
 blocking cross-device copies, tensors made from host values): an uncompiled step makes none, the loop one

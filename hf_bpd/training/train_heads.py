@@ -175,6 +175,9 @@ def cached_features(
     def rows(start: int, end: int):  # a datasets.Dataset or a list
         return data.select(range(start, end)) if hasattr(data, "select") else data[start:end]
 
+    # the final hidden state alone is the last slice of any layers' features that end with it: read from there
+    # rather than computed again (a fusion run's cache serves its last-layer control)
+    wider = [] if feature_layers else sorted(cache_dir.glob("layers-*-final"))
     parts, covered = [], 0
     while covered < len(data):
         part = None
@@ -187,6 +190,22 @@ def cached_features(
                 part = Features(**{f.name: saved[f.name] for f in fields(Features)})
                 break
             path.unlink()  # other samples or fewer heads: stale
+        for folder in wider if part is None else []:
+            layers = len(folder.name.split("-")) - 1
+            for path in sorted(folder.glob(f"features-{covered:07d}-*.pt")):
+                end = int(path.stem.split("-")[2])
+                saved = torch.load(path) if end <= len(data) else None
+                if (
+                    saved
+                    and saved["digest"] == rows_digest(rows(covered, end))
+                    and saved["targets"].shape[1] >= num_heads
+                ):
+                    width = saved["hidden"].shape[1] // layers  # the final state: the last of them
+                    saved["hidden"] = saved["hidden"][:, -width:].clone()
+                    part = Features(**{f.name: saved[f.name] for f in fields(Features)})
+                    break
+            if part is not None:
+                break
         if part is None:
             end = min(covered + chunk, len(data))
             new_rows = rows(covered, end)
