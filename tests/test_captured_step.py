@@ -194,10 +194,17 @@ def test_grown_tree_with_the_context_lookup_chain_keeps_the_nodes_the_eager_merg
     hf_bpd.prepare(drafter, model)
     g = torch.Generator().manual_seed(0)
     chained = 0
-    for trial in range(12):
+    for trial in range(18):
         n, chain = (8, 16)[trial % 2], 5
         context = torch.randint(0, 50, (20,), generator=g)
-        context[-3:] = context[4:7] if trial % 3 else context[-3:]  # a repeated trigram, or a random tail
+        context[-3:] = context[4:7] if trial % 3 or trial >= 12 else context[-3:]  # a repeated trigram, or not
+        hidden = torch.randn(1, 32, generator=g)
+        if trial >= 12:  # the chain starts with the heads' own first one or two tokens: merged into their nodes
+            eager, _ = GrownTree.on_host(int(context[-1]), drafter.grow(hidden, context[-1:], budget=n).flat().tolist())
+            first = eager.parents.index(0, 1)  # the most probable child of the root, then its own
+            second = eager.parents.index(first, first + 1) if first in eager.parents[first + 1 :] else None
+            context[7] = eager.tokens[first]
+            context[8] = eager.tokens[second] if second is not None and trial % 2 else 49
         bucket = TreeBucket(None, "previous", torch.device("cpu"), 64, size=n, max_depth=3, top_k=3, lookup=chain)
         calibration = drafter.calibration  # evidence of every source and depth, different each trial
         for source in captured.CALIBRATION_SOURCES:
@@ -206,7 +213,7 @@ def test_grown_tree_with_the_context_lookup_chain_keeps_the_nodes_the_eager_merg
                 calibration.predicted[(GREEDY, source, d)] = predicted
                 calibration.accepted[(GREEDY, source, d)] = predicted * 1.5 * float(torch.rand((), generator=g))
         state = captured.CapturedState.empty(32, chain, 40, "cpu", torch.float32)
-        state.load(context, torch.randn(1, 32, generator=g), 99, drafter.calibration)
+        state.load(context, hidden, 99, drafter.calibration)
         tree = captured.grown_tree(drafter.heads, bucket, state, torch.tensor(19))
         kept = tree.drafted.nonzero().flatten().tolist()
         eager, arcs = GrownTree.on_host(
@@ -216,6 +223,7 @@ def test_grown_tree_with_the_context_lookup_chain_keeps_the_nodes_the_eager_merg
         merged, _ = merge_lookup(eager, arcs, tokens, ngram, drafter.calibration, n)
         expected = paths(merged.tokens, merged.parents, range(len(merged)))
         assert paths(tree.tokens.tolist(), tree.parents.tolist(), kept) == expected, trial
+        assert len(kept) == len(merged), trial  # no node spent on a second copy of a merged token
         chained += any(len(p) > 3 for p in expected)  # deeper than the heads reach: a chain's nodes
     assert chained >= 4
 

@@ -389,28 +389,54 @@ def grown_tree(heads, bucket: TreeBucket, state: CapturedState, length: torch.Te
     raw = raw.masked_fill(~reached, -1e4)  # the heads' own arc estimates (pads: none)
     if not bucket.lookup:
         return DeviceTree(tokens, depths, parents, ancestors, reached, raw, torch.zeros_like(tokens))
-    # the heads' nodes' calibrated path log-probabilities (as the search ranked them), then the chain's
+    # the heads' nodes' calibrated arcs (as the search ranked them), then the chain's
     arcs = (raw + scales[0].index_select(0, depths)).clamp_max(0.0).masked_fill(~reached, -1e4)
-    paths = (ancestors.float() * arcs[None, :]).sum(-1).masked_fill(~reached, -math.inf)
     chain, real, ngram = lookup_on_device(state.sequence, length + 1, bucket.lookup)
     chain_raw = torch.full_like(bucket.chain_depths, math.log(LOOKUP_PROBABILITY), dtype=raw.dtype)
     chain_scales = scales.index_select(0, ngram.view(1))[0, 1 : bucket.lookup + 1]
     chain_arcs = (chain_raw + chain_scales).clamp_max(0.0)
-    chain_paths = chain_arcs.cumsum(0).masked_fill(~real, -math.inf)
+    merged, into = merged_chain_prefix(tokens, parents, reached & ~bucket.is_root, chain, real)
+    # a merged node keeps the better of its two arcs, as `merge_lookup` does (slot n: a sink for the others)
+    better = torch.where(merged & (chain_arcs > arcs.index_select(0, into)), into, n)
+    arcs = torch.cat([arcs, arcs[:1]]).scatter(0, better, chain_arcs)[:n]
+    raw = torch.cat([raw, raw[:1]]).scatter(0, better, chain_raw)[:n]
+    sources = torch.zeros(n + 1, dtype=torch.long, device=device).scatter(0, better, ngram.expand(bucket.lookup))[:n]
+    paths = (ancestors.float() * arcs[None, :]).sum(-1).masked_fill(~reached, -math.inf)
+    # the chain's own nodes hang below the deepest merged one (the root when none is)
+    deepest = into.index_select(0, merged.long().sum(0, keepdim=True).sub(1).clamp_min(0)) * merged.any()
+    own = chain_arcs.masked_fill(merged, 0.0).cumsum(0)
+    chain_paths = (paths.index_select(0, deepest) + own).masked_fill(~real | merged, -math.inf)
+    follows_merged = torch.cat([merged.new_zeros(1), merged[:-1]])
+    chain_parents = torch.where(follows_merged, torch.cat([into[:1], into[:-1]]), bucket.chain_parents)
     keys = torch.cat([paths.masked_fill(bucket.is_root, math.inf), chain_paths])
     # by path probability, then depth, then index: parents before children (a child's path is never more
     # probable, and ties go to the shallower node), so the first N are a tree
     by_depth = torch.sort(torch.cat([depths, bucket.chain_depths]), stable=True).indices
     keep = by_depth.index_select(0, torch.sort(-keys.index_select(0, by_depth), stable=True).indices[:n])
     where = torch.zeros_like(bucket.merged_slots).scatter(0, keep, bucket.slots)  # merged index -> kept index
-    merged_parents = torch.cat([parents, bucket.chain_parents])
-    parents = where.index_select(0, merged_parents.index_select(0, keep))
+    parents = where.index_select(0, torch.cat([parents, chain_parents]).index_select(0, keep))
     tokens = torch.cat([tokens, chain]).index_select(0, keep)
     drafted = (keys > -math.inf).index_select(0, keep)
     raw = torch.cat([raw, chain_raw]).index_select(0, keep)
-    sources = torch.cat([torch.zeros_like(parents), ngram.view(1).expand(bucket.lookup)]).index_select(0, keep)
+    sources = torch.cat([sources, ngram.view(1).expand(bucket.lookup)]).index_select(0, keep)
     depths, ancestors = ancestry(parents, bucket.slots, bucket.eye, bucket.max_depth)
     return DeviceTree(tokens, depths, parents, ancestors, drafted, raw, sources)
+
+
+def merged_chain_prefix(tokens, parents, drafted, chain, real) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of the chain's first tokens the heads drafted too, as a path from the root (`merge_lookup`
+    merges those into the heads' nodes), and the heads' node each merges into: ([L] bool, [L] node index,
+    0 where not merged). Siblings never share a token, so each is found by one comparison over the tree."""
+    node = torch.zeros(1, dtype=torch.long, device=tokens.device)
+    on_heads = torch.ones(1, dtype=torch.bool, device=tokens.device)
+    merged, into = [], []
+    for j in range(chain.shape[0]):
+        hit = (parents == node) & (tokens == chain[j : j + 1]) & drafted
+        on_heads = on_heads & hit.any(0, keepdim=True) & real[j : j + 1]
+        node = torch.where(on_heads, hit.long().argmax(0, keepdim=True), node)
+        merged.append(on_heads)
+        into.append(node * on_heads)
+    return torch.cat(merged), torch.cat(into)
 
 
 def calibrated_log_scales(state: CapturedState) -> torch.Tensor:

@@ -104,26 +104,32 @@ python -m hf_bpd.training.ship --to hf_bpd/assets/smollm2 --bench benchmarks/spe
 # 6k. heads v8 (issue #59; trained, not shipped until measured): v5's heads reading a fusion of hidden states 2,
 #     15 and the final one (--feature-layers; EAGLE-3's low/middle/high features). The fusion starts as the
 #     identity on the final state, so training continues from v5's behaviour. v5 is the shipped v7 without its
-#     pointer (6h froze the heads: their weights are v5's, bit for bit). On the committed distilled shards
-#     (2,304 prompts, as 6h), 2 epochs; the layers' features are cached in $RUNS/features7/layers-2-15-final,
-#     beside 6h's last-layer ones. 6l is its control: the same run without the fusion.
+#     pointer (6h froze the heads: their weights are v5's, bit for bit). On the first 36 shards of distill2
+#     (2,304 prompts, the ones 6h read; distill2 has grown since, so a folder of links fixes them), 2 epochs;
+#     the layers' features are cached in $RUNS/features_first36/layers-2-15-final. 6l is its control: the
+#     same run without the fusion, reading the final state from that cache (no second feature pass).
+mkdir -p "$RUNS/distill2_first36/shards"
+for i in $(seq -f "%05g" 0 35); do
+  ln -sf "$PWD/training/data/distilled/distill2/shards/shard-$i.parquet" "$RUNS/distill2_first36/shards/"
+done
 [ -f "$RUNS/heads5_from_v7/config.json" ] || python -c "import hf_bpd; \
 hf_bpd.BlockDraftHeads.from_pretrained('hf_bpd/assets/smollm2/heads').without_context_copy().save_pretrained('$RUNS/heads5_from_v7')"
-hf-bpd train-heads --data training/data/distilled/distill2 --output "$RUNS/heads8" --init "$RUNS/heads5_from_v7" \
-  --feature-layers 2,15,-1 --features-cache "$RUNS/features7" --epochs 2 --lr 1e-3 --batch-size 256 --top-k 5 \
+hf-bpd train-heads --data "$RUNS/distill2_first36" --output "$RUNS/heads8" --init "$RUNS/heads5_from_v7" \
+  --feature-layers 2,15,-1 --features-cache "$RUNS/features_first36" --epochs 2 --lr 1e-3 --batch-size 256 --top-k 5 \
   --loss-decay 0.8 --teacher-weight 0.5
 # 6l. control of 6k: the same continuation of v5 on the final hidden state alone
-hf-bpd train-heads --data training/data/distilled/distill2 --output "$RUNS/heads8_control" --init "$RUNS/heads5_from_v7" \
-  --features-cache "$RUNS/features7" --epochs 2 --lr 1e-3 --batch-size 256 --top-k 5 --loss-decay 0.8 --teacher-weight 0.5
+hf-bpd train-heads --data "$RUNS/distill2_first36" --output "$RUNS/heads8_control" --init "$RUNS/heads5_from_v7" \
+  --features-cache "$RUNS/features_first36" --epochs 2 --lr 1e-3 --batch-size 256 --top-k 5 --loss-decay 0.8 \
+  --teacher-weight 0.5
 # 6m. 6k with own predictions (EAGLE-3's training-time test): head i > 1 reads the previous head's top-1 at half
 #     the positions instead of the true token
-hf-bpd train-heads --data training/data/distilled/distill2 --output "$RUNS/heads8_own" --init "$RUNS/heads5_from_v7" \
-  --feature-layers 2,15,-1 --features-cache "$RUNS/features7" --epochs 2 --lr 1e-3 --batch-size 256 --top-k 5 \
+hf-bpd train-heads --data "$RUNS/distill2_first36" --output "$RUNS/heads8_own" --init "$RUNS/heads5_from_v7" \
+  --feature-layers 2,15,-1 --features-cache "$RUNS/features_first36" --epochs 2 --lr 1e-3 --batch-size 256 --top-k 5 \
   --loss-decay 0.8 --teacher-weight 0.5 --own-prediction 0.5
 # 6n. tau of 6k-6m against v5 on all of Spec-Bench dev (replay: no tree forwards; greedy's answers cached in step 8)
-hf-bpd replay --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl \
+hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl \
   --heads "$RUNS/heads5_from_v7" "$RUNS/heads8_control" "$RUNS/heads8" "$RUNS/heads8_own" --top-k 10 \
-  --max-tree-tokens 32 64 --context-lookup 0 --output "$RUNS/replay_v8.json"
+  --max-tree-tokens 4 8 16 64 --context-lookup 0 --output benchmarks/replay/heads8_ablation_dev.json
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench ../shared/data/spec_bench_dev.jsonl --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
