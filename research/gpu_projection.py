@@ -5,7 +5,8 @@ an H200, from the cost model with the step's overhead, before any GPU run of the
 
   τ(n)  the captured step's τ with trees of n nodes, each kind the step builds: a FIXED tree
         (`Topology.best_first`, rank prior), trees GROWN each step by the best-first search, and grown trees
-        with the context-lookup chain merged in (LOOKUP, what the step runs for the shipped heads); shipped
+        with the context-lookup chain merged in (LOOKUP), and those with the calibration learning on the
+        device from every walk (LEARNED, what the step runs for the shipped heads); shipped
         heads, top-k 10, on the real SmolLM2-135M-Instruct in float32, 128 new tokens, Spec-Bench dev rows
         (`research/captured_tau.py --replay`, --tau's file). τ is a count, the same on any machine for the
         same tokens (float32).
@@ -70,7 +71,7 @@ def main(argv=None) -> None:
     rows = []
     for (shape, dtype), name in PLAIN.items():
         g = json.loads((GPU / name).read_text())["plain_generate_s_per_token"][shape]["static"]
-        trees = ("fixed", "grown", "lookup")
+        trees = ("fixed", "grown", "lookup", "learned")
         for t in sorted(
             tau_report["sizes"].values(), key=lambda r: (trees.index(r.get("tree", "fixed")), r["tree_tokens"])
         ):

@@ -13,7 +13,7 @@ Parts (`--parts`, in this order by default; each skipped once `--budget-s` secon
           STEP likewise over its steps. With random weights the measured τ is the random heads' (about 1),
           so each captured row also gives `projected_tokens_per_s` = τ_replay(n) / step time, τ_replay(n)
           the captured step's τ measured on the real SmolLM2 with its shipped heads
-          (benchmarks/gpu/captured_tau_grown_smollm2_cpu.json's grown trees with the lookup,
+          (benchmarks/gpu/captured_tau_merged_smollm2_cpu.json's grown trees with the lookup, learning,
           `research/captured_tau.py`: τ is a count, the same on any machine): a projection, labelled so in
           the row.
   real    the packaged SmolLM2-135M-Instruct in float32 (`hf_bpd.load_packaged_model`: needs the GGUF of
@@ -51,7 +51,7 @@ from hf_bpd.tools.cost_model import random_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "tests" / "data" / "spec_bench_sample.jsonl"
-TAU_FILE = ROOT / "benchmarks" / "gpu" / "captured_tau_grown_smollm2_cpu.json"
+TAU_FILE = ROOT / "benchmarks" / "gpu" / "captured_tau_merged_smollm2_cpu.json"
 SHAPES = (("135m", "float32"), ("1b", "bfloat16"), ("7b", "bfloat16"))
 
 
@@ -79,8 +79,8 @@ def replayed_tau() -> dict[int, float]:
     if not TAU_FILE.is_file():
         return {}
     rows = json.loads(TAU_FILE.read_text())["sizes"].values()
-    # the tree the step builds for the shipped heads: grown each step, with the context lookup
-    return {row["tree_tokens"]: row["tau"] for row in rows if row.get("tree", "fixed") == "lookup"}
+    # the tree the step builds for the shipped heads: grown each step, with the context lookup, calibration learning
+    return {row["tree_tokens"]: row["tau"] for row in rows if row.get("tree", "fixed") == "learned"}
 
 
 def shipped_style_heads(model, device, dtype, num_heads=5, draft_vocab=8192, seed=0):
@@ -228,7 +228,7 @@ class Runner:
                     tau_replayed=tau[n],
                     projected_tokens_per_s=tau[n] / step_s,
                     projected_speedup_over_greedy_static=tau[n] * plain_s / step_s,
-                    projection=f"tau_replayed from {TAU_FILE.relative_to(ROOT)} (grown trees with the lookup)",
+                    projection=f"tau_replayed from {TAU_FILE.relative_to(ROOT)} (grown trees, lookup, learned calibration)",
                 )
             self.emit(row)
 
