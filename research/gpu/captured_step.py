@@ -228,7 +228,7 @@ class Runner:
                     tau_replayed=tau[n],
                     projected_tokens_per_s=tau[n] / step_s,
                     projected_speedup_over_greedy_static=tau[n] * plain_s / step_s,
-                    projection=f"tau_replayed from {TAU_FILE.relative_to(ROOT)} (grown trees, lookup, learned calibration)",
+                    projection=f"tau_replayed from {TAU_FILE.relative_to(ROOT)} (grown, lookup, learned calibration)",
                 )
             self.emit(row)
 
