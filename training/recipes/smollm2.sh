@@ -129,7 +129,7 @@ hf-bpd train-heads --data "$RUNS/distill2_first36" --output "$RUNS/heads8_own" -
 # 6n. tau of 6k-6m against v5 on all of Spec-Bench dev (replay: no tree forwards; greedy's answers cached in step 8)
 hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl \
   --heads "$RUNS/heads5_from_v7" "$RUNS/heads8_control" "$RUNS/heads8" "$RUNS/heads8_own" --top-k 10 \
-  --max-tree-tokens 4 8 16 64 --context-lookup 0 --output benchmarks/replay/heads8_ablation_dev.json
+  --max-tree-tokens 4 8 16 64 --context-lookup 0 --output benchmarks/replay/heads8_ablation_dev_lookup0.json
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench ../shared/data/spec_bench_dev.jsonl --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
