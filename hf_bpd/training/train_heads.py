@@ -175,35 +175,32 @@ def cached_features(
     def rows(start: int, end: int):  # a datasets.Dataset or a list
         return data.select(range(start, end)) if hasattr(data, "select") else data[start:end]
 
-    # the final hidden state alone is the last slice of any layers' features that end with it: read from there
-    # rather than computed again (a fusion run's cache serves its last-layer control)
-    wider = [] if feature_layers else sorted(cache_dir.glob("layers-*-final"))
-    parts, covered = [], 0
-    while covered < len(data):
-        part = None
-        for path in sorted(cache_dir.glob(f"features-{covered:07d}-*.pt")):
+    def cached_chunk(folder: Path, covered: int, layers: int, own: bool):
+        """(Features, end) of a chunk file in `folder` that starts at `covered` and holds these samples with
+        enough heads, the final state's slice of `layers` concatenated states; (None, None) when none does.
+        Stale files of this run's own folder are removed."""
+        for path in sorted(folder.glob(f"features-{covered:07d}-*.pt")):
             end = int(path.stem.split("-")[2])
             if end > len(data):
                 continue
             saved = torch.load(path)
             if saved["digest"] == rows_digest(rows(covered, end)) and saved["targets"].shape[1] >= num_heads:
-                part = Features(**{f.name: saved[f.name] for f in fields(Features)})
-                break
-            path.unlink()  # other samples or fewer heads: stale
-        for folder in wider if part is None else []:
-            layers = len(folder.name.split("-")) - 1
-            for path in sorted(folder.glob(f"features-{covered:07d}-*.pt")):
-                end = int(path.stem.split("-")[2])
-                saved = torch.load(path) if end <= len(data) else None
-                if (
-                    saved
-                    and saved["digest"] == rows_digest(rows(covered, end))
-                    and saved["targets"].shape[1] >= num_heads
-                ):
-                    width = saved["hidden"].shape[1] // layers  # the final state: the last of them
-                    saved["hidden"] = saved["hidden"][:, -width:].clone()
-                    part = Features(**{f.name: saved[f.name] for f in fields(Features)})
-                    break
+                width = saved["hidden"].shape[1] // layers  # the final state: the last of them
+                saved["hidden"] = saved["hidden"][:, -width:].clone() if layers > 1 else saved["hidden"]
+                return Features(**{f.name: saved[f.name] for f in fields(Features)}), end
+            if own:
+                path.unlink()  # other samples or fewer heads: stale
+        return None, None
+
+    # the final hidden state alone is the last slice of any layers' features that end with it: read from there
+    # rather than computed again (a fusion run's cache serves its last-layer control)
+    wider = [] if feature_layers else sorted(cache_dir.glob("layers-*-final"))
+    sources = [(cache_dir, 1, True)] + [(folder, len(folder.name.split("-")) - 1, False) for folder in wider]
+    parts, covered = [], 0
+    while covered < len(data):
+        part = None
+        for folder, layers, own in sources:
+            part, end = cached_chunk(folder, covered, layers, own)
             if part is not None:
                 break
         if part is None:
