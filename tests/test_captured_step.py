@@ -34,6 +34,8 @@ def static_generate(model, ids, drafter=None, **kw):
 def heads_of(model, kind: str):
     if kind == "copying":  # plain heads repeating the base model's guess: drafts accepted on repetitive text
         return BlockDraftHeads.for_base_model(model, num_heads=4)
+    if kind == "chained":  # "previous" heads, each reading the state of the head before it
+        return random_heads(model, num_heads=4, token_input="previous", std=0.05, chained=True)
     return random_heads(model, num_heads=4, token_input=kind, std=0.05)
 
 
@@ -76,22 +78,30 @@ def test_topologies_that_are_not_trees_are_refused():
         Topology((-1, 0, 0), (0, 1, 1))
 
 
-def test_device_tree_takes_each_node_s_rank_of_its_head_applied_to_its_parent_s_token():
+@pytest.mark.parametrize("chained", [False, True])
+def test_device_tree_takes_each_node_s_rank_of_its_head_applied_to_its_parent_s_token(chained):
     model = tiny_model("llama")
-    heads = random_heads(model, num_heads=3, token_input="previous").bind(model)
+    heads = random_heads(model, num_heads=3, token_input="previous", chained=chained).bind(model)
     top = Topology.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
     bucket = TreeBucket(top, "previous", torch.device("cpu"), capacity=32)
     hidden, root = torch.randn(1, 32), torch.tensor([7])
     tokens = draft_tokens(heads, bucket, hidden, root).tolist()
     with torch.no_grad():
         for i in range(1, len(top)):
-            parent, depth = top.parents[i], top.depths[i]
-            ids, _ = heads.top_tokens(heads.step(depth - 1, hidden, torch.tensor([tokens[parent]])), 3)
+            branch, j = [], top.parents[i]  # the parent's branch, root first
+            while j >= 0:
+                branch.insert(0, j)
+                j = top.parents[j]
+            state_in = hidden
+            for depth, node in enumerate(branch):  # chained heads read the state of the head before them
+                state = heads.step(depth, state_in, torch.tensor([tokens[node]]))
+                state_in = state if chained else hidden
+            ids, _ = heads.top_tokens(state, 3)
             assert tokens[i] == ids[0, top.ranks[i]].item(), i
 
 
 # ---------------------------------------------------------------------------------------- decoding
-@pytest.mark.parametrize("kind", ["previous", "next", "copying"])
+@pytest.mark.parametrize("kind", ["previous", "next", "copying", "chained"])
 def test_captured_greedy_gives_plain_static_generate_s_tokens_with_one_host_read_per_step(kind):
     model = tiny_model("llama", eos_token_id=None)
     drafter = BlockDrafter(heads_of(model, kind), top_k=3, max_tree_tokens=12)
@@ -107,7 +117,9 @@ def test_captured_greedy_gives_plain_static_generate_s_tokens_with_one_host_read
             assert syncs.get("step", 0) == 0, syncs  # nothing inside a step waits for the device
             assert syncs.get("read", 0) == drafter.stats.steps, syncs  # one read per step
     learned = drafter.calibration.summary()  # what the steps learned on the device, kept by the drafter
-    assert (len(learned) > 0) == (kind == "previous"), learned  # grown trees only: a fixed one has no estimates
+    assert (len(learned) > 0) == (kind in ("previous", "chained")), (
+        learned
+    )  # grown trees only: a fixed one has no estimates
 
 
 def test_walks_through_any_rank_are_compacted_and_give_plain_static_generate_s_tokens(monkeypatch):
@@ -150,11 +162,13 @@ def test_walks_through_any_rank_are_compacted_and_give_plain_static_generate_s_t
             assert cache.get_seq_length() == ref.shape[1] - 1  # as `generate` leaves it, steps in flight dropped
 
 
-def test_grown_tree_on_the_device_is_the_tree_the_eager_drafter_grows():
+@pytest.mark.parametrize("chained", [False, True])
+def test_grown_tree_on_the_device_is_the_tree_the_eager_drafter_grows(chained):
     from hf_bpd.drafting.expansion import GrownTree
 
     model = tiny_model("llama")
-    drafter = BlockDrafter(random_heads(model, num_heads=3, token_input="previous", std=0.3), top_k=3)
+    heads = random_heads(model, num_heads=3, token_input="previous", std=0.3, chained=chained)
+    drafter = BlockDrafter(heads, top_k=3)
     hf_bpd.prepare(drafter, model)
     heads = drafter.heads
     for n in (1, 2, 8, 16):

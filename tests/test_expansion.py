@@ -16,32 +16,38 @@ from hf_bpd.drafting.tree import DraftTree
 ROOT = 11
 
 
-@pytest.fixture(scope="module")
-def setup():
+@pytest.fixture(scope="module", params=[False, True], ids=["independent", "chained"])
+def setup(request):
+    """ "previous" heads, independent (each reads the base hidden state) or chained (each reads the state of
+    the head before it at the node's parent)."""
     model = tiny_model("llama", eos_token_id=None)
-    heads = random_heads(model, num_heads=3, token_input="previous", std=0.2).eval()
+    heads = random_heads(model, num_heads=3, token_input="previous", std=0.2, chained=request.param).eval()
     hidden = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     return heads, hidden
 
 
-def child_logprobs(heads, hidden, depth: int, token: int) -> torch.Tensor:
-    """Head depth+1's log-probabilities over the vocabulary given the node's token."""
+def child_logprobs(heads, hidden, branch: tuple[int, ...]) -> torch.Tensor:
+    """The log-probabilities over the vocabulary of the children of the node whose branch (root first) is
+    `branch`, computed head by head along it: chained heads read each previous head's state."""
     with torch.no_grad():
-        state = heads.step(depth, hidden, torch.tensor([token]))
+        state_in = hidden
+        for depth, token in enumerate(branch):
+            state = heads.step(depth, state_in, torch.tensor([token]))
+            state_in = state if heads.config.chained else hidden
         return torch.log_softmax(heads.project(state).float(), dim=-1)[0]
 
 
 def all_paths(heads, hidden, k: int) -> dict[tuple[int, ...], float]:
     """Brute force: every path of the k-ary expansion and its log-probability."""
     out: dict[tuple[int, ...], float] = {}
-    frontier = [((), ROOT, 0.0)]
-    for depth in range(heads.num_heads):
+    frontier = [((), 0.0)]
+    for _ in range(heads.num_heads):
         nxt = []
-        for path, token, lp in frontier:
-            values, ids = child_logprobs(heads, hidden, depth, token).topk(k)
+        for path, lp in frontier:
+            values, ids = child_logprobs(heads, hidden, (ROOT, *path)).topk(k)
             for v, t in zip(values.tolist(), ids.tolist()):
                 out[(*path, t)] = lp + v
-                nxt.append(((*path, t), t, lp + v))
+                nxt.append(((*path, t), lp + v))
         frontier = nxt
     return out
 
@@ -60,8 +66,7 @@ def test_expansion_picks_the_most_probable_nodes(setup, monkeypatch, budget):
     for i, path in enumerate(tree.node_paths()[1:], start=1):
         assert tree.parents[i] < i and tree.depths[i] == len(path) <= heads.num_heads
         assert arcs[i].source == HEADS
-        parent_token = ROOT if len(path) == 1 else path[-2]
-        want = child_logprobs(heads, hidden, len(path) - 1, parent_token)[path[-1]]
+        want = child_logprobs(heads, hidden, (ROOT, *path[:-1]))[path[-1]]
         assert arcs[i].logprob == pytest.approx(float(want), abs=1e-5)  # the node's own head, its own parent
 
 
@@ -72,14 +77,14 @@ def test_batched_expansion_keeps_parents_first_and_respects_limits(setup):
     assert len(tree) == 1 + 4 + 16 == len(arcs)  # depth 2 holds all 4 + 16 candidates, under the budget of 30
     assert max(tree.depths) == 2 and all(tree.parents[i] < i for i in range(1, len(tree)))
     # the root's first child is head 1's top token given the root
-    assert tree.tokens[1] == int(child_logprobs(heads, hidden, 0, ROOT).argmax())
+    assert tree.tokens[1] == int(child_logprobs(heads, hidden, (ROOT,)).argmax())
     logprobs = tree.path_logprobs(arcs)
     assert logprobs[1] == max(logprobs[1:])
 
 
 def test_rescorer_estimates_compete_and_merged_drafts_are_not_duplicated(setup):
     heads, hidden = setup
-    top = child_logprobs(heads, hidden, 0, ROOT).topk(3).indices.tolist()
+    top = child_logprobs(heads, hidden, (ROOT,)).topk(3).indices.tolist()
     outside = next(t for t in range(60) if t not in top)
     tree = DraftTree.root_only(ROOT)
     tree.add_path((top[1], 7), 10)  # a draft without estimates, merged first
@@ -90,7 +95,7 @@ def test_rescorer_estimates_compete_and_merged_drafts_are_not_duplicated(setup):
     assert (outside, 5) not in paths  # hopeless estimate: the heads' nodes win the budget
     assert paths.index((top[1],)) == 1 and arcs[1].source == HEADS and arcs[1].logprob > -math.inf  # reached
     assert paths[2] == (top[1], 7)  # the merged draft keeps its slot; its arc is known once the search reaches it
-    reached = 7 in child_logprobs(heads, hidden, 1, top[1]).topk(3).indices.tolist()
+    reached = 7 in child_logprobs(heads, hidden, (ROOT, top[1])).topk(3).indices.tolist()
     assert (arcs[2].logprob > -math.inf) == reached
 
 
@@ -127,12 +132,12 @@ def test_chain_lattice_follows_the_greedy_draft(setup):
     lattice = chain_lattice(heads, hidden.expand(2, -1), torch.tensor([ROOT, 3]), top_k=4)
     assert lattice.tokens.shape == lattice.logprobs.shape == (2, 3, 4)
     for b, root in enumerate([ROOT, 3]):
-        previous = root
+        branch = (root,)
         for depth in range(3):
-            values, ids = child_logprobs(heads, hidden, depth, previous).topk(4)
+            values, ids = child_logprobs(heads, hidden, branch).topk(4)
             assert lattice.tokens[b, depth].tolist() == ids.tolist()
             torch.testing.assert_close(lattice.logprobs[b, depth], values)
-            previous = ids[0].item()
+            branch = (*branch, ids[0].item())
 
 
 def test_expansion_with_a_draft_vocabulary_maps_token_ids():

@@ -108,6 +108,38 @@ def test_previous_heads_read_the_token_before_each_target(model, tmp_path):
     assert loaded.config.token_input == "previous" and torch.equal(loaded(x, tokens), out)
 
 
+def test_chained_heads_read_the_state_of_the_head_before_them(model, tmp_path):
+    x = hidden(2, 5)
+    tokens = torch.randint(0, VOCAB, (2, 5, 3), generator=torch.Generator().manual_seed(2))  # tokens t+1..t+3
+    independent = random_heads(model, num_heads=3, token_input="previous")
+    heads = independent.with_chaining()
+    assert heads.config.chained and not independent.config.chained
+    out = heads(x, tokens)
+    emb = model.get_input_embeddings().weight
+    state = x
+    for i in range(3):  # head i+1 reads head i's state (head 1: the base hidden state) and token t+1+i
+        block = heads.heads[i][0]
+        state = state + block.act(block.linear(torch.cat([state, emb[tokens[..., i]]], dim=-1)))
+        torch.testing.assert_close(out[..., i, :], model.lm_head(state))
+    before = independent(x, tokens)
+    assert torch.equal(out[..., 0, :], before[..., 0, :])  # the same weights: head 1 drafts as before
+    assert not torch.allclose(out[..., 1:, :], before[..., 1:, :])
+    changed = tokens.clone()
+    changed[..., 0] = (changed[..., 0] + 1) % VOCAB
+    again = heads(x, changed)  # every later head now reads token t+1 too, through the chain
+    assert all(not torch.allclose(again[..., i, :], out[..., i, :]) for i in range(3))
+    heads.save_pretrained(tmp_path)
+    loaded = BlockDraftHeads.from_pretrained(tmp_path).bind(model)
+    assert loaded.config.chained and torch.equal(loaded(x, tokens), out)
+    with pytest.raises(ValueError, match="chained already"):
+        heads.with_chaining()
+    with pytest.raises(ValueError, match="previous"):
+        BlockDraftHeadsConfig(token_input="next", chained=True)
+    with pytest.raises(ValueError, match="context-copy"):
+        BlockDraftHeadsConfig(token_input="previous", chained=True, copy_dim=8)
+    assert BlockDraftHeadsConfig(token_input="previous").chained is False  # configs written before the option
+
+
 def test_token_input_config_values():
     from hf_bpd.drafting.heads import BlockDraftHeadsConfig
 

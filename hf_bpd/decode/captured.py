@@ -206,7 +206,6 @@ def rank_acceptance(model, heads, sequences, top_k: int) -> list[list[float]]:
     the true token before its target, exactly what a tree node under a correct parent sees, so the share of
     positions where the true token is rank r of its top-k is the chance that node (d + 1, r) is accepted
     once its parent is. Returns [num_heads][top_k] shares."""
-    kind = heads.config.token_input
     counts = torch.zeros(heads.num_heads, top_k, dtype=torch.float64)
     totals = torch.zeros(heads.num_heads, dtype=torch.float64)
     with torch.no_grad():
@@ -214,15 +213,20 @@ def rank_acceptance(model, heads, sequences, top_k: int) -> list[list[float]]:
             ids = ids.view(-1)
             out = model(ids[None], output_hidden_states=True, return_dict=True)
             hidden = out.hidden_states[-1][0].to(heads.dtype)  # [L, H]: position t predicts ids[t + 1]
-            first = max(prompt_len - 1, 0)
+            t = torch.arange(max(prompt_len - 1, 0), ids.numel() - 2, device=ids.device)
+            if t.numel() == 0:
+                continue
+            # tokens t+1, t+2, ... (-1 past the end): the true tokens the heads read, teacher forced
+            ahead = t[:, None] + 1 + torch.arange(heads.num_heads, device=ids.device)
+            continuation = torch.where(ahead < ids.numel(), ids[ahead.clamp_max(ids.numel() - 1)], -1)
+            states = heads.head_states(hidden[t], heads.teacher_forced_tokens(continuation))  # [n, h, H]
             for d in range(heads.num_heads):
-                t = torch.arange(first, ids.numel() - 2 - d, device=ids.device)  # head d's target: ids[t + 2 + d]
-                if t.numel() == 0:
+                valid = t < ids.numel() - 2 - d  # head d's target: ids[t + 2 + d]
+                if not bool(valid.any()):
                     continue
-                tokens = ids[t + 1 + d] if kind == "previous" else ids[t + 1] if kind == "next" else None
-                top, _ = heads.top_tokens(heads.step(d, hidden[t], tokens), top_k)
-                counts[d] += (top == ids[t + 2 + d][:, None]).sum(0).double().cpu()
-                totals[d] += t.numel()
+                top, _ = heads.top_tokens(states[valid, d], top_k)
+                counts[d] += (top == ids[t[valid] + 2 + d][:, None]).sum(0).double().cpu()
+                totals[d] += int(valid.sum())
     return (counts / totals.clamp_min(1)[:, None]).tolist()
 
 
@@ -318,6 +322,7 @@ def draft_tokens(heads, bucket: TreeBucket, hidden: torch.Tensor, root: torch.Te
     indexing of each depth's top-k."""
     kind = heads.config.token_input
     level_tokens = [root]
+    level_inputs = [hidden]  # chained heads: what each level's nodes' children read (their own parents' states)
     for d, (expand, state, rank, k) in enumerate(bucket.levels):
         parent_tokens = level_tokens[-1].index_select(0, expand)  # [m]
         if kind == "previous":
@@ -326,9 +331,11 @@ def draft_tokens(heads, bucket: TreeBucket, hidden: torch.Tensor, root: torch.Te
             tokens = root
         else:
             tokens = None
-        states = heads.step(d, hidden.expand(expand.shape[0], -1), tokens)
+        inputs = level_inputs[-1].index_select(0, expand) if heads.config.chained and d else hidden
+        states = heads.step(d, inputs.expand(expand.shape[0], -1), tokens)
         ids, _ = heads.top_tokens(states, k)  # [m, k]
         level_tokens.append(ids[state, rank])
+        level_inputs.append(states[state])
     return torch.cat(level_tokens).index_select(0, bucket.node_order)
 
 

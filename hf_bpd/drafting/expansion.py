@@ -50,15 +50,21 @@ def _top_children(
     top_k: int,
     memory: CopyMemory | None = None,
     warp: SamplingWarp | None = None,
-) -> dict[int, tuple[list[list[int]], list[list[float]]]]:
+    inputs: dict[int, torch.Tensor] | None = None,
+) -> tuple[dict[int, tuple[list[list[int]], list[list[float]]]], list[torch.Tensor]]:
     """For nodes grouped by depth ({depth: (their tokens, their parents' tokens)}), head depth+1's top-k
-    (token ids, log-probs; warped when sampling); parents' tokens feed the context-copy pointer (`memory`,
-    None without one).
+    (token ids, log-probs; warped when sampling), and each group's head states (what chained heads' children
+    read); parents' tokens feed the context-copy pointer (`memory`, None without one). `inputs`: chained
+    heads' input state per group `[len(group), H]` (their parents' states); the others read `hidden`.
     On a CPU the cost is reading weights, not arithmetic: every depth's residual block runs once on its
     group, and the shared softmax layer (the largest weight by far) once on all of them."""
     with torch.no_grad():
         states = [
-            heads.step(depth, hidden.expand(len(tokens), -1), torch.tensor(tokens, device=hidden.device))
+            heads.step(
+                depth,
+                hidden.expand(len(tokens), -1) if inputs is None else inputs[depth],
+                torch.tensor(tokens, device=hidden.device),
+            )
             for depth, (tokens, _) in groups.items()
         ]
         head_index = torch.tensor([d for d, (tokens, _) in groups.items() for _ in tokens])
@@ -71,7 +77,7 @@ def _top_children(
     for depth, (tokens, _) in groups.items():
         out[depth] = (ids_list[start : start + len(tokens)], values_list[start : start + len(tokens)])
         start += len(tokens)
-    return out
+    return out, states
 
 
 def chain_lattice(
@@ -85,10 +91,13 @@ def chain_lattice(
     previous = root.to(hidden.device)
     memory = heads.copy_memory(context) if context is not None else None
     before = context[:, -2] if memory is not None and context.shape[1] > 1 else previous
+    state = hidden
     with torch.no_grad():
         for i in range(heads.num_heads):
             head = torch.full_like(previous, i)
-            ids, values = heads.top_tokens(heads.step(i, hidden, previous), top_k, head, before, memory)
+            step = heads.step(i, state if heads.config.chained else hidden, previous)
+            state = step
+            ids, values = heads.top_tokens(step, top_k, head, before, memory)
             tokens.append(ids)
             logprobs.append(values)
             before, previous = previous, ids[:, 0]
@@ -129,6 +138,7 @@ def expand_tree(
     paths: dict[int, tuple[int, ...]] = {0: ()}
     heap: list[tuple[float, int, int, int, Arc]] = []  # (-path logprob, tie-break, parent, token, arc)
     counter = 0
+    node_states: dict[int, torch.Tensor] = {}  # chained heads: each expanded node's state [1, H]
 
     def push(parent: int, token: int, arc: Arc, logprob: float) -> None:
         nonlocal counter
@@ -145,7 +155,15 @@ def expand_tree(
             d: ([tree.tokens[n] for n in g], [tree.tokens[tree.parents[n]] if n else before_root for n in g])
             for d, g in by_depth.items()
         }
-        children = _top_children(heads, hidden, groups, top_k, memory, warp) if groups else {}
+        inputs = None
+        if heads.config.chained:  # each node reads its parent's state (the root: the base hidden state)
+            inputs = {
+                d: torch.cat([node_states[tree.parents[n]] if n else hidden for n in g]) for d, g in by_depth.items()
+            }
+        children, states = _top_children(heads, hidden, groups, top_k, memory, warp, inputs) if groups else ({}, [])
+        if heads.config.chained:
+            for group, group_states in zip(by_depth.values(), states):
+                node_states.update({n: group_states[j : j + 1] for j, n in enumerate(group)})
         # a node's children come best first, and each one added takes a free slot (merged nodes reached
         # later take none): children past the free slots can never join the tree
         room = budget - len(tree) + (len(tree) - len(path_logprob))
@@ -255,8 +273,11 @@ def grow_on_device(
     per_round = round_size(budget)
     # a tensor as it is: the captured step passes a device buffer (a host list would be a graph constant)
     scales = log_scales if isinstance(log_scales, torch.Tensor) else torch.tensor(log_scales, device=device)
+    chained = heads.config.chained
     with torch.no_grad():
-        ids, values = heads.top_tokens(heads.step(0, hidden, root), top_k)  # [B, k]
+        root_state = heads.step(0, hidden, root)
+        node_states = [root_state[:, None]]  # chained heads: each expanded node's state, tree order [B, n, H]
+        ids, values = heads.top_tokens(root_state, top_k)  # [B, k]
         if warp is not None:
             values = warp(values)
         cand_tokens, cand_logprobs = ids, values
@@ -285,12 +306,19 @@ def grow_on_device(
             deepest = min(rounds, depth_limit - 1)  # this round's nodes are at depths 1..rounds
             if size >= budget or deepest < 1:
                 continue
-            # expand this round's nodes (all rows' at once): head d (0-based) reads a node at depth d
-            node_hidden = hidden.repeat_interleave(take, dim=0)  # [B * take, H], row-major like tokens
+            # expand this round's nodes (all rows' at once): head d (0-based) reads a node at depth d, and
+            # its input: the base hidden state, or for chained heads the node's parent's state
+            if chained:
+                known = torch.cat(node_states, dim=1)  # [B, nodes so far, H]
+                node_hidden = known.gather(1, parents[..., None].expand(-1, -1, known.shape[-1])).flatten(0, 1)
+            else:
+                node_hidden = hidden.repeat_interleave(take, dim=0)  # [B * take, H], row-major like tokens
             flat_tokens, flat_depths = tokens.flatten(), depths.flatten()
             states = torch.stack([heads.step(d, node_hidden, flat_tokens) for d in range(1, deepest + 1)])
             which = (flat_depths - 1).clamp_max(deepest - 1)
             states = states[which, torch.arange(rows * take, device=device)]
+            if chained:
+                node_states.append(states.view(rows, take, -1))
             ids, values = heads.top_tokens(states, top_k)  # [B * take, k]
             if warp is not None:
                 values = warp(values)

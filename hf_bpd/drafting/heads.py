@@ -27,6 +27,11 @@ borrowed from the base model at `bind`.
               one call.
   ""          plain Medusa heads (the hidden state only).
 
+Optional chaining (`chained`, "previous" heads only; Apple ReDrafter's recurrent drafter): head i > 1 reads
+head i-1's state (its residual block's output at the node's parent) instead of the base hidden state, so a
+node's state has read every token of its branch, not only the one before its target. Same weights' shapes,
+same cost per node; drafting keeps each expanded node's state for its children.
+
 Optional context copy (`copy_dim` > 0, "previous" heads only): each head also points into the context
 (prompt and answer so far) and mixes the token that followed the matching bigram there into its own
 distribution (`context_copy.py`): what lets the heads copy names, numbers and phrases from a long prompt.
@@ -88,6 +93,7 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         copy_dim: int = 0,
         base_lm_head_sketch: dict | None = None,
         feature_layers: list[int] | None = None,
+        chained: bool = False,
         **kwargs,
     ) -> None:
         self.base_model_name = base_model_name
@@ -113,6 +119,15 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         self.copy_dim = copy_dim  # 0: no context copy
         # None: the final hidden state alone (configs written before the option have none)
         self.feature_layers = check_feature_layers(feature_layers)
+        # head i > 1 reads head i-1's state instead of the base hidden state (module docstring)
+        self.chained = bool(chained)
+        if self.chained and token_input != "previous":
+            raise ValueError(
+                f"chained heads read the drafted token before their target: token_input must be "
+                f"'previous', got {token_input!r}"
+            )
+        if self.chained and copy_dim:
+            raise ValueError("chained heads have no context-copy pointer (copy_dim must be 0)")
         super().__init__(**kwargs)
 
 
@@ -429,12 +444,14 @@ class BlockDraftHeads(PreTrainedModel):
         token_input: str | None = None,
         copy_dim: int = 0,
         feature_layers: list[int] | None = None,
+        chained: bool = False,
     ) -> BlockDraftHeads:
         """Untrained heads that fit `model` (hidden size, vocabulary, LM head fingerprint), bound to it.
         `draft_vocab`: token ids the heads may draft (default: all); `token_input`: which token embedding
         the heads also read, "next", "previous" or "" (module docstring; `use_next_token=True` is
         `token_input="next"`); `copy_dim`: width of the context-copy pointer (0: none); `feature_layers`:
-        the hidden states the heads read a fusion of (module docstring; None: the final one alone)."""
+        the hidden states the heads read a fusion of (module docstring; None: the final one alone); `chained`:
+        head i > 1 reads head i-1's state (module docstring)."""
         lm_head = _output_embeddings(model)
         if feature_layers is not None:
             from .layer_features import decoder_layers
@@ -454,6 +471,7 @@ class BlockDraftHeads(PreTrainedModel):
             token_input=token_input,
             copy_dim=copy_dim,
             feature_layers=feature_layers,
+            chained=chained,
         )
         heads = cls(config)
         if draft_vocab is not None:
@@ -580,16 +598,32 @@ class BlockDraftHeads(PreTrainedModel):
                     f"these draft heads read the token before each head's target (token_input='previous'): pass "
                     f"tokens of shape {want} (tokens t+1..t+h), got {got}"
                 )
-            return torch.stack([self.step(i, hidden_states, tokens[..., i]) for i in range(self.num_heads)], dim=-2)
+            if not self.config.chained:
+                return torch.stack([self.step(i, hidden_states, tokens[..., i]) for i in range(self.num_heads)], dim=-2)
+            states, state = [], hidden_states
+            for i in range(self.num_heads):
+                state = self.step(i, state, tokens[..., i])
+                states.append(state)
+            return torch.stack(states, dim=-2)
         extra = self._embed(hidden_states, tokens) if kind else None
         return torch.stack([self._head(i, hidden_states, extra) for i in range(self.num_heads)], dim=-2)
 
     def step(self, i: int, hidden_states: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The state `[..., hidden]` of head `i` (0-based) alone, reading `tokens [...]` (for "previous"
         heads the token before its target; for "next" heads token t+1; ignored by plain heads). Drafting
-        with "previous" heads calls it once per tree depth on all the nodes it expands."""
+        with "previous" heads calls it once per tree depth on all the nodes it expands. `hidden_states`:
+        the base hidden state, or for chained heads and i > 0 head i-1's state at the node's parent
+        (`input_states`)."""
         extra = self._embed(hidden_states, tokens) if self.config.token_input else None
         return self._head(i, hidden_states, extra)
+
+    def with_chaining(self) -> BlockDraftHeads:
+        """A chained copy of these "previous" heads (same weights, draft vocabulary and binding): head i > 1
+        reads head i-1's state instead of the base hidden state. Head 1 drafts exactly as before; the later
+        heads need training to read the new input."""
+        if self.config.chained:
+            raise ValueError("these heads are chained already")
+        return self._variant(self.state_dict(), chained=True)[0]
 
     def _head(self, i: int, x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
         for j, block in enumerate(self.heads[i]):

@@ -109,6 +109,8 @@ def initial_heads(model, args: argparse.Namespace, draft_vocab: torch.Tensor | N
                 f"--copy-dim {copy_dim} differs from the --init heads in {args.init}, which have "
                 f"{heads.config.copy_dim}"
             )
+        if getattr(args, "chained", False) and not heads.config.chained:
+            return heads.with_chaining()
         return heads
     heads = BlockDraftHeads.for_base_model(
         model,
@@ -118,6 +120,7 @@ def initial_heads(model, args: argparse.Namespace, draft_vocab: torch.Tensor | N
         token_input=token_input(args),
         copy_dim=copy_dim,
         feature_layers=getattr(args, "feature_layers", None),
+        chained=getattr(args, "chained", False),
     )
     return heads.float()
 
@@ -189,7 +192,10 @@ def own_prediction_tokens(
     state_in = heads.fuse(hidden) if fused else hidden
     out = tokens.clone()
     for i in range(heads.num_heads - 1):
-        logits = heads.project(heads.step(i, state_in, out[:, i])).float()
+        state = heads.step(i, state_in, out[:, i])
+        if heads.config.chained:  # the next head reads this one's state
+            state_in = state
+        logits = heads.project(state).float()
         if top_k == 1:
             index = logits.argmax(-1)
         else:

@@ -28,6 +28,10 @@ Own predictions (`--own-prediction p`, "previous" heads; EAGLE-3's training-time
 with probability p per position, the token the heads themselves put at depth i-1 (the previous head's top-1,
 or a draw from its top `--own-top-k`) instead of the true token: what it reads in decoding.
 
+Chained heads (`--chained`, "previous" heads; Apple ReDrafter's recurrent drafter): head i > 1 reads head
+i-1's state instead of the base hidden state (`heads.py`), teacher forced along the true continuation. With
+`--init` unchained heads, their weights start the chain (head 1 drafts exactly as before).
+
 Validation each epoch on held-out distilled samples: per-head top-1 / top-k accuracy, and the lattice
 oracle (mean longest prefix of the true continuation inside the top-k lattice).
 """
@@ -297,6 +301,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     resolve_heads_shape(args)
     layers = resolved_feature_layers(model, args)
     check_own_prediction(args)
+    check_chained(args)
     cache = Path(args.features_cache or Path(args.output) / "features")
     # the main process computes what the cache lacks and writes it; the others then read it back
     if accelerator.is_main_process:
@@ -443,6 +448,20 @@ def check_own_prediction(args: argparse.Namespace) -> None:
         )
 
 
+def check_chained(args: argparse.Namespace) -> None:
+    """Chained heads read the drafted token before their target and have no context-copy pointer: refused
+    before any feature is computed."""
+    if not getattr(args, "chained", False):
+        return
+    if args.token_input != "previous":
+        raise ValueError(
+            f"--chained heads read the token before their target: they need --token-input previous, "
+            f"got {args.token_input}"
+        )
+    if getattr(args, "copy_dim", 0):
+        raise ValueError("--chained heads have no context-copy pointer: leave out --copy-dim")
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="packaged", help="base model path or 'packaged'")
     parser.add_argument(
@@ -485,6 +504,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="frozen mode: hidden states the heads read a fusion of, as output_hidden_states indices, e.g. 2,15,-1 "
         "(-1: the final hidden state, which must be among them; default: the final one alone). With --init "
         "last-layer heads the fusion starts as the identity on the final state",
+    )
+    parser.add_argument(
+        "--chained",
+        action="store_true",
+        help="'previous' heads: head i > 1 reads head i-1's state instead of the base hidden state (a recurrent "
+        "drafter, as Apple's ReDrafter); --init unchained heads become chained with their weights",
     )
     parser.add_argument(
         "--own-prediction",
