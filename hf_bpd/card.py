@@ -206,10 +206,10 @@ def render_card(
         "target (head 1: the base model's own next token; head i: the drafted token at depth i-1, so each "
         "tree branch is drafted from its own tokens)",
     }[cfg.token_input]
-    if getattr(cfg, "chained", False):
-        inputs += (
-            "; head i > 1 reads head i-1's state in place of the hidden state, so each node has read its whole branch"
-        )
+    chain = getattr(cfg, "chain", "")
+    if chain:
+        where = "in place of the hidden state" if chain == "state" else "beside the hidden state"
+        inputs += f"; head i > 1 reads head i-1's state {where}, so each node has read its whole branch"
     if getattr(cfg, "copy_dim", 0):
         inputs += (
             f"; each head also points into the context (prompt and answer so far: a {cfg.copy_dim}-wide "

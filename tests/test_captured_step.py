@@ -34,8 +34,8 @@ def static_generate(model, ids, drafter=None, **kw):
 def heads_of(model, kind: str):
     if kind == "copying":  # plain heads repeating the base model's guess: drafts accepted on repetitive text
         return BlockDraftHeads.for_base_model(model, num_heads=4)
-    if kind == "chained":  # "previous" heads, each reading the state of the head before it
-        return random_heads(model, num_heads=4, token_input="previous", std=0.05, chained=True)
+    if kind.startswith("chain-"):  # "previous" heads, each reading the state of the head before it
+        return random_heads(model, num_heads=4, token_input="previous", std=0.05, chain=kind[6:])
     return random_heads(model, num_heads=4, token_input=kind, std=0.05)
 
 
@@ -78,10 +78,10 @@ def test_topologies_that_are_not_trees_are_refused():
         Topology((-1, 0, 0), (0, 1, 1))
 
 
-@pytest.mark.parametrize("chained", [False, True])
-def test_device_tree_takes_each_node_s_rank_of_its_head_applied_to_its_parent_s_token(chained):
+@pytest.mark.parametrize("chain", ["", "state", "beside"])
+def test_device_tree_takes_each_node_s_rank_of_its_head_applied_to_its_parent_s_token(chain):
     model = tiny_model("llama")
-    heads = random_heads(model, num_heads=3, token_input="previous", chained=chained).bind(model)
+    heads = random_heads(model, num_heads=3, token_input="previous", chain=chain).bind(model)
     top = Topology.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
     bucket = TreeBucket(top, "previous", torch.device("cpu"), capacity=32)
     hidden, root = torch.randn(1, 32), torch.tensor([7])
@@ -92,16 +92,15 @@ def test_device_tree_takes_each_node_s_rank_of_its_head_applied_to_its_parent_s_
             while j >= 0:
                 branch.insert(0, j)
                 j = top.parents[j]
-            state_in = hidden
+            state = None
             for depth, node in enumerate(branch):  # chained heads read the state of the head before them
-                state = heads.step(depth, state_in, torch.tensor([tokens[node]]))
-                state_in = state if chained else hidden
+                state = heads.step(depth, hidden, torch.tensor([tokens[node]]), state)
             ids, _ = heads.top_tokens(state, 3)
             assert tokens[i] == ids[0, top.ranks[i]].item(), i
 
 
 # ---------------------------------------------------------------------------------------- decoding
-@pytest.mark.parametrize("kind", ["previous", "next", "copying", "chained"])
+@pytest.mark.parametrize("kind", ["previous", "next", "copying", "chain-state", "chain-beside"])
 def test_captured_greedy_gives_plain_static_generate_s_tokens_with_one_host_read_per_step(kind):
     model = tiny_model("llama", eos_token_id=None)
     drafter = BlockDrafter(heads_of(model, kind), top_k=3, max_tree_tokens=12)
@@ -117,7 +116,7 @@ def test_captured_greedy_gives_plain_static_generate_s_tokens_with_one_host_read
             assert syncs.get("step", 0) == 0, syncs  # nothing inside a step waits for the device
             assert syncs.get("read", 0) == drafter.stats.steps, syncs  # one read per step
     learned = drafter.calibration.summary()  # what the steps learned on the device, kept by the drafter
-    assert (len(learned) > 0) == (kind in ("previous", "chained")), (
+    assert (len(learned) > 0) == (kind not in ("next", "copying")), (
         learned
     )  # grown trees only: a fixed one has no estimates
 
@@ -162,12 +161,12 @@ def test_walks_through_any_rank_are_compacted_and_give_plain_static_generate_s_t
             assert cache.get_seq_length() == ref.shape[1] - 1  # as `generate` leaves it, steps in flight dropped
 
 
-@pytest.mark.parametrize("chained", [False, True])
-def test_grown_tree_on_the_device_is_the_tree_the_eager_drafter_grows(chained):
+@pytest.mark.parametrize("chain", ["", "state", "beside"])
+def test_grown_tree_on_the_device_is_the_tree_the_eager_drafter_grows(chain):
     from hf_bpd.drafting.expansion import GrownTree
 
     model = tiny_model("llama")
-    heads = random_heads(model, num_heads=3, token_input="previous", std=0.3, chained=chained)
+    heads = random_heads(model, num_heads=3, token_input="previous", std=0.3, chain=chain)
     drafter = BlockDrafter(heads, top_k=3)
     hf_bpd.prepare(drafter, model)
     heads = drafter.heads

@@ -447,12 +447,12 @@ def test_next_token_heads_read_each_step_root_and_stay_exact(arch):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("max_tree_tokens", [1, 5, 12, "auto"])
-@pytest.mark.parametrize("chained", [False, True])
-def test_previous_heads_grow_trees_and_stay_exact(arch, max_tree_tokens, chained):
+@pytest.mark.parametrize("chain", ["", "state", "beside"])
+def test_previous_heads_grow_trees_and_stay_exact(arch, max_tree_tokens, chain):
     """Heads that read the drafted token (chained or not) expand the tree node by node; the output is still
     greedy's."""
     model = tiny_model(arch, eos_token_id=None)
-    heads = random_heads(model, num_heads=3, token_input="previous", std=0.05, chained=chained)
+    heads = random_heads(model, num_heads=3, token_input="previous", std=0.05, chain=chain)
     drafter = BlockDrafter(heads, 3, max_tree_tokens)
     g = torch.Generator().manual_seed(3)
     for trial in range(3):
@@ -499,14 +499,14 @@ def test_previous_heads_grow_little_more_than_the_cost_curve_keeps(monkeypatch):
 
 
 @pytest.mark.parametrize("max_tree_tokens", [12, "auto"])
-@pytest.mark.parametrize("chained", [False, True])
-def test_previous_heads_with_a_rescorer_stay_exact(max_tree_tokens, chained):
+@pytest.mark.parametrize("chain", ["", "state", "beside"])
+def test_previous_heads_with_a_rescorer_stay_exact(max_tree_tokens, chain):
     """A rescorer sees the chain lattice of "previous" heads; its drafts (with acceptance estimates, from
     the context n-gram) join the expansion. The output is still greedy's."""
     from hf_bpd.drafting.rescoring.ngram import NgramRescorer
 
     model = tiny_model("llama", eos_token_id=None)
-    heads = random_heads(model, num_heads=3, token_input="previous", std=0.05, chained=chained)
+    heads = random_heads(model, num_heads=3, token_input="previous", std=0.05, chain=chain)
     calls = []
 
     class Spy(NgramRescorer):

@@ -16,12 +16,12 @@ from hf_bpd.drafting.tree import DraftTree
 ROOT = 11
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["independent", "chained"])
+@pytest.fixture(scope="module", params=["", "state", "beside"], ids=["independent", "chain-state", "chain-beside"])
 def setup(request):
-    """ "previous" heads, independent (each reads the base hidden state) or chained (each reads the state of
-    the head before it at the node's parent)."""
+    """ "previous" heads, independent (each reads the base hidden state) or chained (each also reads the
+    state of the head before it at the node's parent, in place of the hidden state or beside it)."""
     model = tiny_model("llama", eos_token_id=None)
-    heads = random_heads(model, num_heads=3, token_input="previous", std=0.2, chained=request.param).eval()
+    heads = random_heads(model, num_heads=3, token_input="previous", std=0.2, chain=request.param).eval()
     hidden = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     return heads, hidden
 
@@ -30,10 +30,9 @@ def child_logprobs(heads, hidden, branch: tuple[int, ...]) -> torch.Tensor:
     """The log-probabilities over the vocabulary of the children of the node whose branch (root first) is
     `branch`, computed head by head along it: chained heads read each previous head's state."""
     with torch.no_grad():
-        state_in = hidden
+        state = None
         for depth, token in enumerate(branch):
-            state = heads.step(depth, state_in, torch.tensor([token]))
-            state_in = state if heads.config.chained else hidden
+            state = heads.step(depth, hidden, torch.tensor([token]), state)
         return torch.log_softmax(heads.project(state).float(), dim=-1)[0]
 
 

@@ -108,36 +108,49 @@ def test_previous_heads_read_the_token_before_each_target(model, tmp_path):
     assert loaded.config.token_input == "previous" and torch.equal(loaded(x, tokens), out)
 
 
-def test_chained_heads_read_the_state_of_the_head_before_them(model, tmp_path):
+@pytest.mark.parametrize("chain", ["state", "beside"])
+def test_chained_heads_read_the_state_of_the_head_before_them(model, tmp_path, chain):
     x = hidden(2, 5)
     tokens = torch.randint(0, VOCAB, (2, 5, 3), generator=torch.Generator().manual_seed(2))  # tokens t+1..t+3
     independent = random_heads(model, num_heads=3, token_input="previous")
-    heads = independent.with_chaining()
-    assert heads.config.chained and not independent.config.chained
+    given = independent.with_chain(chain)
+    before = independent(x, tokens)
+    assert given.config.chain == chain and given.chained and not independent.chained
+    if chain == "beside":  # the parent's state enters through new weights that start at zero: as before
+        assert torch.equal(given(x, tokens), before)
+    heads = random_heads(model, num_heads=3, token_input="previous", chain=chain)
     out = heads(x, tokens)
     emb = model.get_input_embeddings().weight
-    state = x
-    for i in range(3):  # head i+1 reads head i's state (head 1: the base hidden state) and token t+1+i
+    state = None
+    for i in range(3):  # head i+1 reads token t+1+i and (i > 0) head i's state: in place of x, or beside it
         block = heads.heads[i][0]
-        state = state + block.act(block.linear(torch.cat([state, emb[tokens[..., i]]], dim=-1)))
+        base = state if chain == "state" and i else x
+        extra = [emb[tokens[..., i]]] + ([state] if chain == "beside" and i else [])
+        state = base + block.act(block.linear(torch.cat([base, *extra], dim=-1)))
         torch.testing.assert_close(out[..., i, :], model.lm_head(state))
-    before = independent(x, tokens)
-    assert torch.equal(out[..., 0, :], before[..., 0, :])  # the same weights: head 1 drafts as before
-    assert not torch.allclose(out[..., 1:, :], before[..., 1:, :])
+        step = heads.step(i, x, tokens[..., i], None if i == 0 else heads.head_states(x, tokens)[..., i - 1, :])
+        torch.testing.assert_close(heads.project(step), out[..., i, :])
     changed = tokens.clone()
     changed[..., 0] = (changed[..., 0] + 1) % VOCAB
     again = heads(x, changed)  # every later head now reads token t+1 too, through the chain
     assert all(not torch.allclose(again[..., i, :], out[..., i, :]) for i in range(3))
+    with pytest.raises(ValueError, match="parent"):
+        heads.step(1, x, tokens[..., 1])  # a chained head without its parent's state
     heads.save_pretrained(tmp_path)
     loaded = BlockDraftHeads.from_pretrained(tmp_path).bind(model)
-    assert loaded.config.chained and torch.equal(loaded(x, tokens), out)
+    assert loaded.config.chain == chain and torch.equal(loaded(x, tokens), out)
     with pytest.raises(ValueError, match="chained already"):
-        heads.with_chaining()
+        heads.with_chain("state")
+
+
+def test_chain_config_values():
+    assert BlockDraftHeadsConfig(token_input="previous").chain == ""  # configs written before the option
     with pytest.raises(ValueError, match="previous"):
-        BlockDraftHeadsConfig(token_input="next", chained=True)
+        BlockDraftHeadsConfig(token_input="next", chain="state")
     with pytest.raises(ValueError, match="context-copy"):
-        BlockDraftHeadsConfig(token_input="previous", chained=True, copy_dim=8)
-    assert BlockDraftHeadsConfig(token_input="previous").chained is False  # configs written before the option
+        BlockDraftHeadsConfig(token_input="previous", chain="beside", copy_dim=8)
+    with pytest.raises(ValueError, match="chain must be"):
+        BlockDraftHeadsConfig(token_input="previous", chain="rnn")
 
 
 def test_token_input_config_values():

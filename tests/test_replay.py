@@ -20,15 +20,21 @@ def decode(model, drafter, ids, n):
 
 
 @pytest.mark.parametrize(
-    "token_input, feature_layers, chained",
-    [("previous", None, False), ("next", None, False), ("previous", [1, -1], False), ("previous", None, True)],
+    "token_input, feature_layers, chain",
+    [
+        ("previous", None, ""),
+        ("next", None, ""),
+        ("previous", [1, -1], ""),
+        ("previous", None, "state"),
+        ("previous", None, "beside"),
+    ],
 )
-def test_replay_matches_the_decoding_loop_step_by_step(token_input, feature_layers, chained):
+def test_replay_matches_the_decoding_loop_step_by_step(token_input, feature_layers, chain):
     model = tiny_model("llama", eos_token_id=None)
     # zero residuals: heads that repeat the base model's guess, so multi-token steps happen
     heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=4, token_input=token_input)
-    if chained:  # small residuals, so that each head's state differs with the chain it read
-        heads = random_heads(model, num_heads=4, token_input=token_input, std=0.01, chained=True)
+    if chain:  # small residuals, so that each head's state differs with the chain it read
+        heads = random_heads(model, num_heads=4, token_input=token_input, std=0.01, chain=chain)
     if feature_layers:  # a fusion that also reads layer 1: replay fuses the layers as decoding does
         heads = heads.with_feature_layers(feature_layers)
         with torch.no_grad():

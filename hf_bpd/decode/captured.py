@@ -322,7 +322,7 @@ def draft_tokens(heads, bucket: TreeBucket, hidden: torch.Tensor, root: torch.Te
     indexing of each depth's top-k."""
     kind = heads.config.token_input
     level_tokens = [root]
-    level_inputs = [hidden]  # chained heads: what each level's nodes' children read (their own parents' states)
+    level_states = [None]  # chained heads: each level's nodes' states, as their children read them
     for d, (expand, state, rank, k) in enumerate(bucket.levels):
         parent_tokens = level_tokens[-1].index_select(0, expand)  # [m]
         if kind == "previous":
@@ -331,11 +331,11 @@ def draft_tokens(heads, bucket: TreeBucket, hidden: torch.Tensor, root: torch.Te
             tokens = root
         else:
             tokens = None
-        inputs = level_inputs[-1].index_select(0, expand) if heads.config.chained and d else hidden
-        states = heads.step(d, inputs.expand(expand.shape[0], -1), tokens)
+        parents = level_states[-1].index_select(0, expand) if heads.chained and d else None
+        states = heads.step(d, hidden.expand(expand.shape[0], -1), tokens, parents)
         ids, _ = heads.top_tokens(states, k)  # [m, k]
         level_tokens.append(ids[state, rank])
-        level_inputs.append(states[state])
+        level_states.append(states[state])
     return torch.cat(level_tokens).index_select(0, bucket.node_order)
 
 

@@ -50,20 +50,21 @@ def _top_children(
     top_k: int,
     memory: CopyMemory | None = None,
     warp: SamplingWarp | None = None,
-    inputs: dict[int, torch.Tensor] | None = None,
+    parent_states: dict[int, torch.Tensor] | None = None,
 ) -> tuple[dict[int, tuple[list[list[int]], list[list[float]]]], list[torch.Tensor]]:
     """For nodes grouped by depth ({depth: (their tokens, their parents' tokens)}), head depth+1's top-k
     (token ids, log-probs; warped when sampling), and each group's head states (what chained heads' children
-    read); parents' tokens feed the context-copy pointer (`memory`, None without one). `inputs`: chained
-    heads' input state per group `[len(group), H]` (their parents' states); the others read `hidden`.
+    read); parents' tokens feed the context-copy pointer (`memory`, None without one). `parent_states`:
+    chained heads' parents' states per group `[len(group), H]` (None for unchained heads).
     On a CPU the cost is reading weights, not arithmetic: every depth's residual block runs once on its
     group, and the shared softmax layer (the largest weight by far) once on all of them."""
     with torch.no_grad():
         states = [
             heads.step(
                 depth,
-                hidden.expand(len(tokens), -1) if inputs is None else inputs[depth],
+                hidden.expand(len(tokens), -1),
                 torch.tensor(tokens, device=hidden.device),
+                None if parent_states is None else parent_states.get(depth),
             )
             for depth, (tokens, _) in groups.items()
         ]
@@ -91,13 +92,12 @@ def chain_lattice(
     previous = root.to(hidden.device)
     memory = heads.copy_memory(context) if context is not None else None
     before = context[:, -2] if memory is not None and context.shape[1] > 1 else previous
-    state = hidden
+    state = None  # chained heads: the previous head's state along the chain
     with torch.no_grad():
         for i in range(heads.num_heads):
             head = torch.full_like(previous, i)
-            step = heads.step(i, state if heads.config.chained else hidden, previous)
-            state = step
-            ids, values = heads.top_tokens(step, top_k, head, before, memory)
+            state = heads.step(i, hidden, previous, state)
+            ids, values = heads.top_tokens(state, top_k, head, before, memory)
             tokens.append(ids)
             logprobs.append(values)
             before, previous = previous, ids[:, 0]
@@ -155,13 +155,13 @@ def expand_tree(
             d: ([tree.tokens[n] for n in g], [tree.tokens[tree.parents[n]] if n else before_root for n in g])
             for d, g in by_depth.items()
         }
-        inputs = None
-        if heads.config.chained:  # each node reads its parent's state (the root: the base hidden state)
-            inputs = {
-                d: torch.cat([node_states[tree.parents[n]] if n else hidden for n in g]) for d, g in by_depth.items()
-            }
-        children, states = _top_children(heads, hidden, groups, top_k, memory, warp, inputs) if groups else ({}, [])
-        if heads.config.chained:
+        parent_states = None
+        if heads.chained:  # each node below the root reads its parent's state
+            parent_states = {d: torch.cat([node_states[tree.parents[n]] for n in g]) for d, g in by_depth.items() if d}
+        children, states = (
+            _top_children(heads, hidden, groups, top_k, memory, warp, parent_states) if groups else ({}, [])
+        )
+        if heads.chained:
             for group, group_states in zip(by_depth.values(), states):
                 node_states.update({n: group_states[j : j + 1] for j, n in enumerate(group)})
         # a node's children come best first, and each one added takes a free slot (merged nodes reached
@@ -273,7 +273,7 @@ def grow_on_device(
     per_round = round_size(budget)
     # a tensor as it is: the captured step passes a device buffer (a host list would be a graph constant)
     scales = log_scales if isinstance(log_scales, torch.Tensor) else torch.tensor(log_scales, device=device)
-    chained = heads.config.chained
+    chained = heads.chained
     with torch.no_grad():
         root_state = heads.step(0, hidden, root)
         node_states = [root_state[:, None]]  # chained heads: each expanded node's state, tree order [B, n, H]
@@ -306,15 +306,17 @@ def grow_on_device(
             deepest = min(rounds, depth_limit - 1)  # this round's nodes are at depths 1..rounds
             if size >= budget or deepest < 1:
                 continue
-            # expand this round's nodes (all rows' at once): head d (0-based) reads a node at depth d, and
-            # its input: the base hidden state, or for chained heads the node's parent's state
+            # expand this round's nodes (all rows' at once): head d (0-based) reads a node at depth d (and,
+            # chained, the node's parent's state)
+            node_hidden = hidden.repeat_interleave(take, dim=0)  # [B * take, H], row-major like tokens
+            parent_states = None
             if chained:
                 known = torch.cat(node_states, dim=1)  # [B, nodes so far, H]
-                node_hidden = known.gather(1, parents[..., None].expand(-1, -1, known.shape[-1])).flatten(0, 1)
-            else:
-                node_hidden = hidden.repeat_interleave(take, dim=0)  # [B * take, H], row-major like tokens
+                parent_states = known.gather(1, parents[..., None].expand(-1, -1, known.shape[-1])).flatten(0, 1)
             flat_tokens, flat_depths = tokens.flatten(), depths.flatten()
-            states = torch.stack([heads.step(d, node_hidden, flat_tokens) for d in range(1, deepest + 1)])
+            states = torch.stack(
+                [heads.step(d, node_hidden, flat_tokens, parent_states) for d in range(1, deepest + 1)]
+            )
             which = (flat_depths - 1).clamp_max(deepest - 1)
             states = states[which, torch.arange(rows * take, device=device)]
             if chained:

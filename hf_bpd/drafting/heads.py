@@ -27,10 +27,14 @@ borrowed from the base model at `bind`.
               one call.
   ""          plain Medusa heads (the hidden state only).
 
-Optional chaining (`chained`, "previous" heads only; Apple ReDrafter's recurrent drafter): head i > 1 reads
-head i-1's state (its residual block's output at the node's parent) instead of the base hidden state, so a
-node's state has read every token of its branch, not only the one before its target. Same weights' shapes,
-same cost per node; drafting keeps each expanded node's state for its children.
+Optional chaining (`chain`, "previous" heads only): head i > 1 also reads head i-1's state at the node's
+parent (that head's residual-block output), so a node has read every token of its branch, not only the one
+before its target. Drafting keeps each expanded node's state for its children (`step`'s `parent_states`).
+  "state"   head i > 1 reads that state in place of the base hidden state: a recurrent drafter, as Apple's
+            ReDrafter (same weights' shapes and cost per node).
+  "beside"  head i > 1's first block reads it beside the base hidden state and the token
+            (`x + SiLU(W [x; e(token); parent state] + b)`); its new weights start at zero, so unchained
+            heads given a chain (`with_chain`) draft exactly as before until trained.
 
 Optional context copy (`copy_dim` > 0, "previous" heads only): each head also points into the context
 (prompt and answer so far) and mixes the token that followed the matching bigram there into its own
@@ -72,6 +76,7 @@ from .context_copy import (
 
 MAX_HEADS = 32
 TOKEN_INPUTS = ("", "next", "previous")
+CHAINS = ("", "state", "beside")
 
 
 class BlockDraftHeadsConfig(PretrainedConfig):
@@ -93,7 +98,7 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         copy_dim: int = 0,
         base_lm_head_sketch: dict | None = None,
         feature_layers: list[int] | None = None,
-        chained: bool = False,
+        chain: str = "",
         **kwargs,
     ) -> None:
         self.base_model_name = base_model_name
@@ -119,15 +124,17 @@ class BlockDraftHeadsConfig(PretrainedConfig):
         self.copy_dim = copy_dim  # 0: no context copy
         # None: the final hidden state alone (configs written before the option have none)
         self.feature_layers = check_feature_layers(feature_layers)
-        # head i > 1 reads head i-1's state instead of the base hidden state (module docstring)
-        self.chained = bool(chained)
-        if self.chained and token_input != "previous":
+        # how head i > 1 reads head i-1's state ("": it does not; module docstring)
+        if chain not in CHAINS:
+            raise ValueError(f"chain must be one of {CHAINS}, got {chain!r}")
+        if chain and token_input != "previous":
             raise ValueError(
                 f"chained heads read the drafted token before their target: token_input must be "
                 f"'previous', got {token_input!r}"
             )
-        if self.chained and copy_dim:
+        if chain and copy_dim:
             raise ValueError("chained heads have no context-copy pointer (copy_dim must be 0)")
+        self.chain = chain
         super().__init__(**kwargs)
 
 
@@ -360,11 +367,15 @@ class BlockDraftHeads(PreTrainedModel):
             raise ValueError(
                 f"token_input {config.token_input!r} needs num_layers >= 1 (the first block reads the token embedding)"
             )
-        extra = config.hidden_size if config.token_input else 0
-        # heads[i][j]: block j of head i (state-dict keys as with nn.Sequential: heads.i.j.linear.*)
+        token = config.hidden_size if config.token_input else 0
+        # heads[i][j]: block j of head i (state-dict keys as with nn.Sequential: heads.i.j.linear.*); block 0
+        # also reads the token and, for "beside" chains and i > 0, head i-1's state
+        extra = [token + (config.hidden_size if config.chain == "beside" and i else 0) for i in range(config.num_heads)]
         self.heads = nn.ModuleList(
-            nn.ModuleList(ResidualBlock(config.hidden_size, extra if j == 0 else 0) for j in range(config.num_layers))
-            for _ in range(config.num_heads)
+            nn.ModuleList(
+                ResidualBlock(config.hidden_size, extra[i] if j == 0 else 0) for j in range(config.num_layers)
+            )
+            for i in range(config.num_heads)
         )
         if not 0 <= config.draft_vocab_size <= config.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [0, vocab_size], got {config.draft_vocab_size}")
@@ -444,14 +455,14 @@ class BlockDraftHeads(PreTrainedModel):
         token_input: str | None = None,
         copy_dim: int = 0,
         feature_layers: list[int] | None = None,
-        chained: bool = False,
+        chain: str = "",
     ) -> BlockDraftHeads:
         """Untrained heads that fit `model` (hidden size, vocabulary, LM head fingerprint), bound to it.
         `draft_vocab`: token ids the heads may draft (default: all); `token_input`: which token embedding
         the heads also read, "next", "previous" or "" (module docstring; `use_next_token=True` is
         `token_input="next"`); `copy_dim`: width of the context-copy pointer (0: none); `feature_layers`:
-        the hidden states the heads read a fusion of (module docstring; None: the final one alone); `chained`:
-        head i > 1 reads head i-1's state (module docstring)."""
+        the hidden states the heads read a fusion of (module docstring; None: the final one alone); `chain`:
+        how head i > 1 reads head i-1's state, "state" or "beside" ("": it does not; module docstring)."""
         lm_head = _output_embeddings(model)
         if feature_layers is not None:
             from .layer_features import decoder_layers
@@ -471,7 +482,7 @@ class BlockDraftHeads(PreTrainedModel):
             token_input=token_input,
             copy_dim=copy_dim,
             feature_layers=feature_layers,
-            chained=chained,
+            chain=chain,
         )
         heads = cls(config)
         if draft_vocab is not None:
@@ -598,32 +609,59 @@ class BlockDraftHeads(PreTrainedModel):
                     f"these draft heads read the token before each head's target (token_input='previous'): pass "
                     f"tokens of shape {want} (tokens t+1..t+h), got {got}"
                 )
-            if not self.config.chained:
-                return torch.stack([self.step(i, hidden_states, tokens[..., i]) for i in range(self.num_heads)], dim=-2)
-            states, state = [], hidden_states
+            states, state = [], None
             for i in range(self.num_heads):
-                state = self.step(i, state, tokens[..., i])
+                state = self.step(i, hidden_states, tokens[..., i], state)
                 states.append(state)
             return torch.stack(states, dim=-2)
         extra = self._embed(hidden_states, tokens) if kind else None
         return torch.stack([self._head(i, hidden_states, extra) for i in range(self.num_heads)], dim=-2)
 
-    def step(self, i: int, hidden_states: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self,
+        i: int,
+        hidden_states: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+        parent_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The state `[..., hidden]` of head `i` (0-based) alone, reading `tokens [...]` (for "previous"
         heads the token before its target; for "next" heads token t+1; ignored by plain heads). Drafting
-        with "previous" heads calls it once per tree depth on all the nodes it expands. `hidden_states`:
-        the base hidden state, or for chained heads and i > 0 head i-1's state at the node's parent
-        (`input_states`)."""
+        with "previous" heads calls it once per tree depth on all the nodes it expands. `parent_states
+        [..., hidden]`: chained heads with i > 0 read head i-1's state at each node's parent (what this
+        method returned for it); ignored otherwise."""
+        chain = self.config.chain if i else ""
+        if chain and (parent_states is None or parent_states.shape != hidden_states.shape):
+            got = None if parent_states is None else tuple(parent_states.shape)
+            raise ValueError(
+                f"chained draft heads ({chain!r}): head {i + 1} reads head {i}'s state at each node's parent, of "
+                f"shape {tuple(hidden_states.shape)}; got {got}"
+            )
+        x = parent_states if chain == "state" else hidden_states
         extra = self._embed(hidden_states, tokens) if self.config.token_input else None
-        return self._head(i, hidden_states, extra)
+        if chain == "beside":
+            extra = torch.cat([extra, parent_states.to(extra.dtype)], dim=-1)
+        return self._head(i, x, extra)
 
-    def with_chaining(self) -> BlockDraftHeads:
-        """A chained copy of these "previous" heads (same weights, draft vocabulary and binding): head i > 1
-        reads head i-1's state instead of the base hidden state. Head 1 drafts exactly as before; the later
-        heads need training to read the new input."""
-        if self.config.chained:
-            raise ValueError("these heads are chained already")
-        return self._variant(self.state_dict(), chained=True)[0]
+    @property
+    def chained(self) -> bool:
+        """Whether head i > 1 reads head i-1's state (`chain`): drafting then keeps each node's state."""
+        return bool(self.config.chain)
+
+    def with_chain(self, chain: str) -> BlockDraftHeads:
+        """A chained copy of these unchained "previous" heads (same weights, draft vocabulary and binding).
+        "state": head i > 1 reads head i-1's state in place of the hidden state (head 1 drafts as before, the
+        later heads need training for their new input); "beside": head i > 1 reads it beside the hidden state
+        through new weights that start at zero, so the copy drafts exactly as these heads until trained."""
+        if self.chained:
+            raise ValueError(f"these heads are chained already ({self.config.chain!r})")
+        state = self.state_dict()
+        if chain == "beside":  # zero columns for the parent's state in block 0 of heads 2..h
+            for i in range(1, self.num_heads):
+                key = f"heads.{i}.0.linear.weight"
+                state[key] = torch.cat(
+                    [state[key], state[key].new_zeros(state[key].shape[0], self.config.hidden_size)], 1
+                )
+        return self._variant(state, chain=chain)[0]
 
     def _head(self, i: int, x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
         for j, block in enumerate(self.heads[i]):

@@ -109,8 +109,11 @@ def initial_heads(model, args: argparse.Namespace, draft_vocab: torch.Tensor | N
                 f"--copy-dim {copy_dim} differs from the --init heads in {args.init}, which have "
                 f"{heads.config.copy_dim}"
             )
-        if getattr(args, "chained", False) and not heads.config.chained:
-            return heads.with_chaining()
+        chain = getattr(args, "chain", "none")
+        if chain != "none" and chain != heads.config.chain:
+            if heads.chained:
+                raise ValueError(f"--chain {chain} differs from the --init heads in {args.init}: {heads.config.chain}")
+            return heads.with_chain(chain)
         return heads
     heads = BlockDraftHeads.for_base_model(
         model,
@@ -120,7 +123,7 @@ def initial_heads(model, args: argparse.Namespace, draft_vocab: torch.Tensor | N
         token_input=token_input(args),
         copy_dim=copy_dim,
         feature_layers=getattr(args, "feature_layers", None),
-        chained=getattr(args, "chained", False),
+        chain=chain_option(args),
     )
     return heads.float()
 
@@ -190,11 +193,9 @@ def own_prediction_tokens(
     it at depth i-1, else the given (true) token. `hidden [n, H]` (or feature layers' `[n, k*H]`)."""
     fused = heads.fusion is not None and hidden.shape[-1] == heads.fusion.in_features
     state_in = heads.fuse(hidden) if fused else hidden
-    out = tokens.clone()
+    out, state = tokens.clone(), None
     for i in range(heads.num_heads - 1):
-        state = heads.step(i, state_in, out[:, i])
-        if heads.config.chained:  # the next head reads this one's state
-            state_in = state
+        state = heads.step(i, state_in, out[:, i], state)  # chained heads: the next head reads this state
         logits = heads.project(state).float()
         if top_k == 1:
             index = logits.argmax(-1)
@@ -227,6 +228,12 @@ def check_replicas_agree(accelerator, module: torch.nn.Module) -> None:
     gathered = accelerator.gather(checksum[None])
     if not torch.allclose(gathered, gathered[:1].expand_as(gathered)):
         raise RuntimeError(f"data-parallel replicas diverged ({accelerator.num_processes} processes)")
+
+
+def chain_option(args: argparse.Namespace) -> str:
+    """`--chain` as `BlockDraftHeadsConfig.chain` ("none" -> "")."""
+    chain = getattr(args, "chain", "none")
+    return "" if chain == "none" else chain
 
 
 def token_input(args: argparse.Namespace) -> str:

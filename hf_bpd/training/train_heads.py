@@ -28,9 +28,9 @@ Own predictions (`--own-prediction p`, "previous" heads; EAGLE-3's training-time
 with probability p per position, the token the heads themselves put at depth i-1 (the previous head's top-1,
 or a draw from its top `--own-top-k`) instead of the true token: what it reads in decoding.
 
-Chained heads (`--chained`, "previous" heads; Apple ReDrafter's recurrent drafter): head i > 1 reads head
-i-1's state instead of the base hidden state (`heads.py`), teacher forced along the true continuation. With
-`--init` unchained heads, their weights start the chain (head 1 drafts exactly as before).
+Chained heads (`--chain state|beside`, "previous" heads): head i > 1 also reads head i-1's state (`heads.py`),
+teacher forced along the true continuation. `--init` unchained heads gain the chain with their weights
+("beside" starts drafting exactly as they do).
 
 Validation each epoch on held-out distilled samples: per-head top-1 / top-k accuracy, and the lattice
 oracle (mean longest prefix of the true continuation inside the top-k lattice).
@@ -451,15 +451,15 @@ def check_own_prediction(args: argparse.Namespace) -> None:
 def check_chained(args: argparse.Namespace) -> None:
     """Chained heads read the drafted token before their target and have no context-copy pointer: refused
     before any feature is computed."""
-    if not getattr(args, "chained", False):
+    if getattr(args, "chain", "none") == "none":
         return
     if args.token_input != "previous":
         raise ValueError(
-            f"--chained heads read the token before their target: they need --token-input previous, "
+            f"--chain heads read the token before their target: they need --token-input previous, "
             f"got {args.token_input}"
         )
     if getattr(args, "copy_dim", 0):
-        raise ValueError("--chained heads have no context-copy pointer: leave out --copy-dim")
+        raise ValueError("--chain heads have no context-copy pointer: leave out --copy-dim")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -506,10 +506,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "last-layer heads the fusion starts as the identity on the final state",
     )
     parser.add_argument(
-        "--chained",
-        action="store_true",
-        help="'previous' heads: head i > 1 reads head i-1's state instead of the base hidden state (a recurrent "
-        "drafter, as Apple's ReDrafter); --init unchained heads become chained with their weights",
+        "--chain",
+        choices=["none", "state", "beside"],
+        default="none",
+        help="'previous' heads: head i > 1 also reads head i-1's state, 'state' in place of the hidden state (a "
+        "recurrent drafter, as Apple's ReDrafter), 'beside' it through new weights starting at zero; --init "
+        "unchained heads gain the chain with their weights",
     )
     parser.add_argument(
         "--own-prediction",

@@ -140,7 +140,7 @@ done
 hf-bpd train-heads --data "$RUNS/d54_89" --output "$RUNS/h9_control" --init "$RUNS/heads5_from_v7" \
   --features-cache "$RUNS/features_54_89" --epochs 2 --lr 1e-3 --batch-size 256 --top-k 5 --loss-decay 0.8 \
   --teacher-weight 0.5
-hf-bpd train-heads --data "$RUNS/d54_89" --output "$RUNS/h9_chained" --init "$RUNS/heads5_from_v7" --chained \
+hf-bpd train-heads --data "$RUNS/d54_89" --output "$RUNS/h9_chained" --init "$RUNS/heads5_from_v7" --chain state \
   --features-cache "$RUNS/features_54_89" --epochs 2 --lr 1e-3 --batch-size 256 --top-k 5 --loss-decay 0.8 \
   --teacher-weight 0.5
 # 6p. tau of 6o against v5 on 40 spread dev rows, heads alone
