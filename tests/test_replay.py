@@ -11,7 +11,7 @@ from conftest import random_heads, tiny_model
 import hf_bpd
 from hf_bpd import BlockDrafter
 from hf_bpd.drafting.tree import DraftTree
-from hf_bpd.tools.replay import accept_along, greedy_answers, replay_turn
+from hf_bpd.tools.replay import accept_along, first_turns, greedy_answers, main, replay_turn
 
 
 def decode(model, drafter, ids, n):
@@ -118,3 +118,12 @@ def test_limit_table_is_tau_times_the_cost_ratio():
     assert limits[0]["limit"] == pytest.approx(1.0)
     assert limits[1]["cost_ratio"] == pytest.approx(1.6) and limits[1]["limit"] == pytest.approx(1.5)
     assert "1.50x" in limit_markdown(limits)
+
+
+def test_max_turns_keeps_each_row_s_first_turns_and_zero_is_refused_before_the_model_loads(monkeypatch):
+    rows = [{"question_id": 1, "turns": ["a", "b"]}, {"question_id": 2, "turns": ["c"]}]
+    assert [r["turns"] for r in first_turns(rows, 1)] == [["a"], ["c"]]
+    assert first_turns(rows, None) is rows and rows[0]["turns"] == ["a", "b"]  # the rows are not changed
+    monkeypatch.setattr("hf_bpd.io.models.load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit, match="--max-turns must be at least 1"):
+        main(["--answers", "unused.jsonl", "--max-turns", "0"])

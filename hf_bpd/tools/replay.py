@@ -257,6 +257,13 @@ def limit_markdown(limits: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def first_turns(rows: list[dict], max_turns: int | None) -> list[dict]:
+    """`rows` with only their first `max_turns` turns (None: all; the rows themselves are left as they are)."""
+    if max_turns is None:
+        return rows
+    return [{**row, "turns": row["turns"][:max_turns]} for row in rows]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-bpd replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("data", nargs="?", default=DEFAULT_DATA, help="prompts jsonl (default: bundled demo prompts)")
@@ -279,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-category", type=int, default=None, help="rows per category")
     parser.add_argument("--spread", type=int, default=None, help="rows evenly spaced over the file")
     parser.add_argument("--categories", nargs="*", default=None)
+    parser.add_argument(
+        "--max-turns", type=int, default=None, help="replay only each row's first N turns (default: every turn)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output", default=None, help="JSON results; a .md table is written beside it")
@@ -290,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     check_data_file(args.data)
+    if args.max_turns is not None and args.max_turns < 1:
+        raise SystemExit(f"--max-turns must be at least 1, got {args.max_turns}")
 
     from ..io.models import load_model
     from ..io.packaged import check_shipped_rescorers, packaged_rescorer, resolve_packaged_name
@@ -301,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(str(err)) from None
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     rows = select_rows(read_prompts(args.data), args.categories, args.per_category, args.limit, args.spread)
+    rows = first_turns(rows, args.max_turns)
     env = environment(args.device, args.dtype)  # before the run writes anything (the answers cache too)
     header = answers_header(args.data, args.model, args.max_new_tokens)
     answers = greedy_answers(model, tokenizer, rows, args.answers, header, not args.no_progress)
