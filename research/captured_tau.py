@@ -7,6 +7,9 @@ categories), first turns, 128 new tokens; each answer checked against plain stat
 
     python -m research.captured_tau --rows 10 --output benchmarks/gpu/captured_tau_smollm2_cpu.json
 
+`--trees eager` adds the shipped eager drafter replayed on the same turns (`hf-bpd replay`'s turn replay), the
+τ the captured step's trees are compared with.
+
 `--replay`: the same fixed tree REPLAYED on SmolLM2's stored greedy answers
 (benchmarks/replay/spec_bench_dev_greedy128.jsonl, 128 new tokens, first turns of the same rows): one
 forward of prompt + answer gives the hidden state at every position; from each step's root (the last
@@ -77,6 +80,29 @@ def replay_steps(
     return len(answer), steps  # as `stats.block_efficiency` counts: the prefill's token too
 
 
+def eager_replay(model, drafter, rows, prompts, answers, n: int) -> dict:
+    """τ of the shipped drafter's eager step (host-grown tree, lookup merged by `merge_lookup`, calibration
+    learning as it decodes) over the same first turns and stored answers, one drafter for every row."""
+    from hf_bpd.tools.replay import replay_turn
+
+    tokens = steps = 0
+    per_row = []
+    for r in rows:
+        result = replay_turn(model, drafter, prompts[r["question_id"]], answers[r["question_id"]])
+        tokens, steps = tokens + result.tokens, steps + result.forwards
+        per_row.append(round(result.tau, 3))
+    return {
+        "tree": "eager",
+        "tree_tokens": n,
+        "tau": tokens / steps,
+        "new_tokens": tokens,
+        "steps": steps,
+        "tau_per_row": per_row,
+        "top_k": drafter.top_k,
+        "heads": drafter.heads.num_heads,
+    }
+
+
 @torch.no_grad()
 def replay(args) -> dict:
     from hf_bpd.decode.captured import CapturedState, Topology, TreeBucket
@@ -104,6 +130,10 @@ def replay(args) -> dict:
     for tree in args.trees:
         for n in args.sizes:
             drafter = hf_bpd.load_packaged_drafter(max_tree_tokens=n)
+            if tree == "eager":  # the shipped eager drafter itself, replayed (`hf-bpd replay`'s own turn replay)
+                result["sizes"][f"eager{n}"] = eager_replay(model, drafter, rows, prompts, answers, n)
+                print(json.dumps({k: v for k, v in result["sizes"][f"eager{n}"].items() if k != "tau_per_row"}))
+                continue
             heads = drafter.heads.bind(model)
             kind, cpu = heads.config.token_input, torch.device("cpu")
             if tree == "fixed":
@@ -153,9 +183,10 @@ def main() -> None:
     parser.add_argument(
         "--trees",
         nargs="+",
-        choices=["fixed", "grown", "lookup", "learned"],
+        choices=["fixed", "grown", "lookup", "learned", "eager"],
         default=["fixed", "grown", "lookup", "learned"],
-        help="with --replay; learned: lookup, with the calibration learning on the device from every walk",
+        help="with --replay; learned: lookup, with the calibration learning on the device from every walk; eager: "
+        "the shipped eager drafter on the same turns (what the captured step is compared with)",
     )
     args = parser.parse_args()
     torch.set_num_threads(2)
