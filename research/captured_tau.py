@@ -91,8 +91,13 @@ def eager_replay(model, drafter, rows, prompts, answers, n: int) -> dict:
         result = replay_turn(model, drafter, prompts[r["question_id"]], answers[r["question_id"]])
         tokens, steps = tokens + result.tokens, steps + result.forwards
         per_row.append(round(result.tau, 3))
+    return tau_row("eager", n, tokens, steps, per_row, drafter)
+
+
+def tau_row(tree: str, n: int, tokens: int, steps: int, per_row: list[float], drafter) -> dict:
+    """One tree's result: its τ over every row, and each row's."""
     return {
-        "tree": "eager",
+        "tree": tree,
         "tree_tokens": n,
         "tau": tokens / steps,
         "new_tokens": tokens,
@@ -155,16 +160,7 @@ def replay(args) -> dict:
                 )
                 tokens, steps = tokens + new, steps + k
                 per_row.append(round(new / max(k, 1), 3))
-            row = {
-                "tree": tree,
-                "tree_tokens": n,
-                "tau": tokens / steps,
-                "new_tokens": tokens,
-                "steps": steps,
-                "tau_per_row": per_row,
-                "top_k": drafter.top_k,
-                "heads": heads.num_heads,
-            }
+            row = tau_row(tree, n, tokens, steps, per_row, drafter)
             if topology is not None:
                 row["topology_paths"] = [list(q) for q in topology.paths()[1:]]
             result["sizes"][str(n) if tree == "fixed" else f"{tree}{n}"] = row
