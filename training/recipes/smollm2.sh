@@ -151,6 +151,17 @@ hf-bpd train-heads --data "$RUNS/d54_89" --output "$RUNS/h9_beside" --init "$RUN
 hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl \
   --heads "$RUNS/heads5_from_v7" "$RUNS/h9_control" "$RUNS/h9_beside" --top-k 10 --max-tree-tokens 4 8 16 64 \
   --context-lookup 0 --spread 40 --output benchmarks/replay/chain_spread40_lookup0.json
+# 6q. 6o at lr 3e-4 instead of 1e-3: at 1e-3 head 1 fell below v5's top-1 on held-out distill2 samples (.533
+#     against .542), which is what a continuation must not do; the same pair, then their tau beside v5
+hf-bpd train-heads --data "$RUNS/d54_89" --output "$RUNS/h9_control_lr3e-4" --init "$RUNS/heads5_from_v7" \
+  --features-cache "$RUNS/features_54_89" --epochs 2 --lr 3e-4 --batch-size 256 --top-k 5 --loss-decay 0.8 \
+  --teacher-weight 0.5
+hf-bpd train-heads --data "$RUNS/d54_89" --output "$RUNS/h9_beside_lr3e-4" --init "$RUNS/heads5_from_v7" \
+  --chain beside --features-cache "$RUNS/features_54_89" --epochs 2 --lr 3e-4 --batch-size 256 --top-k 5 \
+  --loss-decay 0.8 --teacher-weight 0.5
+hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl \
+  --heads "$RUNS/heads5_from_v7" "$RUNS/h9_control_lr3e-4" "$RUNS/h9_beside_lr3e-4" --top-k 10 \
+  --max-tree-tokens 4 8 16 64 --context-lookup 0 --spread 40 --output benchmarks/replay/chain_lr3e-4_spread40_lookup0.json
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench ../shared/data/spec_bench_dev.jsonl --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
