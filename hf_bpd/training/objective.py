@@ -109,8 +109,8 @@ def initial_heads(model, args: argparse.Namespace, draft_vocab: torch.Tensor | N
                 f"--copy-dim {copy_dim} differs from the --init heads in {args.init}, which have "
                 f"{heads.config.copy_dim}"
             )
-        chain = getattr(args, "chain", "none")
-        if chain != "none" and chain != heads.config.chain:
+        chain = chain_option(args)
+        if chain and chain != heads.config.chain:
             if heads.chained:
                 raise ValueError(f"--chain {chain} differs from the --init heads in {args.init}: {heads.config.chain}")
             return heads.with_chain(chain)
