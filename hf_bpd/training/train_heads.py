@@ -49,13 +49,14 @@ from pathlib import Path
 import torch
 
 from hf_bpd.compat import last_hidden_state_request
-from hf_bpd.drafting.heads import FINAL_HIDDEN_STATE, BlockDraftHeads, normalise_feature_layers
+from hf_bpd.drafting.heads import FINAL_HIDDEN_STATE, BlockDraftHeads, BlockDraftHeadsConfig, normalise_feature_layers
 from hf_bpd.drafting.layer_features import LayerFeatures, decoder_layers
 from hf_bpd.drafting.vocab import model_vocab_size
 from hf_bpd.training.checkpoint import resume, run_fingerprint, save_epoch, track
 from hf_bpd.training.copy_training import SampleTokens, copy_hits, copy_loss, copy_targets, feature_positions
 from hf_bpd.training.objective import (
     IGNORE,
+    chain_option,
     check_replicas_agree,
     draft_index,
     head_targets,
@@ -67,6 +68,7 @@ from hf_bpd.training.objective import (
     response_positions,
     right_padded,
     rows_digest,
+    token_input,
 )
 
 TOKEN_INPUT_CHOICES = ("previous", "next", "none")  # --token-input; "none" is token_input ""
@@ -449,17 +451,12 @@ def check_own_prediction(args: argparse.Namespace) -> None:
 
 
 def check_chained(args: argparse.Namespace) -> None:
-    """Chained heads read the drafted token before their target and have no context-copy pointer: refused
-    before any feature is computed."""
-    if getattr(args, "chain", "none") == "none":
-        return
-    if args.token_input != "previous":
-        raise ValueError(
-            f"--chain heads read the token before their target: they need --token-input previous, "
-            f"got {args.token_input}"
-        )
-    if getattr(args, "copy_dim", 0):
-        raise ValueError("--chain heads have no context-copy pointer: leave out --copy-dim")
+    """`--chain` with the other heads options, checked by the heads' own config (chained heads read the
+    drafted token before their target and have no context-copy pointer): refused before any feature is
+    computed."""
+    BlockDraftHeadsConfig(
+        token_input=token_input(args), chain=chain_option(args), copy_dim=getattr(args, "copy_dim", 0)
+    )
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
