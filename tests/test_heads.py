@@ -143,6 +143,34 @@ def test_chained_heads_read_the_state_of_the_head_before_them(model, tmp_path, c
         heads.with_chain("state")
 
 
+@pytest.mark.parametrize("token_input", ["previous", ""])
+def test_deeper_heads_start_as_the_heads_they_grow_from(model, tmp_path, token_input):
+    """`with_num_layers`: each head gains blocks after its own that start as the identity, so the deeper heads
+    draft exactly as the shallow ones until trained; once the new blocks are non-zero they change the output,
+    and the deeper heads save and load as such."""
+    x = hidden(2, 5)
+    tokens = torch.randint(0, VOCAB, (2, 5, 3), generator=torch.Generator().manual_seed(2))
+    shallow = random_heads(model, num_heads=3, token_input=token_input)
+    read = tokens if token_input == "previous" else None
+    deeper = shallow.with_num_layers(3)
+    assert deeper.config.num_layers == 3 and shallow.config.num_layers == 1
+    assert torch.equal(deeper(x, read), shallow(x, read))
+    for i in range(3):
+        for j in (1, 2):
+            assert not deeper.heads[i][j].linear.weight.any() and not deeper.heads[i][j].linear.bias.any()
+    with torch.no_grad():
+        deeper.heads[1][2].linear.bias.fill_(0.5)
+    changed = deeper(x, read)
+    assert torch.equal(changed[..., [0, 2], :], shallow(x, read)[..., [0, 2], :])
+    assert not torch.allclose(changed[..., 1, :], shallow(x, read)[..., 1, :])
+    deeper.save_pretrained(tmp_path)
+    loaded = BlockDraftHeads.from_pretrained(tmp_path).bind(model)
+    assert loaded.config.num_layers == 3 and torch.equal(loaded(x, read), changed)
+    assert torch.equal(shallow.with_num_layers(1)(x, read), shallow(x, read))
+    with pytest.raises(ValueError, match="grow, not shrink"):
+        deeper.with_num_layers(2)
+
+
 def test_chain_config_values():
     assert BlockDraftHeadsConfig(token_input="previous").chain == ""  # configs written before the option
     with pytest.raises(ValueError, match="previous"):

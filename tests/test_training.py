@@ -211,6 +211,35 @@ def test_chained_training_from_unchained_heads_trains_the_chain_and_decodes_loss
         train_heads.train_frozen(model, data, args_for(tmp_path / "x", num_heads=2, token_input="next", chain=chain))
 
 
+def test_deeper_heads_continue_from_shallower_init_heads(tmp_path):
+    """`--num-layers` above the `--init` heads' deepens them: the new blocks start as the identity, so training
+    starts where the saved heads are (not anew), the new blocks learn, and decoding stays lossless; fewer
+    blocks than theirs is refused before any feature is computed."""
+    model = tiny_model("llama", eos_token_id=None)
+    data = tiny_distilled(model)
+    settings = dict(epochs=2, lr=3e-2, batch_size=64, val_fraction=0.2, top_k=3)
+    first, _ = train_heads.train_frozen(
+        model, data, args_for(tmp_path / "first", num_heads=3, token_input="previous", **settings)
+    )
+    first.save_pretrained(tmp_path / "first_heads")
+    args = args_for(tmp_path / "deeper", init=tmp_path / "first_heads", num_layers=2, **settings)
+    heads, log = train_heads.train_frozen(model, data, args)
+    assert heads.config.num_layers == 2 and args.num_layers == 2
+    assert all(heads.heads[i][1].linear.weight.abs().sum() > 0 for i in range(3))  # the new blocks learned
+    fresh, fresh_log = train_heads.train_frozen(
+        model, data, args_for(tmp_path / "fresh", num_heads=3, num_layers=2, token_input="previous", **settings)
+    )
+    assert log[0]["train_loss"] < fresh_log[0]["train_loss"]
+    ids = torch.tensor([data[0]["prompt_ids"]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=20)
+    drafter = hf_bpd.BlockDrafter(heads, top_k=3, max_tree_tokens=8)
+    out = model.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist()
+    heads.save_pretrained(tmp_path / "deeper_heads")
+    with pytest.raises(ValueError, match="--num-layers 1 differs from the --init heads"):
+        train_heads.train_frozen(model, data, args_for(tmp_path / "x", init=tmp_path / "deeper_heads", num_layers=1))
+
+
 def test_joint_training_continues_frozen_heads_with_a_draft_vocabulary(tmp_path):
     """Medusa-2's recipe: heads trained frozen first, then jointly with LoRA from there."""
     pytest.importorskip("peft")

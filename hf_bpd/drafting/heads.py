@@ -50,6 +50,9 @@ identity on the final state, so new fusion heads, or old heads given a fusion (`
 exactly where last-layer heads are. Decoding and training capture those layers with forward hooks
 (`layer_features.py`), not by keeping every layer's output.
 
+Deeper copies (`with_num_layers`) append blocks that start at zero (the identity), so trained heads can grow
+without drafting differently until the new blocks are trained.
+
 The residual weights start at zero, so an untrained head is the base LM head applied to the base hidden
 state: it repeats the base model's own next-token guess (the paper's and Medusa's initialisation).
 """
@@ -662,6 +665,24 @@ class BlockDraftHeads(PreTrainedModel):
                     [state[key], state[key].new_zeros(state[key].shape[0], self.config.hidden_size)], 1
                 )
         return self._variant(state, chain=chain)[0]
+
+    def with_num_layers(self, num_layers: int) -> BlockDraftHeads:
+        """A deeper copy of these heads (same weights, draft vocabulary and binding): each head gains residual
+        blocks up to `num_layers`, after its own, whose weights start at zero. A zero block is the identity
+        (`x + SiLU(0)`), so the copy drafts exactly as these heads until trained."""
+        have = self.config.num_layers
+        if num_layers < have:
+            raise ValueError(f"these heads have {have} residual blocks each: they can grow, not shrink to {num_layers}")
+        if not have:
+            raise ValueError("heads without residual blocks have no first block to keep: train new ones instead")
+        state = self.state_dict()
+        hidden = self.config.hidden_size
+        like = state["heads.0.0.linear.bias"]
+        for i in range(self.num_heads):
+            for j in range(have, num_layers):
+                state[f"heads.{i}.{j}.linear.weight"] = like.new_zeros(hidden, hidden)
+                state[f"heads.{i}.{j}.linear.bias"] = like.new_zeros(hidden)
+        return self._variant(state, num_layers=num_layers)[0]
 
     def _head(self, i: int, x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
         for j, block in enumerate(self.heads[i]):

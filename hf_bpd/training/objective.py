@@ -74,7 +74,8 @@ HEADS_SHAPE_DEFAULTS = {"num_heads": 4, "num_layers": 1, "token_input": "previou
 def resolve_heads_shape(args: argparse.Namespace) -> None:
     """Fill in the heads' shape arguments (`HEADS_SHAPE_DEFAULTS`) left unset, in place: from the `--init`
     heads when there are some, else the defaults. A value given that differs from the `--init` heads
-    raises ValueError naming it: continuing from heads cannot change their shape."""
+    raises ValueError naming it: continuing from heads cannot change their shape, except to deepen them
+    (`--num-layers` above theirs: `initial_heads` adds blocks that start as the identity)."""
     saved = {}
     if args.init:
         cfg = BlockDraftHeads.saved_config(args.init)  # a folder that is not heads raises here
@@ -86,7 +87,8 @@ def resolve_heads_shape(args: argparse.Namespace) -> None:
         }
     for name, default in HEADS_SHAPE_DEFAULTS.items():
         given = getattr(args, name)
-        if given is not None and name in saved and given != saved[name]:
+        deeper = name == "num_layers" and given is not None and name in saved and given > saved[name]
+        if given is not None and name in saved and given != saved[name] and not deeper:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} {given} differs from the --init heads in {args.init}, which have {saved[name]}")
         setattr(args, name, saved.get(name, default) if given is None else given)
@@ -95,13 +97,15 @@ def resolve_heads_shape(args: argparse.Namespace) -> None:
 def initial_heads(model, args: argparse.Namespace, draft_vocab: torch.Tensor | None = None) -> BlockDraftHeads:
     """The heads training starts from, in float32 and bound to `model`: the `--init` heads (checked to fit
     `model`), or new ones of the arguments' shape drafting `draft_vocab` (None: the whole vocabulary).
-    `--copy-dim` adds a context-copy pointer to heads that have none."""
+    `--copy-dim` adds a context-copy pointer to heads that have none, `--num-layers` above theirs deepens them."""
     copy_dim = getattr(args, "copy_dim", 0)
     if getattr(args, "freeze_heads", False) and not copy_dim:
         raise ValueError("--freeze-heads trains only a context-copy pointer: give --copy-dim")
     if args.init:
         device = next(model.parameters()).device
         heads = BlockDraftHeads.from_pretrained(args.init).to(device).float().bind(model)
+        if args.num_layers > heads.config.num_layers:  # deeper: the new blocks start as the identity
+            heads = heads.with_num_layers(args.num_layers)
         if copy_dim and heads.context_copy is None:
             return heads.with_context_copy(copy_dim)
         if copy_dim and copy_dim != heads.config.copy_dim:

@@ -32,6 +32,9 @@ Chained heads (`--chain state|beside`, "previous" heads): head i > 1 also reads 
 teacher forced along the true continuation. `--init` unchained heads gain the chain with their weights
 ("beside" starts drafting exactly as they do).
 
+Deeper heads (`--num-layers` above the `--init` heads' own): each head gains residual blocks after its own,
+starting at zero (the identity), so training continues from those heads' behaviour.
+
 Validation each epoch on held-out distilled samples: per-head top-1 / top-k accuracy, and the lattice
 oracle (mean longest prefix of the true continuation inside the top-k lattice).
 """
@@ -473,7 +476,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "keep their shape and draft vocabulary, and the shape arguments below default to theirs",
     )
     parser.add_argument("--num-heads", type=int, default=None, help="default 4")
-    parser.add_argument("--num-layers", type=int, default=None, help="default 1")
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="residual blocks per head (default 1); above the --init heads' own it deepens them, the new blocks "
+        "starting as the identity",
+    )
     parser.add_argument("--draft-vocab-size", type=int, default=None, help="default 0: the full vocabulary")
     parser.add_argument(
         "--token-input",
