@@ -12,7 +12,7 @@ from conftest import tiny_distilled, tiny_model
 
 import hf_bpd
 from hf_bpd.training import distill, objective, train_heads
-from hf_bpd.training.objective import IGNORE, head_targets
+from hf_bpd.training.objective import IGNORE, agreeing_targets, head_targets
 
 datasets = pytest.importorskip("datasets")
 
@@ -31,6 +31,78 @@ def test_head_targets_shift():
     t = head_targets([10, 11, 12, 13, 14], start=1, num_heads=2)
     # positions 1, 2, 3: head 1 -> token at t+2, head 2 -> token at t+3
     assert t.tolist() == [[13, 14], [14, IGNORE], [IGNORE, IGNORE]]
+
+
+def test_agreeing_targets_are_the_greedy_continuation_where_the_prompt_agrees():
+    seq = [5, 6, 7, 8, 10, 11, 12, 13]  # a prompt of 4 tokens, then the model's greedy answer 10 11 12 13
+    greedy = torch.tensor([6, 9, 8])  # the model's choice of token t+1 at prompt positions 0, 1, 2
+    t = agreeing_targets(seq, 3, greedy, num_heads=3)
+    # t=0: the text's 6 is the model's choice, so head 1 drafts its next choice (9); head 2 would need the
+    # text's 7 to be the model's choice at t=1, which it is not. t=1 disagrees at once. t=2 agrees from there on.
+    assert t[:3].tolist() == [[9, IGNORE, IGNORE], [IGNORE] * 3, [10, 11, 12]]
+    assert torch.equal(t[3:], head_targets(seq, 3, 3))  # the answer's positions: as without prompt positions
+
+
+def test_prompt_positions_add_teacher_forced_rows_with_greedy_targets():
+    """`compute_features(prompt_positions=True)`: the answers' rows are exactly those of the default features,
+    and each prompt row's target for head i is the model's greedy continuation from there, valid exactly where
+    the prompt's tokens t+1..t+i are that continuation's first i tokens (checked against `generate`)."""
+    model = tiny_model("llama", eos_token_id=None)
+    data = tiny_distilled(model, n=3, prompt_len=4, new=10)
+    # prompts that partly agree with the model: a random start, the model's own continuation, random tokens
+    rows = {"id": [], "prompt_ids": [], "response_ids": []}
+    g = torch.Generator().manual_seed(3)
+    for i, row in enumerate(data):
+        own = row["prompt_ids"] + row["response_ids"][:5] + torch.randint(3, 97, (3,), generator=g).tolist()
+        answer = model.generate(torch.tensor([own]), do_sample=False, max_new_tokens=8)[0, len(own) :].tolist()
+        rows["id"].append(str(i))
+        rows["prompt_ids"].append(own)
+        rows["response_ids"].append(answer)
+    import datasets
+
+    data = datasets.Dataset.from_dict(rows)
+    plain = train_heads.compute_features(model, data, 3, progress=False)
+    full = train_heads.compute_features(model, data, 3, progress=False, prompt_positions=True)
+    answers = ~full.in_prompt
+    assert not plain.in_prompt.any() and int(full.in_prompt.sum()) > 0
+    for name in ("hidden", "targets", "next_token", "sample"):
+        assert torch.equal(getattr(full, name)[answers], getattr(plain, name)), name
+    checked = 0
+    for j, row in enumerate(data):
+        seq = row["prompt_ids"] + row["response_ids"]
+        mine = (full.sample == j) & full.in_prompt
+        for t, target in enumerate(full.targets[mine].tolist()):
+            cont = model.generate(torch.tensor([seq[: t + 1]]), do_sample=False, max_new_tokens=4)[0, t + 1 :]
+            for i in range(1, 4):
+                agrees = seq[t + 1 : t + 1 + i] == cont[:i].tolist() and t + 1 + i < len(seq)
+                assert target[i - 1] == (int(cont[i]) if agrees else IGNORE), (j, t, i)
+                checked += agrees
+    assert checked >= 3  # the own continuations inside the prompts were found
+
+
+def test_training_on_prompt_positions_keeps_validation_on_the_answers(tmp_path):
+    """`--prompt-positions`: the features are cached in a folder of their own, validation reads the same
+    answer positions as a run without them, the heads learn and decode losslessly; a context-copy pointer
+    is refused before any feature is computed."""
+    model = tiny_model("llama", eos_token_id=None)
+    data = tiny_distilled(model, n=12)
+    settings = dict(epochs=1, lr=3e-2, batch_size=64, val_fraction=0.25, top_k=3, num_heads=2)
+    _, plain_log = train_heads.train_frozen(model, data, args_for(tmp_path / "plain", **settings))
+    args = args_for(tmp_path / "prompts", prompt_positions=True, **settings)
+    heads, log = train_heads.train_frozen(model, data, args)
+    assert log[0]["positions"] == plain_log[0]["positions"]
+    assert list((tmp_path / "prompts" / "features" / "with-prompts").glob("features-*.pt"))
+    assert not list((tmp_path / "prompts" / "features").glob("features-*.pt"))
+    ids = torch.tensor([data[0]["prompt_ids"]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=20)
+    drafter = hf_bpd.BlockDrafter(heads, top_k=3, max_tree_tokens=8)
+    out = model.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist()
+    with pytest.raises(ValueError, match="--prompt-positions"):
+        train_heads.train_frozen(
+            model, data, args_for(tmp_path / "x", prompt_positions=True, copy_dim=8, token_input="previous")
+        )
+    assert not (tmp_path / "x" / "features").exists()
 
 
 def test_feature_cache_resumes_and_only_computes_new_samples(tmp_path, monkeypatch):

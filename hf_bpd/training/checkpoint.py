@@ -30,7 +30,13 @@ import torch
 _NOT_TRAINING = ("output", "features_cache", "device", "log_every", "no_progress", "model")
 # options added after runs were checkpointed: at these defaults (what those runs trained with) they are left
 # out of the fingerprint, so such runs still resume
-_LATER_OPTIONS = {"feature_layers": None, "own_prediction": 0.0, "own_top_k": 1, "chain": "none"}
+_LATER_OPTIONS = {
+    "feature_layers": None,
+    "own_prediction": 0.0,
+    "own_top_k": 1,
+    "chain": "none",
+    "prompt_positions": False,
+}
 
 
 class GeneratorState:

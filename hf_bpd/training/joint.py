@@ -74,6 +74,8 @@ def train_joint(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
         )
     if getattr(args, "own_prediction", 0.0):
         raise ValueError("--own-prediction is a frozen-mode option")
+    if getattr(args, "prompt_positions", False):
+        raise ValueError("--prompt-positions is a frozen-mode option")
     if heads.context_copy is not None:
         raise ValueError(
             "joint mode does not train a context-copy pointer: train the pointer in frozen mode "

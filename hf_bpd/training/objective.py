@@ -27,6 +27,32 @@ def head_targets(sequence: list[int], start: int, num_heads: int) -> torch.Tenso
     return out
 
 
+def agreeing_targets(sequence: list[int], start: int, greedy: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Targets [L - 1, h] for every position t = 0 .. L-2 of `sequence`, a prompt followed from `start` on by
+    the model's own greedy answer. `greedy [start]`: the model's greedy choice of token t+1 at each prompt
+    position t < start. At t >= start these are `head_targets`. In the prompt (real text, teacher forced)
+    head i's target at t is the model's greedy token after tokens ..t+i, valid only where the text agrees
+    with the model's greedy choices at t .. t+i-1: there the heads read exactly what greedy decoding from t
+    would feed them, so the target is the greedy continuation. IGNORE elsewhere."""
+    seq = torch.tensor(sequence, dtype=torch.long)
+    m = len(sequence) - 1
+    if m <= 0:
+        return torch.full((0, num_heads), IGNORE, dtype=torch.long)
+    start = min(start, m)
+    choice = torch.cat([greedy[:start].to(torch.long), seq[start + 1 :]])  # greedy token t+1 at each t
+    agree = seq[1:] == choice
+    agree[start:] = True
+    run = torch.zeros(m + 1, dtype=torch.long)  # run[t]: agreeing positions from t on
+    for t in range(m - 1, -1, -1):
+        run[t] = run[t + 1] + 1 if agree[t] else 0
+    out = torch.full((m, num_heads), IGNORE, dtype=torch.long)
+    positions = torch.arange(m)
+    for i in range(1, num_heads + 1):
+        ok = (positions + i < m) & (run[:m] >= i)
+        out[ok, i - 1] = choice[positions[ok] + i]
+    return out
+
+
 def response_positions(prompt_len: int) -> int:
     """First position trained on: the last prompt token (its hidden state drafts the response start)."""
     return max(prompt_len - 1, 0)

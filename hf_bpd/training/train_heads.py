@@ -35,6 +35,12 @@ teacher forced along the true continuation. `--init` unchained heads gain the ch
 Deeper heads (`--num-layers` above the `--init` heads' own): each head gains residual blocks after its own,
 starting at zero (the identity), so training continues from those heads' behaviour.
 
+Prompt positions (`--prompt-positions`, frozen mode; Medusa-2's teacher-forced data):
+the distilled samples' prompts are real text the model was not asked to write. Where it agrees with the
+model's own greedy choices for i tokens in a row, the model's greedy token after them is exactly what head i
+must draft there, so those positions are training rows at the cost of the forward already run (and one LM
+head over the prompt). Their features live in a folder of their own under the cache.
+
 Validation each epoch on held-out distilled samples: per-head top-1 / top-k accuracy, and the lattice
 oracle (mean longest prefix of the true continuation inside the top-k lattice).
 """
@@ -59,6 +65,7 @@ from hf_bpd.training.checkpoint import resume, run_fingerprint, save_epoch, trac
 from hf_bpd.training.copy_training import SampleTokens, copy_hits, copy_loss, copy_targets, feature_positions
 from hf_bpd.training.objective import (
     IGNORE,
+    agreeing_targets,
     chain_option,
     check_replicas_agree,
     draft_index,
@@ -82,16 +89,24 @@ class Features:
     """Cached training positions: hidden [n, H] (base last hidden state at t; with feature layers [n, k*H],
     their hidden states at t concatenated, the final one last), targets [n, h] (token at
     t+1+i for head i, IGNORE past the end), next_token [n] (token t+1: the base model's own choice, read
-    by heads with a token input), sample [n] (index of the distilled sample)."""
+    by heads with a token input), sample [n] (index of the distilled sample), in_prompt [n] (a prompt
+    position, teacher forced: `--prompt-positions`)."""
 
     hidden: torch.Tensor
     targets: torch.Tensor
     next_token: torch.Tensor
     sample: torch.Tensor
+    in_prompt: torch.Tensor
 
     def select(self, index: torch.Tensor) -> Features:
         """The positions picked by a boolean mask or index tensor."""
         return Features(*(getattr(self, f.name)[index] for f in fields(self)))
+
+    @staticmethod
+    def from_saved(saved: dict) -> Features:
+        """A cached chunk's features; chunks written before prompt positions existed hold answers alone."""
+        saved.setdefault("in_prompt", torch.zeros(saved["sample"].shape[0], dtype=torch.bool))
+        return Features(**{f.name: saved[f.name] for f in fields(Features)})
 
     @staticmethod
     def concat(parts: list[Features]) -> Features:
@@ -119,11 +134,14 @@ def compute_features(
     progress: bool = True,
     first_sample: int = 0,
     feature_layers: list[int] | None = None,
+    prompt_positions: bool = False,
 ) -> Features:
     """Base last hidden states for every response position of every sample (length-sorted batches of at
     most `batch_tokens` padded tokens). Sample indices start at `first_sample`. With `feature_layers`
     (`output_hidden_states` indices), those layers' hidden states concatenated instead, captured by hooks
-    (`layer_features.LayerFeatures`) rather than by keeping every layer's."""
+    (`layer_features.LayerFeatures`) rather than by keeping every layer's. `prompt_positions`: every prompt
+    position too, before the answer's, with the targets of `agreeing_targets` (the model's greedy choices
+    where the prompt's text agrees with them; positions without a target serve as teacher rows)."""
     import inspect
 
     from tqdm import tqdm
@@ -131,7 +149,8 @@ def compute_features(
     device = next(model.parameters()).device
     # only hidden states are needed: skip the LM head on every position but one where the model allows it
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    hidden, targets, next_token, sample = [], [], [], []
+    hidden, targets, next_token, sample, in_prompt = [], [], [], [], []
+    output_embeddings = model.get_output_embeddings() if prompt_positions else None
     bar = tqdm(total=len(data), disable=not progress, desc="features")
     capture = LayerFeatures(model, feature_layers) if feature_layers else contextlib.nullcontext()
     request = last_hidden_state_request(model) if feature_layers else True
@@ -143,25 +162,39 @@ def compute_features(
             del out
             for r, j in enumerate(batch):
                 start = response_positions(len(data[j]["prompt_ids"]))
-                t = head_targets(seqs[r], start, num_heads)
+                first = 0 if prompt_positions else start
+                if prompt_positions:  # the model's greedy choice at each prompt position: its LM head's argmax
+                    final = last[r, :start, -(last.shape[-1] // len(feature_layers or [0])) :]
+                    weight = output_embeddings.weight
+                    greedy = output_embeddings(final.to(device=weight.device, dtype=weight.dtype)).argmax(-1).cpu()
+                    t = agreeing_targets(seqs[r], start, greedy, num_heads)
+                else:
+                    t = head_targets(seqs[r], start, num_heads)
                 n = t.shape[0]
-                hidden.append(last[r, start : start + n].half())
+                hidden.append(last[r, first : first + n].half())
                 targets.append(t)
-                next_token.append(torch.tensor(seqs[r][start + 1 : start + 1 + n], dtype=torch.long))
+                next_token.append(torch.tensor(seqs[r][first + 1 : first + 1 + n], dtype=torch.long))
                 sample.append(torch.full((n,), first_sample + j, dtype=torch.long))
+                in_prompt.append(torch.arange(first, first + n) < start)
             bar.update(len(batch))
     bar.close()
-    return Features(torch.cat(hidden), torch.cat(targets), torch.cat(next_token), torch.cat(sample))
+    return Features(
+        torch.cat(hidden), torch.cat(targets), torch.cat(next_token), torch.cat(sample), torch.cat(in_prompt)
+    )
 
 
-def feature_cache_folder(cache_dir: str | Path, feature_layers: list[int] | None) -> Path:
-    """Where the chunks of these features live: `cache_dir` itself for the final hidden state alone (as
-    always), a folder of their own for feature layers (`layers-2-15-final`), so that caches of other
-    features, e.g. one shared with last-layer runs, are never mistaken for them nor replaced."""
+def feature_cache_folder(
+    cache_dir: str | Path, feature_layers: list[int] | None, prompt_positions: bool = False
+) -> Path:
+    """Where the chunks of these features live: `cache_dir` itself for the final hidden state alone at the
+    answers' positions (as always), a folder of their own for feature layers (`layers-2-15-final`) and for
+    prompt positions (`with-prompts/`), so that caches of other features, e.g. one shared with last-layer
+    runs, are never mistaken for them nor replaced."""
+    folder = Path(cache_dir) / "with-prompts" if prompt_positions else Path(cache_dir)
     if not feature_layers:
-        return Path(cache_dir)
+        return folder
     names = ["final" if i == FINAL_HIDDEN_STATE else str(i) for i in feature_layers]
-    return Path(cache_dir) / ("layers-" + "-".join(names))
+    return folder / ("layers-" + "-".join(names))
 
 
 def cached_features(
@@ -172,13 +205,14 @@ def cached_features(
     chunk: int = 512,
     progress: bool = True,
     feature_layers: list[int] | None = None,
+    prompt_positions: bool = False,
 ) -> Features:
     """`compute_features` for all of `data`, cached on disk in chunks of samples
     (`features-<first>-<end>.pt`). An interrupted run resumes at the first missing chunk, and a grown data
     set only computes its new samples: existing chunk files are reused when they tile the data from
     sample 0 and hold the same samples (token digest) with enough heads; any other chunk is recomputed.
     Features of `feature_layers` are cached in their own folder (`feature_cache_folder`)."""
-    cache_dir = feature_cache_folder(cache_dir, feature_layers)
+    cache_dir = feature_cache_folder(cache_dir, feature_layers, prompt_positions)
     cache_dir.mkdir(parents=True, exist_ok=True)
 
     def rows(start: int, end: int):  # a datasets.Dataset or a list
@@ -196,7 +230,7 @@ def cached_features(
             if saved["digest"] == rows_digest(rows(covered, end)) and saved["targets"].shape[1] >= num_heads:
                 width = saved["hidden"].shape[1] // layers  # the final state: the last of them
                 saved["hidden"] = saved["hidden"][:, -width:].clone() if layers > 1 else saved["hidden"]
-                return Features(**{f.name: saved[f.name] for f in fields(Features)}), end
+                return Features.from_saved(saved), end
             if own:
                 path.unlink()  # other samples or fewer heads: stale
         return None, None
@@ -216,7 +250,13 @@ def cached_features(
             end = min(covered + chunk, len(data))
             new_rows = rows(covered, end)
             part = compute_features(
-                model, new_rows, num_heads, progress=progress, first_sample=covered, feature_layers=feature_layers
+                model,
+                new_rows,
+                num_heads,
+                progress=progress,
+                first_sample=covered,
+                feature_layers=feature_layers,
+                prompt_positions=prompt_positions,
             )
             tmp = cache_dir / f".features-{covered:07d}-{end:07d}.tmp"
             torch.save({**part.__dict__, "digest": rows_digest(new_rows)}, tmp)
@@ -307,16 +347,29 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
     layers = resolved_feature_layers(model, args)
     check_own_prediction(args)
     check_chained(args)
+    check_prompt_positions(args)
     cache = Path(args.features_cache or Path(args.output) / "features")
     # the main process computes what the cache lacks and writes it; the others then read it back
+    prompts = args.prompt_positions
     if accelerator.is_main_process:
         feats = cached_features(
-            model, data, args.num_heads, cache, progress=not args.no_progress, feature_layers=layers
+            model,
+            data,
+            args.num_heads,
+            cache,
+            progress=not args.no_progress,
+            feature_layers=layers,
+            prompt_positions=prompts,
         )
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
-        feats = cached_features(model, data, args.num_heads, cache, progress=False, feature_layers=layers)
+        feats = cached_features(
+            model, data, args.num_heads, cache, progress=False, feature_layers=layers, prompt_positions=prompts
+        )
     train_index, val_index = split_by_sample(feats, args.val_fraction, args.seed)
+    if prompts:  # prompt rows without a target only serve as teacher rows; validation reads the answers alone
+        train_index = train_index[(~feats.in_prompt | (feats.targets[:, 0] != IGNORE))[train_index]]
+        val_index = val_index[~feats.in_prompt[val_index]]
     if args.max_positions and train_index.numel() > args.max_positions:
         keep = torch.randperm(train_index.numel(), generator=torch.Generator().manual_seed(args.seed))
         train_index = train_index[keep[: args.max_positions]]
@@ -453,6 +506,12 @@ def check_own_prediction(args: argparse.Namespace) -> None:
         )
 
 
+def check_prompt_positions(args: argparse.Namespace) -> None:
+    """Prompt positions have no context-copy targets (the pointer is trained on answers)."""
+    if getattr(args, "prompt_positions", False) and getattr(args, "copy_dim", 0):
+        raise ValueError("--prompt-positions trains the heads' own distributions: it cannot train a --copy-dim pointer")
+
+
 def check_chained(args: argparse.Namespace) -> None:
     """`--chain` with the other heads options, checked by the heads' own config (chained heads read the
     drafted token before their target and have no context-copy pointer): refused before any feature is
@@ -518,6 +577,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="'previous' heads: head i > 1 also reads head i-1's state, 'state' in place of the hidden state (a "
         "recurrent drafter, as Apple's ReDrafter), 'beside' it through new weights starting at zero; --init "
         "unchained heads gain the chain with their weights",
+    )
+    parser.add_argument(
+        "--prompt-positions",
+        action="store_true",
+        help="frozen mode: also train on the prompts' positions, teacher forced, where the prompt's text agrees "
+        "with the model's own greedy choices (the target is then the greedy continuation); validation stays on "
+        "the answers",
     )
     parser.add_argument(
         "--own-prediction",
