@@ -463,6 +463,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
             "train_loss": running / max(steps, 1),
             "seconds": time.time() - t0,
             "processes": accelerator.num_processes,
+            "train_positions": int(train_index.numel()),
             **metrics,
         }
         history.append(record)
