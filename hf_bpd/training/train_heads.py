@@ -164,7 +164,8 @@ def compute_features(
                 start = response_positions(len(data[j]["prompt_ids"]))
                 first = 0 if prompt_positions else start
                 if prompt_positions:  # the model's greedy choice at each prompt position: its LM head's argmax
-                    final = last[r, :start, -(last.shape[-1] // len(feature_layers or [0])) :]
+                    width = last.shape[-1] // (len(feature_layers) if feature_layers else 1)
+                    final = last[r, :start, -width:]  # the final hidden state: the features' last slice
                     weight = output_embeddings.weight
                     greedy = output_embeddings(final.to(device=weight.device, dtype=weight.dtype)).argmax(-1).cpu()
                     t = agreeing_targets(seqs[r], start, greedy, num_heads)
