@@ -67,6 +67,8 @@ def test_prompt_positions_add_teacher_forced_rows_with_greedy_targets():
     assert not plain.in_prompt.any() and int(full.in_prompt.sum()) > 0
     for name in ("hidden", "targets", "next_token", "sample"):
         assert torch.equal(getattr(full, name)[answers], getattr(plain, name)), name
+    fused = train_heads.compute_features(model, data, 3, progress=False, prompt_positions=True, feature_layers=[1, -1])
+    assert torch.equal(fused.targets, full.targets)  # the greedy choices read from the fusion's final slice
     checked = 0
     for j, row in enumerate(data):
         seq = row["prompt_ids"] + row["response_ids"]
