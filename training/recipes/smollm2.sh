@@ -164,20 +164,22 @@ hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/sp
   --max-tree-tokens 4 8 16 64 --context-lookup 0 --spread 40 --output benchmarks/replay/chain_lr3e-4_spread40_lookup0.json
 # 6r. issue #59, a deeper head: the same continuation of v5 (lr 3e-4, 36 distill2 shards 54-89, the cached
 #     features of 6o) with a second residual block per head that starts as the identity (--num-layers 2 above
-#     v5's one), against 6q's control (tau in 6s)
-hf-bpd train-heads --data "$RUNS/d54_89" --output "$RUNS/h9_deep2_lr3e-4" --init "$RUNS/heads5_from_v7" \
-  --num-layers 2 --features-cache "$RUNS/features_54_89" --epochs 2 --lr 3e-4 --batch-size 256 --top-k 5 \
-  --loss-decay 0.8 --teacher-weight 0.5
+#     v5's one), against 6q's control (tau in 6s); then 4 blocks per head, the same way
+for depth in 2 4; do
+  hf-bpd train-heads --data "$RUNS/d54_89" --output "$RUNS/h9_deep${depth}_lr3e-4" --init "$RUNS/heads5_from_v7" \
+    --num-layers $depth --features-cache "$RUNS/features_54_89" --epochs 2 --lr 3e-4 --batch-size 256 --top-k 5 \
+    --loss-decay 0.8 --teacher-weight 0.5
+done
 # 6s. issue #59, teacher-forced prompt positions: 6q's control with --prompt-positions (the same samples' prompts,
 #     where their text agrees with the model's greedy choices; features in a with-prompts folder of the cache);
-#     then 6q's control, 6r and 6s beside v5 in one replay
+#     then 6q's control, 6r's and 6s's heads beside v5 in one replay
 hf-bpd train-heads --data "$RUNS/d54_89" --output "$RUNS/h9_prompts_lr3e-4" --init "$RUNS/heads5_from_v7" \
   --prompt-positions --features-cache "$RUNS/features_54_89" --epochs 2 --lr 3e-4 --batch-size 256 --top-k 5 \
   --loss-decay 0.8 --teacher-weight 0.5
 hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl \
-  --heads "$RUNS/heads5_from_v7" "$RUNS/h9_control_lr3e-4" "$RUNS/h9_deep2_lr3e-4" "$RUNS/h9_prompts_lr3e-4" \
-  --top-k 10 --max-tree-tokens 4 8 16 64 --context-lookup 0 --spread 40 \
-  --output benchmarks/replay/deep2_prompts_lr3e-4_spread40_lookup0.json
+  --heads "$RUNS/heads5_from_v7" "$RUNS/h9_control_lr3e-4" "$RUNS/h9_deep2_lr3e-4" "$RUNS/h9_deep4_lr3e-4" \
+  "$RUNS/h9_prompts_lr3e-4" --top-k 10 --max-tree-tokens 4 8 16 64 --context-lookup 0 --spread 40 \
+  --output benchmarks/replay/deep_prompts_lr3e-4_spread40_lookup0.json
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench ../shared/data/spec_bench_dev.jsonl --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
