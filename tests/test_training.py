@@ -27,6 +27,24 @@ def args_for(tmp_path, **kw):
     return parser.parse_args(base)
 
 
+def saved_previous_heads(model, data, tmp_path, settings: dict):
+    """Three "previous" heads trained on `data`, saved in `tmp_path / "first_heads"` for `--init`."""
+    first, log = train_heads.train_frozen(
+        model, data, args_for(tmp_path / "first", num_heads=3, token_input="previous", **settings)
+    )
+    first.save_pretrained(tmp_path / "first_heads")
+    return first, log
+
+
+def assert_lossless(model, data, heads) -> None:
+    """Decoding the first sample's prompt with `heads` gives plain greedy's tokens."""
+    ids = torch.tensor([data[0]["prompt_ids"]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=20)
+    drafter = hf_bpd.BlockDrafter(heads, top_k=3, max_tree_tokens=8)
+    out = model.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert out.tolist() == ref.tolist()
+
+
 def test_head_targets_shift():
     t = head_targets([10, 11, 12, 13, 14], start=1, num_heads=2)
     # positions 1, 2, 3: head 1 -> token at t+2, head 2 -> token at t+3
@@ -95,11 +113,7 @@ def test_training_on_prompt_positions_keeps_validation_on_the_answers(tmp_path):
     assert log[0]["positions"] == plain_log[0]["positions"]
     assert list((tmp_path / "prompts" / "features" / "with-prompts").glob("features-*.pt"))
     assert not list((tmp_path / "prompts" / "features").glob("features-*.pt"))
-    ids = torch.tensor([data[0]["prompt_ids"]])
-    ref = model.generate(ids, do_sample=False, max_new_tokens=20)
-    drafter = hf_bpd.BlockDrafter(heads, top_k=3, max_tree_tokens=8)
-    out = model.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
-    assert out.tolist() == ref.tolist()
+    assert_lossless(model, data, heads)
     with pytest.raises(ValueError, match="--prompt-positions"):
         train_heads.train_frozen(
             model, data, args_for(tmp_path / "x", prompt_positions=True, copy_dim=8, token_input="previous")
@@ -259,10 +273,7 @@ def test_chained_training_from_unchained_heads_trains_the_chain_and_decodes_loss
     model = tiny_model("llama", eos_token_id=None)
     data = tiny_distilled(model)
     settings = dict(epochs=3, lr=3e-2, batch_size=64, val_fraction=0.2, top_k=3)
-    first, first_log = train_heads.train_frozen(
-        model, data, args_for(tmp_path / "first", num_heads=3, token_input="previous", **settings)
-    )
-    first.save_pretrained(tmp_path / "first_heads")
+    first, first_log = saved_previous_heads(model, data, tmp_path, settings)
     args = args_for(tmp_path / "chained", init=tmp_path / "first_heads", chain=chain, **settings)
     heads, log = train_heads.train_frozen(model, data, args)
     assert heads.config.chain == chain and not first.chained
@@ -273,14 +284,8 @@ def test_chained_training_from_unchained_heads_trains_the_chain_and_decodes_loss
         model, data, args_for(tmp_path / "fresh", num_heads=3, token_input="previous", chain=chain, **settings)
     )
     assert fresh.config.chain == chain
-    ids = torch.tensor([data[0]["prompt_ids"]])
-    ref = model.generate(ids, do_sample=False, max_new_tokens=20)
     for trained in (heads, fresh):
-        drafter = hf_bpd.BlockDrafter(trained, top_k=3, max_tree_tokens=8)
-        out = model.generate(
-            ids, do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter
-        )
-        assert out.tolist() == ref.tolist()
+        assert_lossless(model, data, trained)
     with pytest.raises(ValueError, match="previous"):
         train_heads.train_frozen(model, data, args_for(tmp_path / "x", num_heads=2, token_input="next", chain=chain))
 
@@ -292,10 +297,7 @@ def test_deeper_heads_continue_from_shallower_init_heads(tmp_path):
     model = tiny_model("llama", eos_token_id=None)
     data = tiny_distilled(model)
     settings = dict(epochs=2, lr=3e-2, batch_size=64, val_fraction=0.2, top_k=3)
-    first, _ = train_heads.train_frozen(
-        model, data, args_for(tmp_path / "first", num_heads=3, token_input="previous", **settings)
-    )
-    first.save_pretrained(tmp_path / "first_heads")
+    saved_previous_heads(model, data, tmp_path, settings)
     args = args_for(tmp_path / "deeper", init=tmp_path / "first_heads", num_layers=2, **settings)
     heads, log = train_heads.train_frozen(model, data, args)
     assert heads.config.num_layers == 2 and args.num_layers == 2
@@ -304,11 +306,7 @@ def test_deeper_heads_continue_from_shallower_init_heads(tmp_path):
         model, data, args_for(tmp_path / "fresh", num_heads=3, num_layers=2, token_input="previous", **settings)
     )
     assert log[0]["train_loss"] < fresh_log[0]["train_loss"]
-    ids = torch.tensor([data[0]["prompt_ids"]])
-    ref = model.generate(ids, do_sample=False, max_new_tokens=20)
-    drafter = hf_bpd.BlockDrafter(heads, top_k=3, max_tree_tokens=8)
-    out = model.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
-    assert out.tolist() == ref.tolist()
+    assert_lossless(model, data, heads)
     heads.save_pretrained(tmp_path / "deeper_heads")
     with pytest.raises(ValueError, match="--num-layers 1 differs from the --init heads"):
         train_heads.train_frozen(model, data, args_for(tmp_path / "x", init=tmp_path / "deeper_heads", num_layers=1))

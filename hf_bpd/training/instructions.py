@@ -17,11 +17,11 @@ fully determined by `--num` and `--seed`:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 from collections.abc import Callable
-from pathlib import Path
+
+from hf_bpd.io.jsonl import write_jsonl
 
 TOPICS = [
     "a lighthouse keeper",
@@ -360,8 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rows = generate_instructions(args.num, args.seed)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    write_jsonl(args.output, rows)
     print(f"wrote {len(rows)} prompts to {args.output}")
     return 0
 

@@ -17,10 +17,10 @@ Sampling draws from torch's generator seeded per batch, so a run is determined b
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
+
+from hf_bpd.io.jsonl import write_jsonl
 
 _MARKER = "<<hf_bpd user message>>"
 
@@ -38,7 +38,7 @@ def user_prefix(tokenizer) -> list[int]:
 
 @torch.no_grad()
 def self_prompts(
-    model, tokenizer, num: int, seed: int = 0, batch_size: int = 32, max_new_tokens: int = 96
+    model, tokenizer, num: int, seed: int = 0, batch_size: int = 32, max_new_tokens: int = 96, progress: bool = False
 ) -> list[str]:
     """`num` distinct user messages sampled from the model after `user_prefix` (temperature 1, top-p 1), in
     the order drawn. Only messages the model ended itself (an end-of-turn token within `max_new_tokens`)
@@ -51,7 +51,10 @@ def self_prompts(
     eos.add(tokenizer.eos_token_id)
     eos.discard(None)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    from tqdm import tqdm
+
     found, seen, drawn, batch = [], set(), 0, 0
+    bar = tqdm(total=num, disable=not progress, desc="self prompts")
     while len(found) < num:
         if drawn >= 8 * num:
             raise RuntimeError(f"{drawn} draws gave {len(found)} finished, distinct messages of the {num} asked")
@@ -77,6 +80,8 @@ def self_prompts(
                 found.append(text)
         drawn += batch_size
         batch += 1
+        bar.update(len(found) - bar.n)
+    bar.close()
     return found
 
 
@@ -92,10 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     from hf_bpd.io.models import load_model
 
     model, tokenizer = load_model(args.model)
-    prompts = self_prompts(model, tokenizer, args.num, args.seed, args.batch_size, args.max_new_tokens)
+    prompts = self_prompts(model, tokenizer, args.num, args.seed, args.batch_size, args.max_new_tokens, progress=True)
     rows = [{"id": f"self-{i}", "source": "self_prompts", "prompt": p} for i, p in enumerate(prompts)]
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    write_jsonl(args.output, rows)
     print(f"wrote {len(rows)} prompts to {args.output}")
     return 0
 

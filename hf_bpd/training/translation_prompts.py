@@ -25,11 +25,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
-import json
 import random
 import re
 import tarfile
 from pathlib import Path
+
+from hf_bpd.io.jsonl import write_jsonl
 
 # the phrasing most translation requests use, and two others so that the heads do not learn one wording
 TEMPLATES = (
@@ -130,10 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         files = fortune_files_from_dir(args.fortunes_dir)
     rows = translation_prompts(files, args.num, args.seed)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
-    print(f"wrote {len(rows)} prompts to {out}")
+    write_jsonl(args.output, rows)
+    print(f"wrote {len(rows)} prompts to {args.output}")
     return 0
 
 

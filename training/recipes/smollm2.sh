@@ -180,6 +180,14 @@ hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/sp
   --heads "$RUNS/heads5_from_v7" "$RUNS/h9_control_lr3e-4" "$RUNS/h9_deep2_lr3e-4" "$RUNS/h9_deep4_lr3e-4" \
   "$RUNS/h9_prompts_lr3e-4" --top-k 10 --max-tree-tokens 4 8 16 64 --context-lookup 0 --spread 40 \
   --output benchmarks/replay/deep_prompts_lr3e-4_spread40_lookup0.json
+# 6t. issue #59, chat prompts the model writes itself (Magpie; hf_bpd/training/self_prompts.py), since 6r-6s
+#     showed the T0-heavy data, not the heads' size, holding Spec-Bench tau: 2,000 user messages sampled after
+#     the chat template's user prefix (committed: training/data/self_prompts.jsonl), then their greedy answers
+#     (committed as they are made: training/data/distilled/distill_self; resumable)
+[ -f training/data/self_prompts.jsonl ] || python -m hf_bpd.training.self_prompts \
+  --output training/data/self_prompts.jsonl --num 2000 --seed 0
+hf-bpd distill --prompts training/data/self_prompts.jsonl --output training/data/distilled/distill_self \
+  --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 32
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench ../shared/data/spec_bench_dev.jsonl --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
