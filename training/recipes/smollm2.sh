@@ -188,16 +188,23 @@ hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/sp
   --output training/data/self_prompts.jsonl --num 2000 --seed 0
 hf-bpd distill --prompts training/data/self_prompts.jsonl --output training/data/distilled/distill_self \
   --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 32
-# 6u. issue #59, v5 deepened to 2 blocks (6r) and continued on chat-kind data: distill_instr and distill_self
-#     (the model's own chat prompts, 6t) after distill2's shards 54-89 (kept so that the T0 skills stay), 2 epochs
-#     at lr 3e-4; the features cache of 6o only computes the 4,000 new samples. Then its tau beside v5's on the
-#     40 spread dev rows, heads alone
+# 6u. issue #59, v5 deepened to 2 blocks (6r) and continued on chat-kind data: distill_instr (which v5 saw) and
+#     distill_self (the model's own chat prompts, 6t; new) after distill2's shards 54-89 (kept so that the T0
+#     skills stay), 2 epochs at lr 3e-4; the features cache of 6o only computes the 4,000 new samples. Then its
+#     tau beside v5's on the 40 spread dev rows, heads alone, its held-out accuracy per data source, and its tau
+#     on all of dev with the shipped context lookup
 hf-bpd train-heads --data "$RUNS/d54_89" training/data/distilled/distill_instr training/data/distilled/distill_self \
   --output "$RUNS/h10_mix_deep2" --init "$RUNS/heads5_from_v7" --num-layers 2 --features-cache "$RUNS/features_54_89" \
   --epochs 2 --lr 3e-4 --batch-size 256 --top-k 5 --loss-decay 0.8 --teacher-weight 0.5
 hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl \
   --heads "$RUNS/heads5_from_v7" "$RUNS/h10_mix_deep2" --top-k 10 --max-tree-tokens 4 8 16 64 --context-lookup 0 \
   --spread 40 --output benchmarks/replay/mix_deep2_spread40_lookup0.json
+python -m research.heads_by_source --data "$RUNS/d54_89" training/data/distilled/distill_instr \
+  training/data/distilled/distill_self --features-cache "$RUNS/features_54_89" --heads "$RUNS/heads5_from_v7" \
+  "$RUNS/h10_mix_deep2" --output benchmarks/replay/mix_training/by_source.json
+hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl \
+  --heads "$RUNS/heads5_from_v7" "$RUNS/h10_mix_deep2" --top-k 10 --max-tree-tokens 4 8 16 64 --context-lookup 10 \
+  --output benchmarks/replay/mix_deep2_dev_lookup10.json
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench ../shared/data/spec_bench_dev.jsonl --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
