@@ -30,15 +30,15 @@ def held_out_by_source(model, folders: list[str], heads_paths: list[str], cache:
     heads = [BlockDraftHeads.from_pretrained(path).bind(model).eval() for path in heads_paths]
     feats = cached_features(model, data, max(h.num_heads for h in heads), cache, progress=False)
     _, val = split_by_sample(feats, val_fraction, seed)
-    results = {}
-    for path, head_set in zip(heads_paths, heads):
-        results[path], start = {}, 0
-        for folder, size in zip(folders, sizes):
-            samples = feats.sample[val]
-            rows = val[(samples >= start) & (samples < start + size)]
-            results[path][folder] = evaluate(head_set, feats.select(rows), top_k=5)
-            start += size
-    return results
+    samples, starts = feats.sample[val], [sum(sizes[:i]) for i in range(len(sizes))]
+    held_out = {
+        folder: feats.select(val[(samples >= start) & (samples < start + size)])
+        for folder, start, size in zip(folders, starts, sizes)
+    }
+    return {
+        path: {folder: evaluate(head_set, rows, top_k=5) for folder, rows in held_out.items()}
+        for path, head_set in zip(heads_paths, heads)
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

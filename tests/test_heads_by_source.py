@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import random_heads, tiny_distilled, tiny_model
 
+from hf_bpd import BlockDraftHeads
 from hf_bpd.training.distill import load_distilled
 from hf_bpd.training.train_heads import cached_features, evaluate, split_by_sample
 from research.heads_by_source import held_out_by_source
@@ -28,7 +29,7 @@ def test_each_folders_held_out_samples_are_scored_apart_and_together_make_the_ru
     _, val = split_by_sample(feats, 0.4, 0)
     held_out = set(feats.sample[val].tolist())
     assert any(s < 10 for s in held_out) and any(s >= 10 for s in held_out)  # both folders are scored
-    heads = type(random_heads(model)).from_pretrained(tmp_path / "heads").bind(model).eval()
+    heads = BlockDraftHeads.from_pretrained(tmp_path / "heads").bind(model).eval()
     whole = evaluate(heads, feats.select(val), top_k=5)
     assert sum(r["positions"] for r in by_folder.values()) == whole["positions"]
     for head in range(2):
