@@ -34,10 +34,11 @@ from .assembly import (
     size_trees,
 )
 from .calibration import GREEDY, HEADS, SAMPLED, AcceptanceCalibration, Arc, SamplingWarp
+from .corpus import CorpusIndex, corpus_source
 from .expansion import GrownTree, chain_lattice, expand_tree, grow_on_device
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
-from .lookup import lookup_continuation, merge_lookup
+from .lookup import lookup_continuation, merge_chain, merge_lookup
 from .tree import DraftTree
 
 RECENT_STEPS = 16  # steps whose tree sizes bound how far "previous" heads grow a tree that will be cut
@@ -90,6 +91,10 @@ class BlockDrafter:
                      (`lookup.py`: prompt-lookup's long copies inside the tree, competing with the heads'
                      nodes on calibrated probability); 0 turns it off. Used where trees are ordered by
                      estimates (the heads' arcs are known: "auto" trees, or calibrate=True).
+    corpus:          optional `CorpusIndex` of the base model's own answers (`corpus.py`): the
+                     `corpus_nodes` most frequent nodes of what followed the context's last tokens there
+                     (up to `context_lookup` tokens deep, 10 where that is off), merged as the context's
+                     chain is.
     packed_linear:   run the whole decode (prefill, heads, tree forwards) with oneDNN pre-packed linear
                      weights (`packed_linear.py`: the kernels `hf_bpd.fast_cpu` gives plain `generate`;
                      one packed copy of the model's linear weights, shared with `fast_cpu`). None
@@ -123,6 +128,8 @@ class BlockDrafter:
         calibrate: bool = True,
         packed_linear: bool | None = None,
         context_lookup: int = 10,
+        corpus: CorpusIndex | None = None,
+        corpus_nodes: int = 10,
     ) -> None:
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
@@ -133,6 +140,8 @@ class BlockDrafter:
             raise ValueError(f"max_tree_tokens must be an integer >= 1 or 'auto', got {max_tree_tokens!r}")
         if not isinstance(context_lookup, int) or context_lookup < 0:
             raise ValueError(f"context_lookup must be an integer >= 0 (0: off), got {context_lookup!r}")
+        if not isinstance(corpus_nodes, int) or corpus_nodes < 1:
+            raise ValueError(f"corpus_nodes must be an integer >= 1, got {corpus_nodes!r}")
         if packed_linear not in (None, True, False):
             raise ValueError(f"packed_linear must be True, False or None (auto), got {packed_linear!r}")
         if rescorer is not None and not isinstance(rescorer, Rescorer):
@@ -145,6 +154,8 @@ class BlockDrafter:
         self.forward_cost = forward_cost
         self.packed_linear = packed_linear
         self.context_lookup = context_lookup
+        self.corpus = corpus
+        self.corpus_nodes = corpus_nodes
         # the context the heads run in (oneDNN packed weights or none): set where the drafter is bound to a
         # model (`decode/binding.py`)
         self.heads_context: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -259,6 +270,8 @@ class BlockDrafter:
             calibrate=self.calibration is not None,
             packed_linear=self.packed_linear,
             context_lookup=self.context_lookup,
+            corpus=self.corpus,
+            corpus_nodes=self.corpus_nodes,
         )
 
     def root_trees(self, roots: list[int]) -> list[DraftTree]:
@@ -361,13 +374,20 @@ class BlockDrafter:
                 self.stats.time_heads += time.perf_counter() - t0  # its rounds read their children on the host
             else:
                 arcs = fill_from_lattice(
-                    tree, lattice, b, budget, max_depth, estimates, self.calibration, sized, self.context_lookup > 0
+                    tree, lattice, b, budget, max_depth, estimates, self.calibration, sized, self.drafts_chains
                 )
-            if self.context_lookup and arcs is not None:
-                limit = self.context_lookup if max_depth is None else min(self.context_lookup, max_depth)
+            if self.drafts_chains and arcs is not None:
+                longest = self.context_lookup or 10
+                limit = longest if max_depth is None else min(longest, max_depth)
                 tokens = context[b].cpu().numpy() if row is None else np.asarray(row)
-                chain, ngram = lookup_continuation(tokens, limit)
-                tree, arcs = merge_lookup(tree, arcs, chain, ngram, self.calibration, budget)
+                if self.context_lookup:
+                    chain, ngram = lookup_continuation(tokens, limit)
+                    tree, arcs = merge_lookup(tree, arcs, chain, ngram, self.calibration, budget)
+                if self.corpus is not None:
+                    chains, ngram = self.corpus.continuations(tokens, limit, self.corpus_nodes)
+                    for chain, logprobs in chains:
+                        chain_arcs = [Arc(lp, corpus_source(ngram)) for lp in logprobs]
+                        tree, arcs = merge_chain(tree, arcs, chain, chain_arcs, self.calibration, budget)
             trees.append(tree)
             node_arcs.append(arcs)
         if sized:
@@ -388,6 +408,12 @@ class BlockDrafter:
             if verified is not None and len(verified[0]) > limit:
                 self._verified[b] = (verified[0].truncated(limit), verified[1][:limit])
         return [tree.truncated(limit) if len(tree) > limit else tree for tree in trees]
+
+    @property
+    def drafts_chains(self) -> bool:
+        """Whether trees merge a looked-up chain (the context's or the corpus'), which competes with the heads'
+        nodes on their arcs."""
+        return self.context_lookup > 0 or self.corpus is not None
 
     @property
     def grows_on_device(self) -> bool:

@@ -59,18 +59,31 @@ def merge_lookup(
     calibration: AcceptanceCalibration | None,
     max_nodes: int,
 ) -> tuple[DraftTree, list[Arc]]:
-    """Merge `chain` (tokens after the root) into `tree`, whose nodes carry `arcs`, and return the tree
-    re-ordered by (calibrated) path probability with its arcs, cut to `max_nodes`. A chain token the heads
-    drafted too keeps the better of the two arcs. Parents always come before their children (a child's
-    path is never more probable; ties go to the shallower node), so every prefix is a tree."""
+    """Merge the context's `chain` (tokens after the root, found by an n-gram match of length `ngram`) into
+    `tree` as `merge_chain` does, every chain arc estimated at `LOOKUP_PROBABILITY`."""
+    copy = Arc(math.log(LOOKUP_PROBABILITY), lookup_source(ngram))
+    return merge_chain(tree, arcs, chain, [copy] * len(chain), calibration, max_nodes)
+
+
+def merge_chain(
+    tree: DraftTree,
+    arcs: list[Arc],
+    chain: list[int],
+    chain_arcs: list[Arc],
+    calibration: AcceptanceCalibration | None,
+    max_nodes: int,
+) -> tuple[DraftTree, list[Arc]]:
+    """Merge `chain` (tokens after the root, with their arcs) into `tree`, whose nodes carry `arcs`, and
+    return the tree re-ordered by (calibrated) path probability with its arcs, cut to `max_nodes`. A chain
+    token the tree drafted too keeps the better of the two arcs. Parents always come before their children
+    (a child's path is never more probable; ties go to the shallower node), so every prefix is a tree."""
     if not chain:
         return tree, arcs
     tree = DraftTree(list(tree.tokens), list(tree.parents), list(tree.depths), dict(tree._children))
     arcs = list(arcs)
 
     node, path = 0, ()
-    for token in chain:
-        copy = Arc(math.log(LOOKUP_PROBABILITY), lookup_source(ngram))
+    for token, copy in zip(chain, chain_arcs):
         path = (*path, token)
         child = tree.child(node, token)
         depth = tree.depths[node] + 1

@@ -1,0 +1,107 @@
+"""Retrieval drafts: chains looked up in a corpus of the base model's own answers (REST, He et al. 2024).
+
+A small model answers with stock phrases ("Here are some tips to help you ...", list scaffolding, closing
+lines) that recur across prompts but are not in the current context, where `lookup.py` finds its chains.
+The corpus is the model's own distilled greedy answers, so its continuations are what the model tends to
+say. The context's last n tokens (the longest n <= `max_ngram` found in the corpus) select every corpus
+position that follows them; what followed them there is a tree of continuations, each arc estimated by its
+token's share of the positions still matching (add-one smoothed, so that a single match is not taken for
+certainty), of which the most frequent nodes are drafted. Arcs are calibrated per match length (sources
+"corpus1", ...), and the chains compete with the heads' nodes and the context's chain like any draft: they
+only decide what is verified, never a token.
+
+The index is a suffix array of the corpus read backwards (`CorpusIndex`): the longest match is a few binary
+searches, in two int32 arrays the corpus' length.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+
+import numpy as np
+
+SEPARATOR = -1  # between answers: no match spans it and no chain crosses it
+_PAST_END = -2  # what the reversed corpus reads past its end when sorting
+
+
+def corpus_source(ngram: int) -> str:
+    """Calibration source of chain arcs found by a corpus match of length `ngram`."""
+    return f"corpus{ngram}"
+
+
+class CorpusIndex:
+    """Index of answers (lists of token ids) for `continuations`: the suffix array of the reversed corpus,
+    sorted on each suffix's first `max_ngram` tokens. A context's last tokens read backwards are a prefix of
+    those suffixes, so each further token of a match narrows the range of the previous one by two binary
+    searches, and the longest match is found without a table per n-gram length (two int32 arrays in all)."""
+
+    def __init__(self, answers, max_ngram: int = 6, max_matches: int = 4096) -> None:
+        if max_ngram < 1 or max_matches < 1:
+            raise ValueError(f"max_ngram and max_matches must be >= 1, got {max_ngram}, {max_matches}")
+        parts = []
+        for answer in answers:
+            parts.extend(int(t) for t in answer)
+            parts.append(SEPARATOR)
+        self.tokens = np.asarray(parts, dtype=np.int32)
+        self.max_ngram = max_ngram
+        self.max_matches = max_matches
+        self._reversed = np.concatenate([self.tokens[::-1], np.full(max_ngram, _PAST_END, np.int32)])
+        length = len(self.tokens)
+        columns = [self._reversed[k : k + length] for k in range(max_ngram)]
+        self._suffixes = np.lexsort(columns[::-1]).astype(np.int32)  # the first token is the primary key
+        # where the suffixes starting with token t begin: the first narrowing without a search of all of them
+        self._starts = np.concatenate([[0], np.cumsum(np.bincount(self.tokens.astype(np.int64) + 1))])
+
+    def __len__(self) -> int:
+        return int((self.tokens != SEPARATOR).sum())
+
+    def matches(self, context: np.ndarray) -> tuple[np.ndarray, int]:
+        """End positions in the corpus of the context's last n tokens, for the longest n <= `max_ngram` that
+        occurs (at most `max_matches` of them, the earliest in the corpus), and n; (empty, 0) when not even
+        the last token occurs."""
+        last = int(context[-1]) + 1 if len(context) else -1
+        if not 0 < last < len(self._starts) - 1 or self._starts[last] == self._starts[last + 1]:
+            return np.zeros(0, np.int64), 0
+        lo, hi, n = int(self._starts[last]), int(self._starts[last + 1]), 1
+        for k in range(1, min(self.max_ngram, len(context))):
+            column = self._reversed[self._suffixes[lo:hi] + k]  # sorted: the range shares its first k tokens
+            token = context[len(context) - 1 - k]
+            first, last = np.searchsorted(column, token, "left"), np.searchsorted(column, token, "right")
+            if first == last:
+                break
+            lo, hi, n = lo + first, lo + last, k + 1
+        ends = np.sort(len(self.tokens) - 1 - self._suffixes[lo:hi].astype(np.int64))
+        return ends[: self.max_matches], n
+
+    def continuations(self, context, max_depth: int, max_nodes: int) -> tuple[list[tuple[list[int], list[float]]], int]:
+        """The corpus' tree of continuations after the context's last tokens, grown best first by path
+        frequency up to `max_nodes` nodes and `max_depth` tokens, as its root-to-leaf chains (tokens, each
+        arc's log-probability estimate: the token's share of the positions still matching, add-one smoothed),
+        most probable first, and the match length n; ([], 0) when the context's last token never occurs."""
+        ends, n = self.matches(np.asarray(context, dtype=np.int64))
+        if not ends.size or max_depth < 1 or max_nodes < 1:
+            return [], n
+        candidates: list = []  # heap of (-path logprob, tie order, tokens, arc logprobs, match ends)
+        order = itertools.count()
+
+        def offer_children(tokens: list[int], logprobs: list[float], ends: np.ndarray) -> None:
+            following = self.tokens[ends + 1]
+            values, counts = np.unique(following[following != SEPARATOR], return_counts=True)
+            best = np.argsort(-counts, kind="stable")[:max_nodes]  # no node grows more children than that
+            for token, count in zip(values[best].tolist(), counts[best].tolist()):
+                lp = math.log(count / (ends.size + 1))
+                arcs, matching = [*logprobs, lp], ends[following == token] + 1
+                heapq.heappush(candidates, (-sum(arcs), next(order), [*tokens, token], arcs, matching))
+
+        offer_children([], [], ends)
+        grown, parents = [], set()
+        while candidates and len(grown) < max_nodes:
+            _, _, tokens, logprobs, ends = heapq.heappop(candidates)
+            grown.append((tokens, logprobs))
+            parents.add(tuple(tokens[:-1]))
+            if len(tokens) < max_depth:
+                offer_children(tokens, logprobs, ends)
+        leaves = [(tokens, logprobs) for tokens, logprobs in grown if tuple(tokens) not in parents]
+        return sorted(leaves, key=lambda chain: -sum(chain[1])), n

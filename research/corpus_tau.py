@@ -1,0 +1,89 @@
+"""Issue #59: τ of the shipped drafter with and without retrieval drafts from the model's own answers
+(`hf_bpd/drafting/corpus.py`), replayed on Spec-Bench's stored greedy answers as `hf-bpd replay` does, at
+fixed tree sizes, in one run. The corpus is the answers of the given distilled folders (none of them are
+Spec-Bench's).
+
+    python -m research.corpus_tau --corpus training/data/distilled/distill2 training/data/distilled/distill_instr \\
+        training/data/distilled/distill_self --spread 40 --output benchmarks/replay/corpus_spread40.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+from hf_bpd.drafting.corpus import CorpusIndex
+from hf_bpd.tools.bench import environment, load_drafter, read_prompts, select_rows
+from hf_bpd.tools.replay import answers_header, greedy_answers, markdown_table, replay
+
+ANSWERS = "benchmarks/replay/spec_bench_dev_greedy128.jsonl"
+
+
+def distilled_answers(folders: list[str]) -> list[list[int]]:
+    """The response ids of every shard of the distilled `folders`, in shard order."""
+    import pyarrow.parquet as pq
+
+    answers = []
+    for folder in folders:
+        shards = sorted(Path(folder, "shards").glob("*.parquet"))
+        if not shards:
+            raise SystemExit(f"{folder}: no shards/*.parquet")
+        for shard in shards:
+            answers.extend(pq.read_table(shard, columns=["response_ids"]).column(0).to_pylist())
+    return answers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default="../shared/data/spec_bench_dev.jsonl")
+    parser.add_argument("--answers", default=ANSWERS)
+    parser.add_argument("--corpus", nargs="+", required=True, help="distilled folders whose answers are the corpus")
+    parser.add_argument("--max-ngram", type=int, nargs="+", default=[6], help="longest corpus matches (one index each)")
+    parser.add_argument("--corpus-nodes", type=int, nargs="+", default=[10], help="corpus nodes merged per step")
+    parser.add_argument("--max-tree-tokens", type=int, nargs="+", default=[4, 8, 16, 64])
+    parser.add_argument("--context-lookup", type=int, nargs="+", default=[10])
+    parser.add_argument("--spread", type=int, default=None)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args(argv)
+
+    from hf_bpd.io.models import load_model
+
+    t0 = time.perf_counter()
+    corpus = distilled_answers(args.corpus)
+    indexes = {n: CorpusIndex(corpus, max_ngram=n) for n in args.max_ngram}
+    built = (time.perf_counter() - t0) / len(indexes)
+    model, tokenizer = load_model("packaged", dtype="float32", device="cpu")
+    rows = select_rows(read_prompts(args.data), None, None, None, args.spread)
+    env = environment("cpu", "float32")
+    answers = greedy_answers(model, tokenizer, rows, args.answers, answers_header(args.data, "packaged", 128), False)
+    drafters = {}
+    for lookup in args.context_lookup:
+        for size in args.max_tree_tokens:
+            name = f"n{size} lookup{lookup}"
+            drafters[name] = load_drafter("packaged", model, top_k=10, max_tree_tokens=size, context_lookup=lookup)
+            for (ngram, index), nodes in itertools.product(indexes.items(), args.corpus_nodes):
+                drafter = load_drafter("packaged", model, top_k=10, max_tree_tokens=size, context_lookup=lookup)
+                drafter.corpus, drafter.corpus_nodes = index, nodes
+                drafters[f"{name} corpus{ngram}x{nodes}"] = drafter
+    results = replay(model, tokenizer, rows, answers, drafters, progress=True)
+    table = markdown_table(results)
+    print(table)
+    report = {
+        "environment": env,
+        "args": vars(args),
+        "rows": len(rows),
+        "corpus_tokens": len(next(iter(indexes.values()))),
+        "index_seconds": built,
+        "drafters": results,
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=2))
+    Path(args.output).with_suffix(".md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
