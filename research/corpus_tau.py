@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     corpus = distilled_answers(args.corpus)
-    indexes = {n: CorpusIndex(corpus, max_ngram=n) for n in args.max_ngram}
+    indexes = {n: CorpusIndex.from_answers(corpus, max_ngram=n) for n in args.max_ngram}
     built = (time.perf_counter() - t0) / len(indexes)
     model, tokenizer = load_model("packaged", dtype="float32", device="cpu")
     rows = select_rows(read_prompts(args.data), None, None, None, args.spread)

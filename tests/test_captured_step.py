@@ -20,6 +20,7 @@ from hf_bpd.compat import GENERATE_CACHE_FIELD
 from hf_bpd.decode.captured import Topology, TreeBucket, draft_tokens, rank_acceptance
 from hf_bpd.decode.syncs import StepSyncCounter
 from hf_bpd.drafting.calibration import GREEDY
+from hf_bpd.drafting.corpus import CorpusIndex
 from hf_bpd.io.models import chat_inputs
 
 PROMPTS = ([[5, 6, 7]], [[9, 3, 4, 8, 11, 12]], [[40, 41, 40, 41, 40]])
@@ -468,6 +469,11 @@ def test_calls_the_captured_step_cannot_serve_are_refused_before_any_forward_or_
         )
     with pytest.raises(ValueError, match="captured_step takes"):
         model.generate(ids, cache_implementation="static", do_sample=False, captured_step=3, **gen)
+    with_corpus = BlockDrafter(drafter.heads, top_k=3, max_tree_tokens=8, corpus=CorpusIndex.from_answers([[5, 6]]))
+    with pytest.raises(ValueError, match="corpus"):
+        model.generate(
+            ids, cache_implementation="static", do_sample=False, captured_step=True, **{**gen, "assistant": with_corpus}
+        )
     assert calls == []
     hook.remove()
     # auto on a CPU, and False anywhere: the static path

@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 from conftest import tiny_model
 
@@ -15,7 +16,7 @@ from hf_bpd.drafting.tree import DraftTree
 
 
 def test_continuations_are_the_most_frequent_nodes_of_the_longest_match():
-    index = CorpusIndex([[1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [2, 3, 4, 5, 7]], max_ngram=3)
+    index = CorpusIndex.from_answers([[1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [2, 3, 4, 5, 7]], max_ngram=3)
     # "2 3" is the longest match of [8, 2, 3]: three occurrences, all followed by 4, then 5 twice and 6 once;
     # after "4 5" only one occurrence goes on (the first answer ends there), with 7
     chains, n = index.continuations([8, 2, 3], 5, 10)
@@ -33,7 +34,7 @@ def test_continuations_are_the_most_frequent_nodes_of_the_longest_match():
 def test_matches_equal_a_brute_force_search():
     rng = np.random.default_rng(0)
     answers = [rng.integers(0, 6, size=rng.integers(1, 30)).tolist() for _ in range(40)]
-    index = CorpusIndex(answers, max_ngram=4)
+    index = CorpusIndex.from_answers(answers, max_ngram=4)
     flat = [(a, i) for a in answers for i in range(len(a))]
     for _ in range(200):
         context = rng.integers(0, 6, size=rng.integers(1, 7)).tolist()
@@ -66,7 +67,7 @@ def test_a_drafter_with_a_corpus_drafts_its_chain_and_decodes_exactly():
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         hidden = model(ids, output_hidden_states=True).hidden_states[-1][:, -1]
-    index = CorpusIndex([[7, 8, 20, 21, 22, 23], [3, 8, 20, 21, 30]])
+    index = CorpusIndex.from_answers([[7, 8, 20, 21, 22, 23], [3, 8, 20, 21, 30]])
     for corpus, holds in ((index, True), (None, False)):
         drafter = BlockDrafter(heads, top_k=2, max_tree_tokens=12, context_lookup=0, calibrate=False, corpus=corpus)
         hf_bpd.prepare(drafter, model)
@@ -76,3 +77,44 @@ def test_a_drafter_with_a_corpus_drafts_its_chain_and_decodes_exactly():
     drafter = BlockDrafter(heads, top_k=2, max_tree_tokens=12, corpus=index)
     out = model.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
     assert out.tolist() == ref.tolist()
+
+
+def test_a_saved_drafter_loads_its_corpus_back(tmp_path):
+    model = tiny_model("llama", eos_token_id=None)
+    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2)
+    index = CorpusIndex.from_answers([[7, 8, 20, 21, 22, 23], [3, 8, 20, 21, 30]], max_ngram=3)
+    folder = BlockDrafter(heads, top_k=2, corpus=index, corpus_nodes=5).save_pretrained(tmp_path / "d")
+    loaded = BlockDrafter.from_pretrained(folder)
+    assert loaded.corpus_nodes == 5 and loaded.corpus.max_ngram == 3
+    assert loaded.corpus.tokens.tolist() == index.tokens.tolist()
+    assert loaded.corpus.continuations([8], 4, 5) == index.continuations([8], 4, 5)
+    plain = BlockDrafter(heads, top_k=2).save_pretrained(tmp_path / "plain")
+    assert BlockDrafter.from_pretrained(plain).corpus is None
+
+
+def test_a_corpus_must_end_its_answers():
+    with pytest.raises(ValueError, match="SEPARATOR"):
+        CorpusIndex(np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=">= 0"):
+        CorpusIndex(np.array([1, -5, -1]))
+
+
+def test_corpus_drafts_keep_seeded_sampling_and_batches_exact():
+    model = tiny_model("llama", eos_token_id=None)
+    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    greedy = model.generate(ids, do_sample=False, max_new_tokens=20)[0].tolist()
+    index = CorpusIndex.from_answers([greedy[3:], greedy[5:12], [8, 3, 2, 1]])  # its own continuation, and noise
+    drafter = BlockDrafter(heads, top_k=2, max_tree_tokens=12, corpus=index)
+    kw = dict(max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=drafter)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        ref = model.generate(ids[:1], do_sample=True, max_new_tokens=20)
+        torch.manual_seed(seed)
+        assert model.generate(ids[:1], do_sample=True, **kw).tolist() == ref.tolist()
+    ref = model.generate(ids, do_sample=False, max_new_tokens=20, attention_mask=torch.ones_like(ids))
+    out = model.generate(ids, do_sample=False, attention_mask=torch.ones_like(ids), **kw)
+    assert out.tolist() == ref.tolist()
+    drafter = BlockDrafter(heads, top_k=2, max_tree_tokens=12, context_lookup=0, corpus=index)
+    assert model.generate(ids[:1], do_sample=False, **kw | {"assistant": drafter})[0].tolist() == greedy
+    assert max(drafter.stats.accepted_lengths) > 3  # two heads draft at most 2 tokens: the corpus chain was taken

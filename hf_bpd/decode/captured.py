@@ -51,7 +51,7 @@ probabilities, which is why "previous" heads grow theirs.
 What the captured step does not do (the call then takes the existing static path, `row.decode`, or is
 refused when `captured_step=True` asked for it; `captured_refusal`): sampling, logits processors, stopping
 criteria without a host form (`HostStop`), per-token scores/logits, batches, recurrent state, attention
-windows, padded prompts, rescorers, context-copy heads. The n-gram context lookup (`BlockDrafter.
+windows, padded prompts, rescorers, context-copy heads, retrieval corpora. The n-gram context lookup (`BlockDrafter.
 context_lookup`) runs ON THE DEVICE inside the step (`lookup.lookup_on_device`, over a sequence buffer the
 step appends its tokens to) for grown trees, and is off for fixed topologies. The drafter's calibration
 sums are read at a call's start, learned on by every step and written back after the call's last one.
@@ -825,6 +825,8 @@ def captured_refusal(call, input_ids: torch.Tensor, model_kwargs: dict) -> str |
         return "its tree is the heads' alone: the drafter has a rescorer"
     if drafter.heads.context_copy is not None:
         return "its heads have no context-copy pointer"
+    if drafter.corpus is not None:
+        return "its tree has no retrieval chains: the drafter has a corpus"
     return None
 
 

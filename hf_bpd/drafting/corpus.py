@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -37,14 +38,15 @@ class CorpusIndex:
     those suffixes, so each further token of a match narrows the range of the previous one by two binary
     searches, and the longest match is found without a table per n-gram length (two int32 arrays in all)."""
 
-    def __init__(self, answers, max_ngram: int = 6, max_matches: int = 4096) -> None:
+    def __init__(self, tokens: np.ndarray, max_ngram: int = 6, max_matches: int = 4096) -> None:
+        """`tokens`: the answers' token ids, each answer followed by `SEPARATOR` (`from_answers` builds it)."""
         if max_ngram < 1 or max_matches < 1:
             raise ValueError(f"max_ngram and max_matches must be >= 1, got {max_ngram}, {max_matches}")
-        parts = []
-        for answer in answers:
-            parts.extend(int(t) for t in answer)
-            parts.append(SEPARATOR)
-        self.tokens = np.asarray(parts, dtype=np.int32)
+        self.tokens = np.asarray(tokens, dtype=np.int32)
+        if self.tokens.ndim != 1 or (self.tokens.size and self.tokens[-1] != SEPARATOR):
+            raise ValueError("a corpus is one sequence of token ids whose every answer ends with SEPARATOR (-1)")
+        if self.tokens.size and self.tokens.min() < SEPARATOR:
+            raise ValueError(f"corpus token ids must be >= 0 (or SEPARATOR), got {int(self.tokens.min())}")
         self.max_ngram = max_ngram
         self.max_matches = max_matches
         self._reversed = np.concatenate([self.tokens[::-1], np.full(max_ngram, _PAST_END, np.int32)])
@@ -53,6 +55,25 @@ class CorpusIndex:
         self._suffixes = np.lexsort(columns[::-1]).astype(np.int32)  # the first token is the primary key
         # where the suffixes starting with token t begin: the first narrowing without a search of all of them
         self._starts = np.concatenate([[0], np.cumsum(np.bincount(self.tokens.astype(np.int64) + 1))])
+
+    @classmethod
+    def from_answers(cls, answers, **kwargs) -> CorpusIndex:
+        """The index of `answers`, lists of token ids (a model's distilled answers)."""
+        parts = []
+        for answer in answers:
+            parts.extend(int(t) for t in answer)
+            parts.append(SEPARATOR)
+        return cls(np.asarray(parts, dtype=np.int32), **kwargs)
+
+    def save(self, path: str | Path) -> None:
+        """The corpus and its settings in one compressed `.npz` file; the index is rebuilt by `load`."""
+        np.savez_compressed(path, tokens=self.tokens, max_ngram=self.max_ngram, max_matches=self.max_matches)
+
+    @classmethod
+    def load(cls, path: str | Path) -> CorpusIndex:
+        """The index of a corpus `save` wrote."""
+        with np.load(path) as saved:
+            return cls(saved["tokens"], int(saved["max_ngram"]), int(saved["max_matches"]))
 
     def __len__(self) -> int:
         return int((self.tokens != SEPARATOR).sum())

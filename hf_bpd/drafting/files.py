@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .drafter import BlockDrafter
 
 DRAFTER_SETTINGS = "drafter.json"
+CORPUS_FILE = "corpus.npz"  # a retrieval corpus (`corpus.py`), where the drafter has one
 
 
 def drafter_settings(drafter: BlockDrafter) -> dict:
@@ -28,7 +29,17 @@ def drafter_settings(drafter: BlockDrafter) -> dict:
         "context_lookup": drafter.context_lookup,
         "calibrate": drafter.calibration is not None,
         "packed_linear": drafter.packed_linear,
+        **({"corpus": CORPUS_FILE, "corpus_nodes": drafter.corpus_nodes} if drafter.corpus is not None else {}),
     }
+
+
+def with_corpus(settings: dict, folder: Path) -> dict:
+    """`settings` read from a `drafter.json` in `folder`, its corpus file loaded as the `CorpusIndex`."""
+    from .corpus import CorpusIndex
+
+    if isinstance(settings.get("corpus"), str):
+        settings = {**settings, "corpus": CorpusIndex.load(folder / settings["corpus"])}
+    return settings
 
 
 def load_drafter(cls: type[BlockDrafter], path: str | Path, base_tokenizer=None, **kwargs) -> BlockDrafter:
@@ -39,6 +50,7 @@ def load_drafter(cls: type[BlockDrafter], path: str | Path, base_tokenizer=None,
     hub = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
     heads = BlockDraftHeads.from_pretrained(path, **hub)
     folder, settings = read_settings(path, hub)
+    settings = with_corpus(settings, folder)
     spec = settings.pop("rescorer", None)
     if spec is not None and "rescorer" not in kwargs:
         kwargs["rescorer"] = build_rescorer(spec, folder, base_tokenizer)
@@ -62,6 +74,8 @@ def save_drafter(drafter: BlockDrafter, path: str | Path, repo_id: str = "<repo_
         settings["rescorer"] = save_spec(spec, Path(drafter.rescorer.spec_folder), folder)
     card = {"top_k": drafter.top_k, "max_tree_tokens": drafter.max_tree_tokens, "self_loading": True, **card_kwargs}
     save_hub_folder(drafter.heads, folder, repo_id, **card)
+    if drafter.corpus is not None:
+        drafter.corpus.save(folder / CORPUS_FILE)
     (folder / DRAFTER_SETTINGS).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
     strategy = resources.files("hf_bpd").joinpath("custom_generate")
     (folder / "custom_generate").mkdir(exist_ok=True)
