@@ -39,8 +39,10 @@ def distilled_answers(folders: list[str]) -> list[list[int]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default="../shared/data/spec_bench_dev.jsonl")
-    parser.add_argument("--answers", default=ANSWERS)
+    parser.add_argument("--model", default="packaged", help="a packaged model: its shipped drafter drafts")
+    parser.add_argument("--answers", default=ANSWERS, help="greedy answers cache of that model (hf-bpd replay's)")
     parser.add_argument("--corpus", nargs="+", required=True, help="distilled folders whose answers are the corpus")
+    parser.add_argument("--max-answers", type=int, default=None, help="the corpus' first N answers (shard order)")
     parser.add_argument("--max-ngram", type=int, nargs="+", default=[6], help="longest corpus matches (one index each)")
     parser.add_argument("--corpus-nodes", type=int, nargs="+", default=[10], help="corpus nodes merged per step")
     parser.add_argument("--max-tree-tokens", type=int, nargs="+", default=[4, 8, 16, 64])
@@ -50,22 +52,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from hf_bpd.io.models import load_model
+    from hf_bpd.io.packaged import resolve_packaged_name
 
     t0 = time.perf_counter()
-    corpus = distilled_answers(args.corpus)
+    corpus = distilled_answers(args.corpus)[: args.max_answers]
     indexes = {n: CorpusIndex.from_answers(corpus, max_ngram=n) for n in args.max_ngram}
     built = (time.perf_counter() - t0) / len(indexes)
-    model, tokenizer = load_model("packaged", dtype="float32", device="cpu")
+    model, tokenizer = load_model(args.model, dtype="float32", device="cpu")
+    packaged = resolve_packaged_name(args.model)
     rows = select_rows(read_prompts(args.data), None, None, None, args.spread)
     env = environment("cpu", "float32")
-    answers = greedy_answers(model, tokenizer, rows, args.answers, answers_header(args.data, "packaged", 128), False)
+    answers = greedy_answers(model, tokenizer, rows, args.answers, answers_header(args.data, args.model, 128), False)
     drafters = {}
     for lookup in args.context_lookup:
         for size in args.max_tree_tokens:
             name = f"n{size} lookup{lookup}"
-            drafters[name] = load_drafter("packaged", model, top_k=10, max_tree_tokens=size, context_lookup=lookup)
+            settings = dict(packaged_model=packaged, top_k=10, max_tree_tokens=size, context_lookup=lookup)
+            drafters[name] = load_drafter("packaged", model, **settings)
             for (ngram, index), nodes in itertools.product(indexes.items(), args.corpus_nodes):
-                drafter = load_drafter("packaged", model, top_k=10, max_tree_tokens=size, context_lookup=lookup)
+                drafter = load_drafter("packaged", model, **settings)
                 drafter.corpus, drafter.corpus_nodes = index, nodes
                 drafters[f"{name} corpus{ngram}x{nodes}"] = drafter
     results = replay(model, tokenizer, rows, answers, drafters, progress=True)
@@ -75,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": env,
         "args": vars(args),
         "rows": len(rows),
+        "corpus_answers": len(corpus),
         "corpus_tokens": len(next(iter(indexes.values()))),
         "index_seconds": built,
         "drafters": results,
