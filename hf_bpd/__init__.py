@@ -3,6 +3,7 @@
 from .cpu.packed_linear import fast_cpu
 from .decode.binding import prepare
 from .decode.stats import DecodingStats
+from .drafting.corpus import CorpusIndex
 from .drafting.drafter import BlockDrafter, Rescorer
 from .drafting.heads import BlockDraftHeads, BlockDraftHeadsConfig
 from .drafting.joint import load_joint_model
@@ -22,6 +23,7 @@ __all__ = [
     "BlockDrafter",
     "ComposedRescorer",
     "ContextNgram",
+    "CorpusIndex",
     "DecodingStats",
     "DraftTree",
     "Lattice",
