@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 from pathlib import Path
 
 from hf_bpd.drafting.corpus import CorpusIndex
 from hf_bpd.tools.bench import environment, load_drafter, read_prompts, select_rows
+from hf_bpd.tools.bench.report import write_result_files
 from hf_bpd.tools.replay import answers_header, greedy_answers, markdown_table, replay
 
 ANSWERS = "benchmarks/replay/spec_bench_dev_greedy128.jsonl"
@@ -85,9 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         "index_seconds": built,
         "drafters": results,
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2))
-    Path(args.output).with_suffix(".md").write_text(table + "\n")
+    write_result_files(args.output, report, table)
     return 0
 
 

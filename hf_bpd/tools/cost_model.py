@@ -34,6 +34,7 @@ import torch
 
 from ..decode.binding import prepare
 from ..decode.cost import measure_forward_cost, speedup_bound
+from .bench.report import write_result_files
 
 # Llama-shaped configurations (hidden, layers, attention heads, kv heads, MLP width, vocabulary)
 SHAPES = {
@@ -259,9 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n\n".join(tables)
     print(text)
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=2))
-        Path(args.output).with_suffix(".md").write_text(text + "\n")
+        write_result_files(args.output, report, text)
     return 0
 
 

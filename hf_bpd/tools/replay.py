@@ -35,6 +35,7 @@ from ..drafting.drafter import BlockDrafter
 from ..drafting.layer_features import decoding_features
 from ..io.models import chat_inputs
 from .bench import DEFAULT_DATA, check_data_file, environment, load_drafter, read_prompts, select_rows
+from .bench.report import write_result_files
 
 
 @dataclass
@@ -343,9 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"environment": env, "args": vars(args), "rows": len(rows)}
         if limits is not None:
             report["limits"] = limits
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps({**report, "drafters": results}, indent=2))
-        Path(args.output).with_suffix(".md").write_text(table + "\n")
+        write_result_files(args.output, {**report, "drafters": results}, table)
     return 0
 
 

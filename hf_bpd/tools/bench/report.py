@@ -283,6 +283,13 @@ def environment(device: str, dtype: str) -> dict:
     }
 
 
+def write_result_files(output: str | Path, report: dict, table: str) -> None:
+    """`report` as JSON at `output` and `table` as Markdown beside it (`.md`), its folder made if needed."""
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(json.dumps(report, indent=2))
+    Path(output).with_suffix(".md").write_text(table + "\n")
+
+
 def write_report(results: dict, info: dict, output: str | None, sampled: bool = False) -> int:
     """Print the tables; write JSON (`info` + results), .md and .png beside `output`; 1 if a greedy run
     was not lossless (sampled runs report how many turns match the seeded plain sampling: hf_bpd draws
@@ -291,9 +298,7 @@ def write_report(results: dict, info: dict, output: str | None, sampled: bool = 
     table = markdown_table(results)
     print(table)
     if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(report, indent=2))
-        Path(output).with_suffix(".md").write_text(table + "\n")
+        write_result_files(output, report, table)
         try:
             plot(results, Path(output).with_suffix(".png"))
         except ImportError:
