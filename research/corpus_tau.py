@@ -14,6 +14,8 @@ import itertools
 import time
 from pathlib import Path
 
+import torch
+
 from hf_bpd.drafting.corpus import CorpusIndex
 from hf_bpd.tools.bench import environment, load_drafter, read_prompts, select_rows
 from hf_bpd.tools.bench.report import write_result_files
@@ -43,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answers", default=ANSWERS, help="greedy answers cache of that model (hf-bpd replay's)")
     parser.add_argument("--corpus", nargs="+", required=True, help="distilled folders whose answers are the corpus")
     parser.add_argument("--max-answers", type=int, default=None, help="the corpus' first N answers (shard order)")
+    parser.add_argument(
+        "--fractions", type=float, nargs="+", default=[1.0], help="random parts of the corpus (seed 0), one index each"
+    )
     parser.add_argument("--max-ngram", type=int, nargs="+", default=[6], help="longest corpus matches (one index each)")
     parser.add_argument("--corpus-nodes", type=int, nargs="+", default=[10], help="corpus nodes merged per step")
     parser.add_argument("--max-tree-tokens", type=int, nargs="+", default=[4, 8, 16, 64])
@@ -56,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     corpus = distilled_answers(args.corpus)[: args.max_answers]
-    indexes = {n: CorpusIndex.from_answers(corpus, max_ngram=n) for n in args.max_ngram}
+    order = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(0)).tolist()
+    indexes = {}
+    for fraction, n in itertools.product(args.fractions, args.max_ngram):
+        part = corpus if fraction >= 1 else [corpus[i] for i in sorted(order[: round(fraction * len(corpus))])]
+        name = f"corpus{n}" + ("" if fraction >= 1 else f" {fraction:g}")
+        indexes[name] = CorpusIndex.from_answers(part, max_ngram=n)
     built = (time.perf_counter() - t0) / len(indexes)
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu")
     packaged = resolve_packaged_name(args.model)
@@ -69,10 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             name = f"n{size} lookup{lookup}"
             settings = dict(packaged_model=packaged, top_k=10, max_tree_tokens=size, context_lookup=lookup)
             drafters[name] = load_drafter("packaged", model, **settings)
-            for (ngram, index), nodes in itertools.product(indexes.items(), args.corpus_nodes):
+            for (corpus_name, index), nodes in itertools.product(indexes.items(), args.corpus_nodes):
                 drafter = load_drafter("packaged", model, **settings)
                 drafter.corpus, drafter.corpus_nodes = index, nodes
-                drafters[f"{name} corpus{ngram}x{nodes}"] = drafter
+                drafters[f"{name} {corpus_name}x{nodes}"] = drafter
     results = replay(model, tokenizer, rows, answers, drafters, progress=True)
     table = markdown_table(results)
     print(table)
@@ -81,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": vars(args),
         "rows": len(rows),
         "corpus_answers": len(corpus),
-        "corpus_tokens": len(next(iter(indexes.values()))),
+        "corpus_tokens": {name: len(index) for name, index in indexes.items()},
         "index_seconds": built,
         "drafters": results,
     }

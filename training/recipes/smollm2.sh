@@ -205,6 +205,17 @@ python -m research.heads_by_source --data "$RUNS/d54_89" training/data/distilled
 hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl \
   --heads "$RUNS/heads5_from_v7" "$RUNS/h10_mix_deep2" --top-k 10 --max-tree-tokens 4 8 16 64 --context-lookup 10 \
   --output benchmarks/replay/mix_deep2_dev_lookup10.json
+# 6v. issue #59, retrieval drafts (hf_bpd/drafting/corpus.py): the shipped drafter with and without a corpus of
+#     the model's own distilled answers (every committed SmolLM2 shard), 40 spread dev rows, context lookup on
+python -m research.corpus_tau --corpus training/data/distilled/distill2 training/data/distilled/distill_instr \
+  training/data/distilled/distill_self --spread 40 --max-tree-tokens 4 8 16 64 --max-ngram 6 --corpus-nodes 4 \
+  --output benchmarks/replay/corpus_spread40_lookup10.json
+# 6w. issue #59, more of the model's own chat prompts for the next continuation (4,000 more, seed 1; committed
+#     as training/data/self_prompts_s1.jsonl), then their greedy answers (committed as they are made; resumable)
+[ -f training/data/self_prompts_s1.jsonl ] || python -m hf_bpd.training.self_prompts \
+  --output training/data/self_prompts_s1.jsonl --num 4000 --seed 1
+hf-bpd distill --prompts training/data/self_prompts_s1.jsonl --output training/data/distilled/distill_self_s1 \
+  --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 32
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench ../shared/data/spec_bench_dev.jsonl --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
