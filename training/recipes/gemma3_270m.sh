@@ -35,3 +35,8 @@ echo $! > /tmp/gemma_distill.pid
 # echo '{"top_k": 10, "max_tree_tokens": "auto", "context_lookup": 10}' > runs/gemma_drafter1.json
 # python -m hf_bpd.training.ship --heads runs/gemma_heads1 --distilled training/data/distilled_gemma3_270m \
 #   --drafter runs/gemma_drafter1.json --to hf_bpd/assets/gemma3_270m
+# 4. issue #59, retrieval drafts (hf_bpd/drafting/corpus.py): the shipped drafter with and without a corpus of the
+#    model's own distilled answers (the first 4,992: shards 0-77), heads alone and with context lookup
+python -m research.corpus_tau --model gemma-3-270m --answers benchmarks/replay/gemma3_270m_spread40_greedy128.jsonl \
+  --corpus training/data/distilled_gemma3_270m --max-answers 4992 --spread 40 --max-tree-tokens 4 8 16 64 \
+  --context-lookup 0 10 --corpus-nodes 4 --output benchmarks/replay/gemma3_270m_corpus_spread40.json
