@@ -49,6 +49,14 @@ def test_matches_equal_a_brute_force_search():
         assert all(index.tokens[e - k] == context[-1 - k] for e in ends for k in range(n))
 
 
+def test_many_matches_are_read_evenly_over_the_corpus():
+    answers = [[1, 2]] * 100 + [[1, 3]] * 100  # the later half continues "1" otherwise
+    index = CorpusIndex.from_answers(answers, max_matches=10)
+    ends, n = index.matches(np.array([1]))
+    assert n == 1 and len(ends) == 10 and len(set(ends.tolist())) == 10
+    assert sorted(set(index.tokens[ends + 1].tolist())) == [2, 3]
+
+
 def test_merged_chain_keeps_its_own_arcs_and_source():
     tree = DraftTree.from_paths(0, [(1, 2), (3,)], 8)
     arcs = [Arc(0.0, HEADS), Arc(math.log(0.9), HEADS), Arc(math.log(0.1), HEADS), Arc(math.log(0.05), HEADS)]

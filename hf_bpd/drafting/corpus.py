@@ -80,8 +80,8 @@ class CorpusIndex:
 
     def matches(self, context: np.ndarray) -> tuple[np.ndarray, int]:
         """End positions in the corpus of the context's last n tokens, for the longest n <= `max_ngram` that
-        occurs (at most `max_matches` of them, the earliest in the corpus), and n; (empty, 0) when not even
-        the last token occurs."""
+        occurs (at most `max_matches` of them, evenly spaced over the corpus: the answers are in the order
+        of their data sets), and n; (empty, 0) when not even the last token occurs."""
         last = int(context[-1]) + 1 if len(context) else -1
         if not 0 < last < len(self._starts) - 1 or self._starts[last] == self._starts[last + 1]:
             return np.zeros(0, np.int64), 0
@@ -94,7 +94,9 @@ class CorpusIndex:
                 break
             lo, hi, n = lo + first, lo + last, k + 1
         ends = np.sort(len(self.tokens) - 1 - self._suffixes[lo:hi].astype(np.int64))
-        return ends[: self.max_matches], n
+        if ends.size > self.max_matches:
+            ends = ends[np.linspace(0, ends.size - 1, self.max_matches).round().astype(np.int64)]
+        return ends, n
 
     def continuations(self, context, max_depth: int, max_nodes: int) -> tuple[list[tuple[list[int], list[float]]], int]:
         """The corpus' tree of continuations after the context's last tokens, grown best first by path
