@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer = load_model(args.model)
     prompts = self_prompts(model, tokenizer, args.num, args.seed, args.batch_size, args.max_new_tokens, progress=True)
-    rows = [{"id": f"self-{i}", "source": "self_prompts", "prompt": p} for i, p in enumerate(prompts)]
+    prefix = "self" if args.seed == 0 else f"self{args.seed}"  # ids stay distinct across seeds' files
+    rows = [{"id": f"{prefix}-{i}", "source": "self_prompts", "prompt": p} for i, p in enumerate(prompts)]
     write_jsonl(args.output, rows)
     print(f"wrote {len(rows)} prompts to {args.output}")
     return 0
