@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
-from pathlib import Path
 
 import torch
 
@@ -20,22 +19,9 @@ from hf_bpd.drafting.corpus import CorpusIndex
 from hf_bpd.tools.bench import environment, load_drafter, read_prompts, select_rows
 from hf_bpd.tools.bench.report import write_result_files
 from hf_bpd.tools.replay import answers_header, greedy_answers, markdown_table, replay
+from hf_bpd.training.distill import load_distilled
 
 ANSWERS = "benchmarks/replay/spec_bench_dev_greedy128.jsonl"
-
-
-def distilled_answers(folders: list[str]) -> list[list[int]]:
-    """The response ids of every shard of the distilled `folders`, in shard order."""
-    import pyarrow.parquet as pq
-
-    answers = []
-    for folder in folders:
-        shards = sorted(Path(folder, "shards").glob("*.parquet"))
-        if not shards:
-            raise SystemExit(f"{folder}: no shards/*.parquet")
-        for shard in shards:
-            answers.extend(pq.read_table(shard, columns=["response_ids"]).column(0).to_pylist())
-    return answers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from hf_bpd.io.packaged import resolve_packaged_name
 
     t0 = time.perf_counter()
-    corpus = distilled_answers(args.corpus)[: args.max_answers]
+    corpus = load_distilled(args.corpus)["response_ids"][: args.max_answers]
     order = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(0)).tolist()
     indexes = {}
     for fraction, n in itertools.product(args.fractions, args.max_ngram):
