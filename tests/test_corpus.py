@@ -126,3 +126,18 @@ def test_corpus_drafts_keep_seeded_sampling_and_batches_exact():
     drafter = BlockDrafter(heads, top_k=2, max_tree_tokens=12, context_lookup=0, corpus=index)
     assert model.generate(ids[:1], do_sample=False, **kw | {"assistant": drafter})[0].tolist() == greedy
     assert max(drafter.stats.accepted_lengths) > 3  # two heads draft at most 2 tokens: the corpus chain was taken
+
+
+def test_a_packaged_drafter_loads_the_corpus_its_drafter_json_names(tmp_path, monkeypatch):
+    import json
+
+    import hf_bpd.io.packaged as packaged
+
+    model = tiny_model("llama", eos_token_id=None)
+    hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2).save_pretrained(tmp_path / "heads")
+    CorpusIndex.from_answers([[7, 8, 20, 21]], max_ngram=2).save(tmp_path / "corpus.npz")
+    (tmp_path / "drafter.json").write_text(json.dumps({"top_k": 2, "corpus": "corpus.npz", "corpus_nodes": 3}))
+    monkeypatch.setattr(packaged, "packaged_heads_dir", lambda model=None, kind="default": tmp_path / "heads")
+    drafter = hf_bpd.load_packaged_drafter()
+    assert drafter.corpus_nodes == 3 and drafter.corpus.tokens.tolist() == [7, 8, 20, 21, -1]
+    assert hf_bpd.load_packaged_drafter(corpus=None).corpus is None  # an argument still overrides drafter.json

@@ -70,6 +70,13 @@ def test_ship_replaces_heads_and_keeps_rescorers(tmp_path):
     assert shipped.num_heads == 2 and shipped.config.use_next_token
     x, tokens = torch.randn(3, model.config.hidden_size), torch.tensor([1, 2, 3])
     torch.testing.assert_close(shipped(x, tokens), heads(x, tokens)[:, :2])
+    # with --corpus the distilled answers travel as the drafter's retrieval corpus; shipping again without drops it
+    assert ship.main([*argv, "--to", str(dest), "--corpus", str(tmp_path / "distill")]) == 0
+    assert json.loads((dest / "drafter.json").read_text())["corpus"] == "corpus.npz"
+    answers = load_distilled(tmp_path / "distill")["response_ids"]
+    assert hf_bpd.CorpusIndex.load(dest / "corpus.npz").tokens.tolist() == [t for a in answers for t in (*a, -1)]
+    assert ship.main([*argv, "--to", str(dest)]) == 0
+    assert not (dest / "corpus.npz").exists() and "corpus" not in json.loads((dest / "drafter.json").read_text())
 
 
 def test_ship_keeps_the_earlier_heads_runs_and_records_the_pointer_stage(tmp_path):

@@ -18,8 +18,11 @@ import sys
 from pathlib import Path
 
 from hf_bpd.card import CHECKOUT_CARDS, bench_summary, load_json, precision_summary, render_card
+from hf_bpd.drafting.corpus import CorpusIndex
+from hf_bpd.drafting.files import CORPUS_FILE
 from hf_bpd.drafting.heads import BlockDraftHeads, BlockDraftHeadsConfig, lm_head_identity
 from hf_bpd.io.packaged import HEAD_KINDS, SHIPPED_ASSETS
+from hf_bpd.training.distill import load_distilled
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -138,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         "these heads continue (e.g. heads kept frozen while a context-copy pointer was trained on --distilled)",
     )
     parser.add_argument("--stage", default=None, help="what the --distilled runs trained, recorded on each of them")
+    parser.add_argument(
+        "--corpus",
+        nargs="+",
+        default=None,
+        help="distill output folders whose answers become the drafter's retrieval corpus (corpus.npz beside the "
+        "heads, named in drafter.json); without it a shipped corpus is removed",
+    )
     parser.add_argument("--to", default="hf_bpd/assets/smollm2")
     parser.add_argument(
         "--bench", default=None, help="an `hf-bpd bench --output` JSON measured with these heads: the card's τ table"
@@ -196,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(dest / "heads")
     (dest / "heads").mkdir(parents=True)
     heads.save_pretrained(dest / "heads")
+    if args.corpus:
+        CorpusIndex.from_answers(load_distilled(args.corpus)["response_ids"]).save(dest / CORPUS_FILE)
+        settings["corpus"] = CORPUS_FILE
+    elif (dest / CORPUS_FILE).exists():  # the earlier heads' corpus: these heads were not measured with it
+        (dest / CORPUS_FILE).unlink()
     (dest / "drafter.json").write_text(json.dumps(settings, indent=2) + "\n")
     shutil.copy(Path(args.heads) / "training_log.json", dest / "training_log.json")
     earlier = json.loads(Path(args.earlier_manifest).read_text()) if args.earlier_manifest else None
@@ -219,7 +234,7 @@ def data_manifest(distilled: list[str], earlier: dict | None = None, stage: str 
     (`distill.data_digest`: samples, response tokens, sha256; a run's `num_prompts` is its last --limit,
     which a longer run that was stopped rewrites), so a rerun of the recipe can be checked against it.
     `earlier`: a manifest whose runs come first, unchanged; `stage`: recorded on each of `distilled`."""
-    from hf_bpd.training.distill import data_digest, load_distilled
+    from hf_bpd.training.distill import data_digest
 
     runs = [] if earlier is None else list(earlier.get("runs", [earlier]))
     for path in distilled:
