@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -466,3 +467,24 @@ def test_compiled_static_and_captured_methods_are_registered_and_give_plain_gree
     for name in ("greedy_static_compiled", "hf_bpd_captured"):
         assert results[name]["overall"]["identical"] and results[name]["overall"]["tokens"] == 2 * 8, name
     assert captured.stats.steps < 8  # drafted steps: the captured step ran
+
+
+def test_the_corpus_method_needs_its_answers_before_a_model_loads(monkeypatch):
+    import hf_bpd.io.models
+
+    monkeypatch.setattr(hf_bpd.io.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit, match="--corpus"):
+        bench.main(["--methods", "greedy", "hf_bpd_corpus"])
+    with pytest.raises(SystemExit, match="--corpus"):
+        bench.main(["--methods", "greedy", "hf_bpd", "--corpus", "training/data/distilled/distill_self"])
+
+
+@pytest.mark.real
+def test_the_corpus_method_drafts_from_distilled_answers_and_stays_lossless(tmp_path, smollm2):
+    out = tmp_path / "corpus.json"
+    distilled = str(Path(__file__).resolve().parents[1] / "training" / "data" / "distilled" / "distill_self")
+    argv = ["--methods", "greedy", "hf_bpd_corpus", "--corpus", distilled, "--limit", "2", "--max-new-tokens", "24"]
+    assert bench.main([*argv, "--max-tree-tokens", "8", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["methods"]["hf_bpd_corpus"]["overall"]["identical"]
+    assert report["methods"]["hf_bpd_corpus"]["overall"]["tau"] > 1

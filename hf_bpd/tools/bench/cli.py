@@ -58,6 +58,7 @@ METHODS = (
     "hf_bpd_captured",
     "hf_bpd_typical",
     "hf_bpd_greedy",
+    "hf_bpd_corpus",
 )
 
 
@@ -110,7 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_lookup_fast, assisted (the shipped rescorer LM as a draft "
         "model), hf_bpd (heads alone), hf_bpd+NAME with NAME a shipped rescorer (hf_bpd.packaged_rescorers()), "
         "hf_bpd_typical (with --do-sample: Medusa's typical acceptance, lossy), hf_bpd_greedy (with --do-sample: "
-        "the same drafter decoding greedily on the same turns, the greedy τ that sampling's τ is compared with)",
+        "the same drafter decoding greedily on the same turns, the greedy τ that sampling's τ is compared with), "
+        "hf_bpd_corpus (the drafter with a retrieval corpus of the --corpus answers)",
+    )
+    parser.add_argument(
+        "--corpus",
+        nargs="+",
+        default=None,
+        help="distill output folders whose answers are hf_bpd_corpus's retrieval corpus (hf_bpd.CorpusIndex)",
     )
     parser.add_argument("--do-sample", action="store_true", help="sample (every method, the reference too)")
     parser.add_argument("--temperature", type=float, default=None, help="with --do-sample")
@@ -172,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or (args.rounds > 1 and args.batch_size == [1]):
         raise SystemExit(f"--rounds repeats the batches of --batch-size B > 1: it must be >= 1, got {args.rounds}")
     check_data_file(args.data)
+    if ("hf_bpd_corpus" in args.methods) != bool(args.corpus):
+        raise SystemExit("hf_bpd_corpus drafts from the answers of --corpus: give both, or neither")
     if min(args.batch_size) < 1:
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
     batched = args.batch_size != [1]
@@ -226,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             "heads_sha1": state_digest(drafter.heads.state_dict()),
         },
         "rescorer_specs": rescorer_specs(args.methods, packaged),
+        **({"corpus": args.corpus} if "hf_bpd_corpus" in args.methods else {}),
     }
     if args.do_sample:  # journals of greedy runs keep their header
         header["decoding"] = {**decoding, "seed": args.seed}
@@ -275,6 +286,14 @@ def main(argv: list[str] | None = None) -> int:
         multi_turn = any(len(r["turns"]) > 1 for r in rows)
         return captured_method(model, drafter, tokenizer, args.max_new_tokens, lengths, multi_turn, decoding=decoding)
 
+    def with_corpus() -> Method:
+        from ...drafting.corpus import CorpusIndex
+        from ...training.distill import load_distilled
+
+        copy = drafter.with_rescorer(drafter.rescorer)  # its own calibration
+        copy.corpus = CorpusIndex.from_answers(load_distilled(args.corpus)["response_ids"])
+        return bpd_method(model, copy, "hf_bpd_corpus", decoding)
+
     def greedy_twin() -> Method:
         if not args.do_sample:
             raise SystemExit("hf_bpd_greedy is hf_bpd decoding greedily inside a sampled run: add --do-sample")
@@ -301,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "hf_bpd_captured": captured,
         "hf_bpd_typical": typical,
         "hf_bpd_greedy": greedy_twin,
+        "hf_bpd_corpus": with_corpus,
     }
     assert set(available) == set(METHODS), sorted(set(available) ^ set(METHODS))
     rows = select_rows(read_prompts(args.data), args.categories, args.per_category, args.limit, args.spread)
