@@ -11,7 +11,7 @@ certainty), of which the most frequent nodes are drafted. Arcs are calibrated pe
 only decide what is verified, never a token.
 
 The index is a suffix array of the corpus read backwards (`CorpusIndex`): the longest match is a few binary
-searches, in two int32 arrays the corpus' length.
+searches, in three int32 arrays the corpus' length (it, its reverse, the suffix array).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class CorpusIndex:
     """Index of answers (lists of token ids) for `continuations`: the suffix array of the reversed corpus,
     sorted on each suffix's first `max_ngram` tokens. A context's last tokens read backwards are a prefix of
     those suffixes, so each further token of a match narrows the range of the previous one by two binary
-    searches, and the longest match is found without a table per n-gram length (two int32 arrays in all)."""
+    searches, and the longest match is found without a table per n-gram length."""
 
     def __init__(self, tokens: np.ndarray, max_ngram: int = 6, max_matches: int = 4096) -> None:
         """`tokens`: the answers' token ids, each answer followed by `SEPARATOR` (`from_answers` builds it)."""
