@@ -50,7 +50,8 @@ def load_drafter(cls: type[BlockDrafter], path: str | Path, base_tokenizer=None,
     hub = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
     heads = BlockDraftHeads.from_pretrained(path, **hub)
     folder, settings = read_settings(path, hub)
-    settings = with_corpus(settings, folder)
+    if "corpus" not in kwargs:  # a corpus given here replaces the saved one unread
+        settings = with_corpus(settings, folder)
     spec = settings.pop("rescorer", None)
     if spec is not None and "rescorer" not in kwargs:
         kwargs["rescorer"] = build_rescorer(spec, folder, base_tokenizer)
