@@ -82,17 +82,17 @@ class CorpusIndex:
         """End positions in the corpus of the context's last n tokens, for the longest n <= `max_ngram` that
         occurs (at most `max_matches` of them, evenly spaced over the corpus: the answers are in the order
         of their data sets), and n; (empty, 0) when not even the last token occurs."""
-        last = int(context[-1]) + 1 if len(context) else -1
-        if not 0 < last < len(self._starts) - 1 or self._starts[last] == self._starts[last + 1]:
+        row = int(context[-1]) + 1 if len(context) else -1  # the last token's row of `_starts`
+        if not 0 < row < len(self._starts) - 1 or self._starts[row] == self._starts[row + 1]:
             return np.zeros(0, np.int64), 0
-        lo, hi, n = int(self._starts[last]), int(self._starts[last + 1]), 1
+        lo, hi, n = int(self._starts[row]), int(self._starts[row + 1]), 1
         for k in range(1, min(self.max_ngram, len(context))):
             column = self._reversed[self._suffixes[lo:hi] + k]  # sorted: the range shares its first k tokens
             token = context[len(context) - 1 - k]
-            first, last = np.searchsorted(column, token, "left"), np.searchsorted(column, token, "right")
-            if first == last:
+            start, stop = np.searchsorted(column, token, "left"), np.searchsorted(column, token, "right")
+            if start == stop:
                 break
-            lo, hi, n = lo + first, lo + last, k + 1
+            lo, hi, n = lo + start, lo + stop, k + 1
         ends = np.sort(len(self.tokens) - 1 - self._suffixes[lo:hi].astype(np.int64))
         if ends.size > self.max_matches:
             ends = ends[np.linspace(0, ends.size - 1, self.max_matches).round().astype(np.int64)]
