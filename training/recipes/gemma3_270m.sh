@@ -40,3 +40,10 @@ echo $! > /tmp/gemma_distill.pid
 python -m research.corpus_tau --model gemma-3-270m --answers benchmarks/replay/gemma3_270m_spread40_greedy128.jsonl \
   --corpus training/data/distilled_gemma3_270m --max-answers 4992 --spread 40 --max-tree-tokens 4 8 16 64 \
   --context-lookup 0 10 --corpus-nodes 4 --output benchmarks/replay/gemma3_270m_corpus_spread40.json
+# 5. issue #59, heads v2 candidate: v1 continued (--init keeps their shape and draft vocabulary) for one epoch over
+#    the first 87 shards (5,568 answers; v1 saw the first 1,024) at half v1's learning rate. Features cached in
+#    runs/gemma_heads2/features (~960 MB). Measured on the 2-core dev machine (2 threads): ~2.5-3 min of
+#    features per 512 answers.
+# OMP_NUM_THREADS=2 hf-bpd train-heads --model gemma-3-270m --data training/data/distilled_gemma3_270m \
+#   --output runs/gemma_heads2 --init hf_bpd/assets/gemma3_270m/heads --epochs 1 --lr 1e-3 --batch-size 256 \
+#   --top-k 5 --teacher-weight 0.5 --loss-decay 0.8
