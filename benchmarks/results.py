@@ -614,7 +614,24 @@ def render_perturbed_base(report: dict) -> list[str]:
     return lines
 
 
+def render_head_accuracy(report: dict) -> list[str]:
+    """`research.prefix_attention`: teacher-forced accuracy of head sets on held-out distilled answers."""
+    results, k = report["results"], report["args"]["top_k"]
+    heads = len(next(iter(results.values()))["top1"])
+    columns = " | ".join(f"head {i + 1} top-1 / top-{k}" for i in range(heads))
+    lines = [
+        f"| heads | {columns} | lattice oracle (top-{k}) |",
+        "| --- |" + " --- |" * (heads + 1),
+    ]
+    for name, r in results.items():
+        cells = " | ".join(f"{a:.3f} / {b:.3f}" for a, b in zip(r["top1"], r[f"top{k}"]))
+        lines.append(f"| {name} | {cells} | {r[f'oracle_top{k}']:.3f} |")
+    positions = next(iter(results.values()))["positions"]
+    return [*lines, "", f"Held-out positions: {positions:,}."]
+
+
 RENDERERS = {
+    "head_accuracy": render_head_accuracy,
     "lm_head_sketch": render_lm_head_sketch,
     "perturbed_base": render_perturbed_base,
     "speed_budget": render_speed_budget,
