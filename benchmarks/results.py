@@ -728,8 +728,29 @@ def current(claims: list[dict]) -> list[dict]:
     return [c for c in claims if not c.get("superseded_by")]
 
 
+def render_levers(claims: list[dict]) -> list[str]:
+    """Issue #59's ablation at a glance: each current claim that tried a lever for better drafts (its `lever`
+    field), linked to its section, whose title gives what the lever did against its control."""
+    rows = [c for c in current(claims) if c.get("lever")]
+    if not rows:
+        return []
+    lines = [
+        "## Better drafts (issue #59): what each lever gave",
+        "",
+        "One row per run that tried a lever against a control measured in the same run; the numbers are in each "
+        "section's title and table.",
+        "",
+        "| lever | model | claim |",
+        "| --- | --- | --- |",
+    ]
+    for c in rows:
+        lines.append(f"| {c['lever']} | {c.get('model', MODEL)} | [{c['id']}](#{heading_anchor(c['title'])}) |")
+    return [*lines, "", ""]
+
+
 def render_results(claims: list[dict]) -> str:
-    return HEADER + "\n" + "\n\n".join(render_claim(c) for c in current(claims)) + "\n"
+    levers = "\n".join(render_levers(claims))
+    return HEADER + "\n" + levers + "\n\n".join(render_claim(c) for c in current(claims)) + "\n"
 
 
 def render_archive(claims: list[dict]) -> str:

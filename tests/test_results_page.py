@@ -57,3 +57,21 @@ def test_superseded_claims_name_a_current_claim_and_leave_results_md():
         assert new in by_id and new != claim["id"] and not by_id[new].get("superseded_by"), (claim["id"], new)
         assert heading in archive and heading not in results, claim["id"]
     assert not any(c.get("superseded_by") for c in claims if c.get("readme")), "the README quotes current claims"
+
+
+def test_the_levers_table_links_every_lever_claim_to_its_section():
+    """Issue #59's ablation table on RESULTS.md: one row per current claim with a `lever`, each linking to the
+    anchor of that claim's own heading on the same page (a superseded claim leaves the table)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from results import heading_anchor
+
+    claims = json.loads((ROOT / "benchmarks" / "claims.json").read_text())
+    results = (ROOT / "RESULTS.md").read_text()
+    table = results.split("## Better drafts (issue #59): what each lever gave\n")[1].split("\n## ")[0]
+    levers = [c for c in claims if c.get("lever")]
+    assert levers
+    for claim in levers:
+        link = f"[{claim['id']}](#{heading_anchor(claim['title'])})"
+        assert (link in table) == (not claim.get("superseded_by")), claim["id"]
+        if not claim.get("superseded_by"):
+            assert f"## {claim['title']}\n" in results
