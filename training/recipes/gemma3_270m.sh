@@ -47,3 +47,14 @@ python -m research.corpus_tau --model gemma-3-270m --answers benchmarks/replay/g
 # OMP_NUM_THREADS=2 hf-bpd train-heads --model gemma-3-270m --data training/data/distilled_gemma3_270m \
 #   --output runs/gemma_heads2 --init hf_bpd/assets/gemma3_270m/heads --epochs 1 --lr 1e-3 --batch-size 256 \
 #   --top-k 5 --teacher-weight 0.5 --loss-decay 0.8
+# 6. issue #59, heads v2 candidate continued: step 5's heads for one more epoch over all 128 shards (8,171 answers;
+#    the first 5,568 of them a second time), same settings; the features of step 5 are reused and only the 2,603
+#    new answers computed. Then v1 against them on all of Spec-Bench dev (Gemma's greedy answers to the 280 dev
+#    turns are cached in benchmarks/replay/gemma3_270m_dev_greedy128.jsonl), heads alone and with the shipped lookup.
+#    Measured on the 2-core dev machine (1 thread, beside another 1-thread job): ~6 min of features per 512 answers.
+# OMP_NUM_THREADS=1 hf-bpd train-heads --model gemma-3-270m --data training/data/distilled_gemma3_270m \
+#   --output runs/gemma_heads3 --init runs/gemma_heads2 --features-cache runs/gemma_heads2/features --epochs 1 \
+#   --lr 1e-3 --batch-size 256 --top-k 5 --teacher-weight 0.5 --loss-decay 0.8
+hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --heads packaged runs/gemma_heads3 \
+  --answers benchmarks/replay/gemma3_270m_dev_greedy128.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
+  --context-lookup 0 10 --max-new-tokens 128 --no-progress --output benchmarks/replay/gemma3_270m_v2b_dev.json

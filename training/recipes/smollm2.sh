@@ -216,6 +216,15 @@ python -m research.corpus_tau --corpus training/data/distilled/distill2 training
   --output training/data/self_prompts_s1.jsonl --num 4000 --seed 1
 hf-bpd distill --prompts training/data/self_prompts_s1.jsonl --output training/data/distilled/distill_self_s1 \
   --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 32
+# 6x. issue #59, v5 (one block, as shipped: same drafting cost) continued on the model's own chat prompts of 6w
+#     alone (4,000 answers, none seen by v5), 1 epoch at lr 3e-4; then its tau beside v5's on all of dev, heads alone
+#     and with the shipped context lookup. Features: ~6 min per 512 answers at 1 thread on the 2-core dev machine.
+hf-bpd train-heads --data training/data/distilled/distill_self_s1 --output "$RUNS/h11_s1" --init "$RUNS/heads5_from_v7" \
+  --features-cache "$RUNS/features_s1" --epochs 1 --lr 3e-4 --batch-size 256 --top-k 5 --loss-decay 0.8 \
+  --teacher-weight 0.5
+hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl \
+  --heads "$RUNS/heads5_from_v7" "$RUNS/h11_s1" --top-k 10 --max-tree-tokens 4 8 16 64 --context-lookup 0 10 \
+  --output benchmarks/replay/self_s1_dev.json
 # 7. the report: every row of Spec-Bench dev, greedy vs prompt lookup vs the best configuration (resumable)
 hf-bpd bench ../shared/data/spec_bench_dev.jsonl --max-new-tokens 64 --methods greedy prompt_lookup hf_bpd+best \
   --output benchmarks/spec_bench_dev_full.json --resume
