@@ -55,6 +55,13 @@ python -m research.corpus_tau --model gemma-3-270m --answers benchmarks/replay/g
 # OMP_NUM_THREADS=1 hf-bpd train-heads --model gemma-3-270m --data training/data/distilled_gemma3_270m \
 #   --output runs/gemma_heads3 --init runs/gemma_heads2 --features-cache runs/gemma_heads2/features --epochs 1 \
 #   --lr 1e-3 --batch-size 256 --top-k 5 --teacher-weight 0.5 --loss-decay 0.8
-hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --heads packaged runs/gemma_heads3 \
+#    Step 6's heads are committed as training/candidates/gemma3_270m_v2b, so the replay needs no retraining.
+hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --heads packaged training/candidates/gemma3_270m_v2b \
   --answers benchmarks/replay/gemma3_270m_dev_greedy128.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
   --context-lookup 0 10 --max-new-tokens 128 --no-progress --output benchmarks/replay/gemma3_270m_v2b_dev.json
+# 7. issue #59, chat-kind answers for Gemma (its heads so far saw only the bundled training prompts, mostly short
+#    formulaic questions): its greedy answers to SmolLM2's self-written chat prompts (training/data/self_prompts.jsonl,
+#    2,000), framed "Question: ...\nAnswer:" as before. Resumable like step 1; ~33 prompts a minute at 1 thread.
+OMP_NUM_THREADS=1 nice -n 10 hf-bpd distill --model gemma-3-270m --prompt-template qa \
+  --prompts training/data/self_prompts.jsonl --output training/data/distilled_gemma3_270m_self \
+  --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 32 --shard-size 64 --no-progress
