@@ -48,6 +48,12 @@ def accuracy_table(training_log: dict | None) -> str:
             f"\nLattice oracle ({oracle}): {last[oracle]:.2f} drafted tokens per step "
             f"on {last.get('positions', '?')} positions of the training run's validation split."
         )
+    if (training_log.get("args") or {}).get("init"):
+        # the split is drawn afresh over each run's data, so an earlier run may have trained on some of it
+        rows.append(
+            "\nThese heads continue earlier heads (`--init`); the earlier runs may have trained on part of this "
+            "split, so read its accuracy as an upper bound. The Spec-Bench τ below is the measure."
+        )
     return "\n".join(rows)
 
 
