@@ -183,3 +183,12 @@ def test_the_wheel_ships_the_template():
     setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
     assert '"hf_bpd.model_cards"' in setup and 'package_dir={"hf_bpd.model_cards": "model_cards"}' in setup
     assert '"hf_bpd.model_cards": ["*.md"]' in setup
+
+
+def test_continued_heads_say_their_validation_accuracy_is_an_upper_bound():
+    from hf_bpd.card import accuracy_table
+
+    fresh = accuracy_table(LOG)
+    continued = accuracy_table({**LOG, "args": {"init": "runs/earlier_heads"}})
+    assert "upper bound" not in fresh
+    assert continued.startswith(fresh) and "upper bound" in continued
