@@ -73,8 +73,12 @@ hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --heads p
 OMP_NUM_THREADS=1 nice -n 10 hf-bpd distill --model gemma-3-270m --prompt-template qa \
   --prompts training/data/self_prompts.jsonl --output training/data/distilled_gemma3_270m_self \
   --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 32 --shard-size 64 --no-progress
-# 8. issue #59, next candidate (not run yet): v2 continued on step 7's chat-kind answers, at SmolLM2's continuation
-#    learning rate, then v2 against it on all of dev as in step 6. Features: ~25 min per 1,000 answers at 1 thread.
+# 8. issue #59, a candidate: v2 continued on step 7's chat-kind answers at SmolLM2's continuation learning rate, then
+#    v2 against it on the 40 spread dev rows (claim gemma3_270m_v2c_spread40: about +1 %, not shipped). Measured on the
+#    2-core dev machine (2 threads): ~10 min of features, ~5 min for the epoch.
 # hf-bpd train-heads --model gemma-3-270m --data training/data/distilled_gemma3_270m_self --output runs/gemma_heads4 \
 #   --init hf_bpd/assets/gemma3_270m/heads --epochs 1 --lr 3e-4 --batch-size 256 --top-k 5 --teacher-weight 0.5 \
 #   --loss-decay 0.8
+# hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --heads packaged runs/gemma_heads4 --spread 40 \
+#   --answers benchmarks/replay/gemma3_270m_spread40_greedy128.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
+#   --context-lookup 0 10 --max-new-tokens 128 --no-progress --output benchmarks/replay/gemma3_270m_v2c_spread40.json
