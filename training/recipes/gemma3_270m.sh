@@ -55,14 +55,14 @@ python -m research.corpus_tau --model gemma-3-270m --answers benchmarks/replay/g
 # OMP_NUM_THREADS=1 hf-bpd train-heads --model gemma-3-270m --data training/data/distilled_gemma3_270m \
 #   --output runs/gemma_heads3 --init runs/gemma_heads2 --features-cache runs/gemma_heads2/features --epochs 1 \
 #   --lr 1e-3 --batch-size 256 --top-k 5 --teacher-weight 0.5 --loss-decay 0.8
-#    Step 6's heads are committed as training/candidates/gemma3_270m_v2b, so the replay needs no retraining.
-#    'packaged' is v1 up to commit 9573dba (claim gemma3_270m_v2b_dev); after step 6b it is v2b itself.
-hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --heads packaged training/candidates/gemma3_270m_v2b \
-  --answers benchmarks/replay/gemma3_270m_dev_greedy128.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
-  --context-lookup 0 10 --max-new-tokens 128 --no-progress --output benchmarks/replay/gemma3_270m_v2b_dev.json
+#    Run at commit 9573dba (claim gemma3_270m_v2b_dev), where 'packaged' was v1 and step 6's heads were committed as
+#    training/candidates/gemma3_270m_v2b; they are the shipped heads v2 since step 6b.
+# hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --heads packaged training/candidates/gemma3_270m_v2b \
+#   --answers benchmarks/replay/gemma3_270m_dev_greedy128.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
+#   --context-lookup 0 10 --max-new-tokens 128 --no-progress --output benchmarks/replay/gemma3_270m_v2b_dev.json
 # 6b. ship them as heads v2 (same drafter settings), then the shipped default against the fastest plain generate,
 #     the card's τ table recorded from that bench (an idle machine: nothing else running while it times)
-# python -m hf_bpd.training.ship --heads training/candidates/gemma3_270m_v2b --distilled training/data/distilled_gemma3_270m \
+# python -m hf_bpd.training.ship --heads runs/gemma_heads3 --distilled training/data/distilled_gemma3_270m \
 #   --drafter hf_bpd/assets/gemma3_270m/drafter.json --to hf_bpd/assets/gemma3_270m
 # hf-bpd bench ../shared/data/spec_bench_dev.jsonl --spread 40 --model gemma-3-270m --heads packaged --max-new-tokens 128 \
 #   --methods greedy greedy_fast greedy_compiled prompt_lookup_fast hf_bpd --output benchmarks/speed/gemma3_270m_v2_spread40_amd.json
