@@ -82,7 +82,7 @@ def generate(
     batched = input_ids.shape[0] > 1
     check_captured_setting(captured_step, batched, has_recurrent_state(model))
     if batched:
-        check_batch_supported(input_ids, generation_config, model_kwargs)
+        check_batch_supported(input_ids, generation_config, model_kwargs, logits_processor, assistant.rescorer)
         if streamer is not None or caller_streamer(model) is not None:
             raise ValueError("streamers take one sequence: hf_bpd.generate streams batches of size 1 only")
     elif streamer is not None:  # bound with functools.partial: the prompt is ours to put

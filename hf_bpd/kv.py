@@ -56,7 +56,8 @@ def compact_cache(cache: DynamicCache, num_tree: int, keep: torch.Tensor) -> Non
         for name in ("keys", "values"):
             t = getattr(layer, name)
             start = t.shape[-2] - num_tree
-            t[..., start : start + keep.numel(), :] = t.index_select(-2, keep + start)
+            # `.to`: a model split over devices (device_map) keeps each layer's cache on its own
+            t[..., start : start + keep.numel(), :] = t.index_select(-2, keep.to(t.device) + start)
             setattr(layer, name, t[..., : start + keep.numel(), :])
         if hasattr(layer, "cumulative_length"):  # sliding-window layers count tokens seen
             layer.cumulative_length -= dropped
@@ -72,7 +73,7 @@ def compact_rows(cache, num_tree: int, keep: torch.Tensor) -> None:
         for name in ("keys", "values"):
             t = getattr(layer, name)  # [B, heads, S, dim]
             start = t.shape[-2] - num_tree
-            index = (keep + start)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
+            index = (keep.to(t.device) + start)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
             t[..., start : start + keep.shape[1], :] = t.gather(2, index)
             setattr(layer, name, t[..., : start + keep.shape[1], :])
         if hasattr(layer, "cumulative_length"):  # sliding-window layers count what they hold
@@ -113,7 +114,8 @@ def squeeze_holes(cache, past_mask: torch.Tensor, width: int | None = None) -> t
             continue
         for name in ("keys", "values"):
             t = getattr(layer, name)
-            setattr(layer, name, t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])))
+            rows = index.to(t.device)[:, None, :, None]
+            setattr(layer, name, t.gather(2, rows.expand(-1, t.shape[1], -1, t.shape[-1])))
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = width
     return past_mask.gather(1, index)
@@ -137,7 +139,7 @@ def compact_static_cache(cache, past_len: int, num_tree: int, keep: torch.Tensor
         for layer in cache.layers:
             for name in ("keys", "values"):
                 t = getattr(layer, name)
-                t.index_copy_(-2, target, t.index_select(-2, keep + past_len))
+                t.index_copy_(-2, target.to(t.device), t.index_select(-2, keep.to(t.device) + past_len))
         cache.crop(-(num_tree - kept))
 
 

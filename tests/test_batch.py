@@ -191,6 +191,33 @@ def test_right_padding_and_holes_are_refused_before_any_forward():
     assert not calls
 
 
+def test_batch_state_processors_and_one_row_rescorers_are_refused_before_any_forward():
+    # the loop runs processors one row at a time: classifier-free guidance and SynthID keep batch-shaped
+    # state, and a neural rescorer keeps one KV cache; refused up front, not at the first step
+    from transformers import SynthIDTextWatermarkingConfig, UnbatchedClassifierFreeGuidanceLogitsProcessor
+
+    from hf_bpd.drafting.rescoring.neural import NeuralRescorer, truncated_lm
+
+    model = tiny_model("llama")
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    batch = left_padded(prompts_for(2, 0))
+    kw = dict(max_new_tokens=3, pad_token_id=PAD, custom_generate=hf_bpd.generate)
+    drafter = drafter_for(model)
+    with pytest.raises(ValueError, match="guidance_scale keeps state for the whole batch"):
+        model.generate(**batch, **kw, assistant=drafter, guidance_scale=1.5)
+    watermark = SynthIDTextWatermarkingConfig(keys=[11, 12, 13], ngram_len=2)
+    with pytest.raises(ValueError, match="watermarking_config"):
+        model.generate(**batch, **kw, assistant=drafter, watermarking_config=watermark)
+    guidance = UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, model)
+    with pytest.raises(ValueError, match="UnbatchedClassifierFreeGuidanceLogitsProcessor"):
+        model.generate(**batch, **kw, assistant=drafter, logits_processor=[guidance])
+    rescored = drafter_for(model, rescorer=NeuralRescorer(truncated_lm(model, 1)))
+    with pytest.raises(ValueError, match="NeuralRescorer.*batch size 1"):
+        model.generate(**batch, **kw, assistant=rescored)
+    assert not calls
+
+
 def test_batches_below_an_attention_window_squeeze_holes_and_stay_exact():
     model = tiny_model("mistral", sliding_window=32, eos_token_id=None)
     batch = left_padded(prompts_for(4, 6))  # the widest prompt has 17 tokens

@@ -98,6 +98,10 @@ def test_a_saved_drafter_loads_its_corpus_back(tmp_path):
     assert loaded.corpus.continuations([8], 4, 5) == index.continuations([8], 4, 5)
     plain = BlockDrafter(heads, top_k=2).save_pretrained(tmp_path / "plain")
     assert BlockDrafter.from_pretrained(plain).corpus is None
+    index.save(tmp_path / "corpus.npz")  # a path is loaded at once; anything else is refused at once
+    assert BlockDrafter(heads, corpus=str(tmp_path / "corpus.npz")).corpus.tokens.tolist() == index.tokens.tolist()
+    with pytest.raises(TypeError, match="corpus must be a CorpusIndex"):
+        BlockDrafter(heads, corpus=[[7, 8, 20]])
 
 
 def test_a_corpus_must_end_its_answers():

@@ -70,6 +70,13 @@ def test_cache_file_of_another_key_is_not_trusted(stale, private_forward_cost_ca
     assert cost.cached_forward_cost(model, packed_linear=False, sizes=(1, 2))[2] is True
 
 
+def test_a_curve_reads_between_below_and_past_its_sizes_and_one_size_is_flat():
+    curve = cost.ForwardCost((2, 8), (1.0, 4.0))
+    assert (curve(1), curve(2), curve(5), curve(8), curve(14)) == (1.0, 1.0, 2.5, 4.0, 7.0)
+    one = cost.ForwardCost((4,), (0.5,))
+    assert (one(1), one(4), one(64)) == (0.5, 0.5, 0.5)
+
+
 def test_batch_width_trades_every_rows_expected_tokens_against_the_batch_forward():
     curve = cost.ForwardCost((1, 8, 64), (1.0, 1.0, 8.0))  # flat up to 8 tokens, then linear
     sure, unsure = [1.0, 0.9, 0.9, 0.9], [1.0, 0.1, 0.1, 0.1]

@@ -362,6 +362,18 @@ def test_heads_for_another_model_raise():
         )
 
 
+def test_a_model_cast_after_a_call_is_bound_again_and_its_heads_follow_it():
+    # the binding is kept across calls; `model.to(dtype)` in between must not leave the heads behind
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(random_heads(model, token_input="previous"), top_k=3, max_tree_tokens=8)
+    ids = torch.tensor([[5, 6, 7, 5, 6]])
+    for dtype in (torch.float32, torch.float64):
+        model.to(dtype)
+        ref, out = run_both(model, drafter, ids, max_new_tokens=20)
+        assert out.tolist() == ref.tolist()
+        assert next(drafter.heads.parameters()).dtype == dtype
+
+
 def test_input_longer_than_context_raises():
     model = tiny_model("llama", max_position_embeddings=32)
     drafter = BlockDrafter(random_heads(model))

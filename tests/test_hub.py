@@ -87,3 +87,17 @@ def test_a_rescorer_without_a_spec_is_not_saved_silently(tmp_path):
     drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=2), rescorer=rescorer)
     with pytest.raises(ValueError, match="cannot be saved"):
         drafter.save_pretrained(tmp_path / "d")
+
+
+def test_a_drafter_saved_back_into_the_folder_it_was_loaded_from_keeps_its_rescorer_files(tmp_path):
+    from hf_bpd.drafting.rescoring.neural import save_truncated_lm, truncated_lm
+
+    model = tiny_model("llama", num_hidden_layers=2, eos_token_id=None)
+    save_truncated_lm(truncated_lm(model, 1), tmp_path / "source" / "layers", model)
+    rescorer = build_rescorer({"type": "neural", "lm": "layers", "alpha": 0.5}, tmp_path / "source")
+    drafter = BlockDrafter(BlockDraftHeads.for_base_model(model, num_heads=2), top_k=3, rescorer=rescorer)
+    folder = drafter.save_pretrained(tmp_path / "drafter")
+    before = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    BlockDrafter.from_pretrained(folder).save_pretrained(folder)  # its rescorer files are already there
+    after = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert after == before and "rescorer/layers/layers.safetensors" in after

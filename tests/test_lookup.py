@@ -35,6 +35,16 @@ def test_merge_keeps_parents_first_and_the_better_arc():
     assert cut.node_paths() == [(), (1,), (1, 4)] and len(cut_arcs) == 3  # the most probable prefix
 
 
+def test_merge_without_calibration_keeps_parents_first_when_an_arc_rounds_above_zero():
+    # sampling's top-p warp renormalises a node whose best child alone holds the nucleus to log(1) in
+    # float32, which can land a rounding step above 0: a child must still not outrank its parent
+    tree = DraftTree.from_paths(0, [(1, 2)], 8)
+    arcs = [Arc(0.0, HEADS), Arc(math.log(0.5), HEADS), Arc(1e-7, HEADS)]
+    merged, _ = merge_lookup(tree, arcs, [3], 1, None, 8)
+    assert set(merged.node_paths()) == {(), (1,), (1, 2), (3,)}
+    assert all(merged.parents[i] < i for i in range(1, len(merged)))
+
+
 def test_repetitive_text_is_drafted_past_the_heads_depth_and_stays_exact():
     model = tiny_model("llama", eos_token_id=None)
     heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2)

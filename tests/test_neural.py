@@ -153,3 +153,22 @@ def test_train_rescorer_lowers_the_loss_and_checkpoints_each_epoch(tmp_path):
     assert history[-1]["val_loss"] < history[0]["val_loss"] - 0.5
     # the embeddings and output head stay the base model's (frozen, shared)
     assert torch.equal(lm.get_output_embeddings().weight, model.get_output_embeddings().weight)
+
+
+def test_a_rescorer_saved_as_layers_is_rebuilt_on_the_model_at_the_first_generate(tmp_path):
+    # the shipped neural rescorer is a layers-only folder: the drafter's binding to the model rebuilds its
+    # LM, with no `bind` call by the user, and a rescorer that does not fit the model is refused there
+    model = tiny_model("llama", num_hidden_layers=3, eos_token_id=None)
+    save_truncated_lm(truncated_lm(model, 1), tmp_path, model)
+    rescorer = NeuralRescorer.from_pretrained(tmp_path, alpha=1.0)
+    assert rescorer.lm is None
+    prompt = torch.tensor([[1, 10, 11, 12, 13, 10, 11]])
+    ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
+    drafter = BlockDrafter(random_heads(model, 3), top_k=4, max_tree_tokens=10, rescorer=rescorer)
+    kw = dict(do_sample=False, max_new_tokens=30, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert model.generate(prompt, **kw).tolist() == ref.tolist()
+    assert rescorer.lm is not None and rescorer.lm.config.num_hidden_layers == 1
+    other = tiny_model("llama", vocab_size=120, eos_token_id=None)
+    drafter = BlockDrafter(random_heads(other, 3), top_k=4, max_tree_tokens=10, rescorer=NeuralRescorer(model))
+    with pytest.raises(ValueError, match="vocabulary of 97"):
+        other.generate(prompt, do_sample=False, max_new_tokens=5, custom_generate=hf_bpd.generate, assistant=drafter)

@@ -126,6 +126,15 @@ def test_previous_heads_on_padded_trees_give_plain_static_generate_s_tokens(monk
     # padded batch's tensors with the unpadded tree's
     model = tiny_model("llama", eos_token_id=None)
     monkeypatch.setattr(decoding, "compiled_static_call", lambda m, config, kwargs: m.__call__)
+    fused_steps = []  # (finished, the next tree was kept): it is dropped only where decoding stops
+    real_fused = decoding.accept_greedy_and_grow
+
+    def fused(*args):
+        result, grown = real_fused(*args)
+        fused_steps.append((result.finished, grown is not None))
+        return result, grown
+
+    monkeypatch.setattr(decoding, "accept_greedy_and_grow", fused)
     heads = random_heads(model, num_heads=4, token_input="previous", std=0.05)
     drafter = BlockDrafter(heads, top_k=3, max_tree_tokens=11)
     drafter.fused_sampling = fused_sampling
@@ -140,6 +149,8 @@ def test_previous_heads_on_padded_trees_give_plain_static_generate_s_tokens(monk
         assert out.tolist() == ref.tolist()
         padded = [n for n in drafter.stats.tree_sizes if n not in GRAPH_TREE_SIZES]
         assert padded, "no tree was padded: the test would not exercise the padded path"
+    if not do_sample:  # the walk's end read from the padded batch is the host walk's: its tree is used
+        assert len(fused_steps) > 10 and all(kept for finished, kept in fused_steps if not finished)
 
 
 @pytest.mark.real

@@ -3,7 +3,7 @@
 stopping criteria decided on the host (`HostStop`), the walk along the base model's own choices
 (`accept_tree`, exact for greedy and sampling; `accept_greedy` in one copy), and Medusa's lossy typical
 acceptance (`typical_child`). Every decode loop walks with them (`call.DecodeCall.walk`); the device walks
-are `decoding.accept_greedy_and_grow` and `sampled_walk.py`."""
+are `row.accept_greedy_and_grow` and `sampled_walk.py`."""
 
 from __future__ import annotations
 

@@ -44,7 +44,12 @@ sampling while each row's law is plain sampling's). Streamers and per-token scor
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    SynthIDTextWatermarkLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 
 from ..drafting.tree import DraftTree, batch_trees, root_batch
 from ..kv import HoleLedger, compact_rows, drop_rows, squeeze_holes
@@ -70,8 +75,30 @@ def batch_draft_margin(rows: int) -> float:
     return BATCH_DRAFT_MARGIN + BATCH_DRAFT_MARGIN_PER_ROW_ABOVE_8 * max(0, rows - 8)
 
 
-def check_batch_supported(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict):
+# processors that keep state shaped by the whole batch: the loop runs processors on one row at a time
+BATCH_STATE_PROCESSORS = (UnbatchedClassifierFreeGuidanceLogitsProcessor, SynthIDTextWatermarkLogitsProcessor)
+
+
+def check_batch_supported(
+    input_ids: torch.Tensor,
+    generation_config: GenerationConfig,
+    model_kwargs: dict,
+    logits_processor: LogitsProcessorList | None = None,
+    rescorer=None,
+):
     """Refuse, naming the reason, a batch the loop would not decode exactly (raised before any forward)."""
+    if getattr(rescorer, "one_row_only", False):
+        raise ValueError(f"the drafter's rescorer ({type(rescorer).__name__}) drafts for one row: use batch size 1")
+    stateful = [type(p).__name__ for p in logits_processor or () if isinstance(p, BATCH_STATE_PROCESSORS)]
+    if generation_config.guidance_scale not in (None, 1, 1.0):
+        stateful.append("guidance_scale")
+    if generation_config.watermarking_config is not None:
+        stateful.append("watermarking_config")
+    if stateful:
+        raise ValueError(
+            f"batched hf_bpd.generate runs logits processors one row at a time; {', '.join(stateful)} keeps "
+            "state for the whole batch: use batch size 1"
+        )
     mask = model_kwargs.get("attention_mask")
     if mask is not None:
         # left padding: in every row, once a real token came, every later one is real
@@ -181,7 +208,7 @@ def decode_batch(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: di
             sequences[b] = torch.cat([sequences[b], sequences[b].new_tensor([result.tokens])], dim=-1)
             roots[b] = result.tokens[-1]
             finished[b] = result.finished
-            rows[b].record_step(True, len(result.tokens), batch.sizes[slot[b]])
+            rows[b].record_step(drafting, len(result.tokens), batch.sizes[slot[b]])
         added = sum(len(r.tokens) for r in results.values())
         if chooser is not None:  # the whole step (the accept read the tokens: on an accelerator too)
             chooser.observe(drafting, added, clock.step_seconds())

@@ -39,7 +39,9 @@ class ModelBinding:
     """What one drafter keeps of the base model it decodes, across `generate` calls (module docstring)."""
 
     def __init__(self) -> None:
-        self.bound_to: tuple[int, bool] | None = None  # (id of the model, whether its forward was compiled)
+        # (id of the model, whether its forward was compiled, its LM head's device and dtype): a model moved
+        # or cast since (`model.to`) is bound again, its heads and kernels following it
+        self.bound_to: tuple | None = None
         # the context the decode runs in (oneDNN packed weights or none)
         self.linear_context: contextlib.AbstractContextManager = contextlib.nullcontext()
         self.measured_cost = False  # the drafter's forward_cost was measured here (not given): re-measured on rebinding
@@ -54,7 +56,8 @@ class ModelBinding:
 
     def bind(self, drafter: BlockDrafter, model, remeasure: bool = False) -> None:
         """`prepare`'s work: see there."""
-        binding = (id(model), compiled_forward(model))
+        weight = model.get_output_embeddings().weight
+        binding = (id(model), compiled_forward(model), weight.device, weight.dtype)
         if remeasure:
             self.bound_to = None
         if self.bound_to != binding:
@@ -62,20 +65,20 @@ class ModelBinding:
             heads.bind(model)
             # the heads read the last hidden state: with a model split over devices (device_map) they go
             # where it comes out, beside the LM head
-            device = model.get_output_embeddings().weight.device
-            heads.to(device=device, dtype=next(model.parameters()).dtype)
+            heads.to(device=weight.device, dtype=next(model.parameters()).dtype)
             heads.eval()
             self.linear_context = linear_context(model, drafter.packed_linear)
             drafter.heads_context = heads_kernels(heads, model, self.linear_context, drafter.packed_linear)
             self.bound_to = binding
             self.remeasure_cost = self.cost_remeasured = False
+            # a rescorer checks that it fits the model, and one saved as layers only is rebuilt on it
+            if drafter.rescorer is not None and hasattr(drafter.rescorer, "bind"):
+                drafter.rescorer.bind(model)
             if drafter.max_tree_tokens == "auto" and (drafter.forward_cost is None or self.measured_cost):
                 self.measure_forward_cost(drafter, model, refresh=remeasure)
         elif self.remeasure_cost:  # `review_forward_cost` dropped it after the last call
             self.measure_forward_cost(drafter, model)
             self.remeasure_cost, self.cost_remeasured = False, True
-            if drafter.rescorer is not None and hasattr(drafter.rescorer, "bind"):
-                drafter.rescorer.bind(model)
         drafter.stats = DecodingStats()
         if drafter.rescorer is not None and hasattr(drafter.rescorer, "reset"):
             drafter.rescorer.reset()

@@ -54,7 +54,7 @@ class ForwardCost:
         i = bisect_left(self.sizes, n)
         if i < len(self.sizes) and self.sizes[i] == n:
             return self.seconds[i]
-        if i == 0:
+        if i == 0 or len(self.sizes) == 1:  # below the curve, or one size measured: no slope to follow
             return self.seconds[0]
         if i == len(self.sizes):  # extrapolate with the last slope
             i -= 1

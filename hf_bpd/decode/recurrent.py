@@ -126,7 +126,7 @@ def decode_recurrent(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs
             sequences[b] = torch.cat([sequences[b], sequences[b].new_tensor([result.tokens])], dim=-1)
             finished[b] = result.finished
             if rows:
-                rows[b].record_step(True, len(result.tokens), len(chain))
+                rows[b].record_step(drafting, len(result.tokens), len(chain))
         stats.record_step(drafting, sum(len(r.tokens) for r in results.values()), sum(len(chains[b]) for b in active))
         if batch_size == 1:
             call.emit(results[0])

@@ -86,14 +86,16 @@ def accept_greedy_and_grow(
     grown before this step's verification is fed back (`BlockDrafter.observe`), so its calibration lags
     one step; `max_depth`: the next step's depth limit (a bound: the step's length is not known yet)."""
     device = batch.input_ids.device
-    logits, hidden = out.logits[0], out.hidden_states[-1][0]
+    n = len(tree)
+    # the tree's own nodes only: a compiled forward's batch is padded past them, and the copy below reads
+    # the walk's last node right after the tree's choices
+    logits, hidden = out.logits[0, :n], out.hidden_states[-1][0, :n]
     choices = logits.argmax(dim=-1)
     last = greedy_last_node(batch, torch.tensor(tree.parents, device=device), choices)
     t0 = time.perf_counter()
     grown = drafter.grow(hidden.index_select(0, last), choices.index_select(0, last), max_depth=max_depth)
     values = torch.cat([choices.double(), last.double(), grown.flat().to(device)]).tolist()  # the one copy
     drafter.stats.time_heads += time.perf_counter() - t0
-    n = len(tree)
     result = accept_greedy(tree, logits, length, stop, [int(v) for v in values[:n]])
     if result.finished or result.nodes[-1] != int(values[n]):  # stopped (eos, length) inside the path
         return result, None

@@ -126,7 +126,7 @@ def accept_sampled_and_grow(
         grown = drafter.grow(hidden.index_select(0, at[end]), drawn[end], max_depth=max_depth, warp=warp)
         values.append(grown.flat().to(device))
     host = torch.cat(values).tolist()  # the one copy
-    if grow:  # growing is heads time, not accept time (as in `decoding.accept_greedy_and_grow`)
+    if grow:  # growing is heads time, not accept time (as in `row.accept_greedy_and_grow`)
         drafter.stats.time_heads += time.perf_counter() - t0
     length, finished = sequence.shape[1] - depth, False
     nodes, tokens = [], []

@@ -1,6 +1,6 @@
 """Online calibration of draft acceptance estimates.
 
-Tree sizing (`cost.best_tree_size`) trades a bigger forward for more expected accepted tokens, so it is only
+Tree sizing (`assembly.best_tree_size`) trades a bigger forward for more expected accepted tokens, so it is only
 as good as the estimates. Raw estimates are overconfident: a head's softmax is a marginal over contexts it
 never saw conditioned on the drafted prefix, and a path's probability multiplies them as if they were
 independent. With SmolLM2's shipped heads the learned multipliers come out near 0.3-0.5 (the heads' arcs
@@ -110,8 +110,9 @@ class AcceptanceCalibration:
 
 
 def calibrated_logprob(arc: Arc, depth: int, calibration: AcceptanceCalibration | None) -> float:
-    """The arc's log-probability as trees are ordered and sized: calibrated when there is a calibration."""
-    return arc.logprob if calibration is None else calibration.calibrated(arc, depth)
+    """The arc's log-probability as trees are ordered and sized: calibrated when there is a calibration.
+    Never above 0, so no child's path outranks its parent's (a warped estimate can round to just above 0)."""
+    return min(0.0, arc.logprob) if calibration is None else calibration.calibrated(arc, depth)
 
 
 @dataclass(frozen=True)

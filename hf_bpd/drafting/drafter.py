@@ -89,12 +89,12 @@ class BlockDrafter:
     profile:         synchronise the device around each phase so `stats` times are exact (CPU: free).
     context_lookup:  longest chain (tokens) drafted by looking the context's last n-gram up in the context
                      (`lookup.py`: prompt-lookup's long copies inside the tree, competing with the heads'
-                     nodes on calibrated probability); 0 turns it off. Used where trees are ordered by
-                     estimates (the heads' arcs are known: "auto" trees, or calibrate=True).
-    corpus:          optional `CorpusIndex` of the base model's own answers (`corpus.py`): the
-                     `corpus_nodes` most frequent nodes of what followed the context's last tokens there
-                     (up to `context_lookup` tokens deep, 10 where that is off), merged as the context's
-                     chain is.
+                     nodes on calibrated probability, or on raw probability with calibrate=False);
+                     0 turns it off.
+    corpus:          optional `CorpusIndex` of the base model's own answers (`corpus.py`), or the path of
+                     one its `save` wrote: the `corpus_nodes` most frequent nodes of what followed the
+                     context's last tokens there (up to `context_lookup` tokens deep, 10 where that is
+                     off), merged as the context's chain is.
     packed_linear:   run the whole decode (prefill, heads, tree forwards) with oneDNN pre-packed linear
                      weights (`packed_linear.py`: the kernels `hf_bpd.fast_cpu` gives plain `generate`;
                      one packed copy of the model's linear weights, shared with `fast_cpu`). None
@@ -128,7 +128,7 @@ class BlockDrafter:
         calibrate: bool = True,
         packed_linear: bool | None = None,
         context_lookup: int = 10,
-        corpus: CorpusIndex | None = None,
+        corpus: CorpusIndex | str | Path | None = None,
         corpus_nodes: int = 10,
     ) -> None:
         if not isinstance(top_k, int) or top_k < 1:
@@ -154,6 +154,10 @@ class BlockDrafter:
         self.forward_cost = forward_cost
         self.packed_linear = packed_linear
         self.context_lookup = context_lookup
+        if isinstance(corpus, (str, Path)):
+            corpus = CorpusIndex.load(corpus)
+        elif corpus is not None and not isinstance(corpus, CorpusIndex):
+            raise TypeError(f"corpus must be a CorpusIndex or the path of a saved one, got {type(corpus).__name__}")
         self.corpus = corpus
         self.corpus_nodes = corpus_nodes
         # the context the heads run in (oneDNN packed weights or none): set where the drafter is bound to a
@@ -512,7 +516,7 @@ class BlockDrafter:
             )
         t3 = time.perf_counter()
         # "previous" heads grow the tree inside `tree`, which books that as heads time (as a fused greedy
-        # step's accept does, `decoding.accept_greedy_and_grow`): the tree phase is the rest
+        # step's accept does, `row.accept_greedy_and_grow`): the tree phase is the rest
         self.stats.time_tree += t3 - t2 - (self.stats.time_heads - heads_before)
         self.stats.time_heads += t1 - t0
         self.stats.time_rescore += t2 - t1

@@ -55,7 +55,7 @@ Medusa choices (`medusa_choices`): a static tree of tree_size nodes, root includ
 token, ..., head d's rank-rd token. `rank_probs[i][r]` is the probability that head i's rank-r token is
 right; under the heads' independence a node is accepted with the product along its path, and the expected
 accepted length of a tree is the sum of its nodes' probabilities (hf_bpd's own tree objective,
-`cost.best_tree_size`). The export keeps the tree_size - 1 nodes of highest product: `Lattice.best_prefixes`
+`assembly.best_tree_size`). The export keeps the tree_size - 1 nodes of highest product: `Lattice.best_prefixes`
 on a lattice whose "tokens" are the ranks, the same search that builds hf_bpd's trees per step, here on the
 average lattice. `rank_probs` comes from `--rank-accuracy FILE` (JSON, [heads][ranks], e.g. measured
 accuracies; preferred) or else from the heads themselves: their mean top-k softmax probabilities on the base

@@ -67,6 +67,11 @@ python -m research.corpus_tau --model gemma-3-270m --answers benchmarks/replay/g
 # hf-bpd bench ../shared/data/spec_bench_dev.jsonl --spread 40 --model gemma-3-270m --heads packaged --max-new-tokens 128 \
 #   --methods greedy greedy_fast greedy_compiled prompt_lookup_fast hf_bpd --output benchmarks/speed/gemma3_270m_v2_spread40_amd.json
 # python -m hf_bpd.training.ship --cards --to hf_bpd/assets/gemma3_270m --bench benchmarks/speed/gemma3_270m_v2_spread40_amd.json
+# 6c. the same bench on all of dev (280 turns, ~2.4 h on an idle 2-core machine): its journal keeps every finished row,
+#     so a session that cannot wait for it stops it and the next one continues it with the same command and --resume
+# TORCH_LOGS=recompiles hf-bpd bench ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --heads packaged \
+#   --max-new-tokens 128 --methods greedy greedy_fast greedy_compiled prompt_lookup_fast hf_bpd --no-progress \
+#   --output benchmarks/speed/gemma3_270m_v2_dev_amd.json [--resume] 2>> benchmarks/speed/gemma3_270m_v2_dev_amd.recompiles.log
 # 7. issue #59, chat-kind answers for Gemma (its heads so far saw only the bundled training prompts, mostly short
 #    formulaic questions): its greedy answers to SmolLM2's self-written chat prompts (training/data/self_prompts.jsonl,
 #    2,000), framed "Question: ...\nAnswer:" as before. Resumable like step 1; ~33 prompts a minute at 1 thread.

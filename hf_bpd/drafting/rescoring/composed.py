@@ -26,6 +26,10 @@ class ComposedRescorer:
             raise ValueError("ComposedRescorer needs at least one rescorer")
         self.parts = list(parts)
 
+    @property
+    def one_row_only(self) -> bool:
+        return any(getattr(part, "one_row_only", False) for part in self.parts)
+
     def bind(self, model) -> None:
         for part in self.parts:
             if hasattr(part, "bind"):
@@ -70,7 +74,8 @@ def save_spec(spec: dict, source: Path, target: Path, files: str = "rescorer") -
         rel = Path(files) / Path(spec["lm"]).name
         dst = target / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(src, dst, dirs_exist_ok=True) if src.is_dir() else shutil.copy(src, dst)
+        if src.resolve() != dst.resolve():  # saved back into the folder it was loaded from: already there
+            shutil.copytree(src, dst, dirs_exist_ok=True) if src.is_dir() else shutil.copy(src, dst)
         out["lm"] = rel.as_posix()
     if spec.get("parts"):
         out["parts"] = [save_spec(part, source, target, f"{files}/{i}") for i, part in enumerate(spec["parts"])]

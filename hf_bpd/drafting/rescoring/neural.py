@@ -33,6 +33,8 @@ class NeuralRescorer:
                vocabulary sizes and special token ids are compared when the drafter binds the base model.
     """
 
+    one_row_only = True  # its LM keeps one KV cache: batched calls are refused before the prefill
+
     def __init__(self, lm=None, alpha: float = 0.5, tokenizer=None, base_tokenizer=None, layers=None) -> None:
         if alpha < 0:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
