@@ -90,7 +90,7 @@ def check_batch_supported(
     if getattr(rescorer, "one_row_only", False):
         raise ValueError(f"the drafter's rescorer ({type(rescorer).__name__}) drafts for one row: use batch size 1")
     stateful = [type(p).__name__ for p in logits_processor or () if isinstance(p, BATCH_STATE_PROCESSORS)]
-    if generation_config.guidance_scale not in (None, 1, 1.0):
+    if generation_config.guidance_scale not in (None, 1):
         stateful.append("guidance_scale")
     if generation_config.watermarking_config is not None:
         stateful.append("watermarking_config")

@@ -34,11 +34,10 @@ def drafter_settings(drafter: BlockDrafter) -> dict:
 
 
 def with_corpus(settings: dict, folder: Path) -> dict:
-    """`settings` read from a `drafter.json` in `folder`, its corpus file loaded as the `CorpusIndex`."""
-    from .corpus import CorpusIndex
-
+    """`settings` read from a `drafter.json` in `folder`, its corpus file's name made a path there (the
+    drafter loads it)."""
     if isinstance(settings.get("corpus"), str):
-        settings = {**settings, "corpus": CorpusIndex.load(folder / settings["corpus"])}
+        settings = {**settings, "corpus": folder / settings["corpus"]}
     return settings
 
 
@@ -50,8 +49,7 @@ def load_drafter(cls: type[BlockDrafter], path: str | Path, base_tokenizer=None,
     hub = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
     heads = BlockDraftHeads.from_pretrained(path, **hub)
     folder, settings = read_settings(path, hub)
-    if "corpus" not in kwargs:  # a corpus given here replaces the saved one unread
-        settings = with_corpus(settings, folder)
+    settings = with_corpus(settings, folder)  # a corpus given here replaces it, unread
     spec = settings.pop("rescorer", None)
     if spec is not None and "rescorer" not in kwargs:
         kwargs["rescorer"] = build_rescorer(spec, folder, base_tokenizer)
