@@ -1,6 +1,7 @@
 """The forward-cost curve that sizes `auto` trees is measured once per machine and model, then cached."""
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -343,3 +344,75 @@ def test_one_time_measurements_are_logged_with_their_duration(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "hf_bpd"]
     assert any(line.startswith("measuring the forward-cost curve of LlamaForCausalLM") for line in lines)
     assert any("forward-cost curve" in line and "done in" in line for line in lines)
+
+
+def test_step_chooser_judges_a_drafted_step_by_its_expected_tokens_where_known():
+    # plain steps make 100 tok/s; a drafted step of 0.020 s added 1 token (50 tok/s), its trees expected 3
+    judged_on_luck = cost.StepChooser(lambda: 0.010)
+    judged_on_luck.observe(True, tokens=1, seconds=0.020)
+    assert not judged_on_luck.draft_next()  # one miss and the call turns plain
+    judged_on_expectation = cost.StepChooser(lambda: 0.010)
+    judged_on_expectation.observe(True, tokens=1, seconds=0.020, expected=3.0)
+    assert judged_on_expectation.drafted_rate == pytest.approx(150.0)
+    assert judged_on_expectation.draft_next()  # 150 tok/s expected: drafting goes on
+    judged_on_expectation.observe(True, tokens=5, seconds=0.020, expected=1.2)  # a lucky step, little expected
+    assert judged_on_expectation.drafted_rate == pytest.approx(0.7 * 150.0 + 0.3 * 60.0)
+
+
+def test_every_loop_hands_the_chooser_the_expectation_its_trees_were_drafted_with(monkeypatch):
+    from test_decoding import copying_heads
+
+    model = tiny_model("llama", eos_token_id=None)
+    flat = cost.ForwardCost((1, 64), (1e-3, 1e-3))  # width is free: trees of several nodes, drafted steps
+    drafter = BlockDrafter(copying_heads(model, 4), top_k=3, max_tree_tokens="auto", forward_cost=flat)
+    seen, drafted_expectations = [], []
+    observe, expected_tokens = cost.StepChooser.observe, BlockDrafter.expected_tokens
+
+    def recording_observe(self, drafted, tokens, seconds, expected=None):
+        seen.append((drafted, tokens, expected))
+        return observe(self, drafted, tokens, seconds, expected)
+
+    def recording_expected(self):
+        value = expected_tokens(self)
+        drafted_expectations.append(value)
+        return value
+
+    monkeypatch.setattr(cost.StepChooser, "observe", recording_observe)
+    monkeypatch.setattr(BlockDrafter, "expected_tokens", recording_expected)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6]])
+    batch = torch.tensor([[1, 5, 6, 7], [5, 6, 7, 8]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    for inputs, kwargs in ((ids, {}), (batch, {"attention_mask": mask, "pad_token_id": 1})):
+        seen.clear(), drafted_expectations.clear()
+        ref = model.generate(inputs, do_sample=False, max_new_tokens=24, **kwargs)
+        out = model.generate(
+            inputs, do_sample=False, max_new_tokens=24, custom_generate=hf_bpd.generate, assistant=drafter, **kwargs
+        )
+        assert out.tolist() == ref.tolist()
+        drafted = [expected for was_drafted, _, expected in seen if was_drafted]
+        assert drafted and drafted == drafted_expectations  # each drafted step's own, read before its outcome
+        rows = inputs.shape[0]
+        assert all(rows <= e <= rows * 64 for e in drafted)  # the roots' 1 each, at most every node
+        assert any(e > rows for e in drafted)  # drafts that were expected to add tokens
+        assert all(expected is None for was_drafted, _, expected in seen if not was_drafted)
+
+
+def test_expected_tokens_are_the_sum_of_the_calibrated_path_probabilities_of_the_drafted_trees():
+    from test_decoding import copying_heads
+
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = BlockDrafter(copying_heads(model, 3), top_k=2, max_tree_tokens=6)
+    hf_bpd.prepare(drafter, model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    hidden = model(ids, output_hidden_states=True).hidden_states[-1][:, -1]
+    trees = drafter.draft(hidden, ids)
+    ((tree, arcs),) = drafter._verified
+    probs = [math.exp(lp) for lp in tree.path_logprobs(arcs, drafter.calibration)]
+    assert len(trees[0]) == 6 and probs[0] == 1.0 and all(0 < p < 1 for p in probs[1:])
+    assert drafter.expected_tokens() == pytest.approx(sum(probs))
+    drafter.root_trees([8])
+    assert drafter.expected_tokens() is None  # a plain step drafted nothing
+    uncalibrated = BlockDrafter(copying_heads(model, 3), top_k=2, max_tree_tokens=6, calibrate=False)
+    hf_bpd.prepare(uncalibrated, model)
+    uncalibrated.draft(hidden, ids)
+    assert uncalibrated.expected_tokens() is None  # no arcs kept: the chooser counts the tokens added

@@ -360,6 +360,13 @@ class StepChooser:
     host, a step that paid for a squeeze) keeps a call drafting at a loss to its end, since drafted steps
     never time a plain one. A clear win is not probed: a plain step there costs what drafting gains.
 
+    A drafted step's yield is its trees' expected tokens where the drafter knows them (calibrated node
+    probabilities: `BlockDrafter.expected_tokens`), not the tokens it happened to add. Those run from 1 to
+    a whole path, so a call judged on them would turn to plain steps after one or two misses, and each
+    probe, one step judged alone, would keep it there by chance: where drafting pays, a call drew from
+    a few to most of its steps plain, run to run. The expectation has the calibration learn from every
+    verified node (the accepted tokens), and follows the text through the heads' own confidence.
+
     `charge_drafting`: seconds that drafted steps caused but a later step paid (a batch's squeeze of the
     holes its rows' different acceptances left, `kv.HoleLedger`): added to the next drafted step's
     time, so they count against drafting and not against the plain step that happened to pay them."""
@@ -407,13 +414,16 @@ class StepChooser:
         self.plain_taken += 1
         return False
 
-    def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
-        """A step's new tokens (all rows) and its seconds, from drafting to the accepted tokens."""
+    def observe(self, drafted: bool, tokens: int, seconds: float, expected: float | None = None) -> None:
+        """A step's new tokens (all rows) and its seconds, from drafting to the accepted tokens. `expected`:
+        a drafted step's expected new tokens (`BlockDrafter.expected_tokens`), which then stands for its
+        tokens (class docstring)."""
         if drafted:
             self.plain_run = 0
             self.drafted_run += 1
             seconds, self.pending_charge = seconds + self.pending_charge, 0.0
-            self.drafted_rate = running_mean(self.drafted_rate, tokens / max(seconds, 1e-9), self.rate)
+            gained = tokens if expected is None else expected
+            self.drafted_rate = running_mean(self.drafted_rate, gained / max(seconds, 1e-9), self.rate)
         else:
             self.drafted_run = 0
             self.plain_timed += 1

@@ -102,6 +102,7 @@ def decode_recurrent(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs
             saved = snapshot(cache)  # what a row that does not commit gets back
             out = verify_chain(model, ids, cache, past_mask)
         verify_seconds = clock.last
+        expected = call.drafter.expected_tokens() if drafting and chooser is not None else None  # before observed
         with clock.phase("accept"):
             results = {}
             for b in active:
@@ -112,7 +113,7 @@ def decode_recurrent(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs
             nodes, stopped = [results[b].nodes for b in active], [results[b].finished for b in active]
             call.observe(nodes, stopped, width, verify_seconds if timed else None)
         if chooser is not None:
-            chooser.observe(drafting, len(results[active[0]].tokens), clock.step_seconds())
+            chooser.observe(drafting, len(results[active[0]].tokens), clock.step_seconds(), expected)
         # a row commits when the forward read nothing of it that was not accepted
         committed = [b in results and len(replays[b]) + len(results[b].nodes) == width for b in range(batch_size)]
         with clock.phase("cache"):

@@ -179,6 +179,7 @@ def decode(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: dict):
             if static_call is not None:  # a replayed graph's outputs are overwritten by its next replay
                 out.logits, out.hidden_states = out.logits.clone(), (out.hidden_states[-1].clone(),)
         verify_seconds = clock.last
+        expected = drafter.expected_tokens() if drafting and chooser is not None else None  # before it is observed
         heads_before = stats.time_heads  # a fused accept grows the next tree: heads time, not accept time
         with clock.phase("accept"):
             if fuse or fuse_sampled:  # decide the next step now: its tree is grown before this copy
@@ -200,7 +201,7 @@ def decode(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: dict):
             hidden_last = out.hidden_states[-1][:, result.nodes[-1]]
             input_ids = torch.cat([input_ids, input_ids.new_tensor([result.tokens])], dim=-1)
         if chooser is not None:  # the whole step: a drafted step's compaction is part of what it costs
-            chooser.observe(drafting, len(result.tokens), clock.step_seconds())
+            chooser.observe(drafting, len(result.tokens), clock.step_seconds(), expected)
         stats.record_step(drafting, len(result.tokens), len(trees[0]))
         call.emit(result)
         finished = result.finished

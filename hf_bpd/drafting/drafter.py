@@ -413,6 +413,15 @@ class BlockDrafter:
                 self._verified[b] = (verified[0].truncated(limit), verified[1][:limit])
         return [tree.truncated(limit) if len(tree) > limit else tree for tree in trees]
 
+    def expected_tokens(self) -> float | None:
+        """The tokens the trees about to be verified are expected to add, summed over their rows: each node's
+        calibrated path probability, the root's 1 included (the expectation their sizes were chosen by:
+        `assembly.size_trees`). None where a row's arcs are unknown (no calibration, or a plain step's roots).
+        Read before the verification is observed, so that its outcome is not in it."""
+        if not self._verified or any(known is None for known in self._verified):
+            return None
+        return sum(math.exp(lp) for tree, arcs in self._verified for lp in tree.path_logprobs(arcs, self.calibration))
+
     @property
     def drafts_chains(self) -> bool:
         """Whether trees merge a looked-up chain (the context's or the corpus'), which competes with the heads'

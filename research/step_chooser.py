@@ -1,0 +1,158 @@
+"""How the step chooser judges drafted steps, on the demo's prompts (a new user's first contact):
+
+    python -m research.step_chooser --sessions 3 --output benchmarks/speed/step_chooser_demo_amd.json
+
+`hf-bpd demo` run fresh three times gave 1.29x, 1.13x and 1.00x the faster plain generate, τ 1.63 to 1.30,
+with identical outputs: the "auto" policy took a few to most of a prompt's steps plain, run to run. Here
+each session measures a fresh forward-cost curve (as a fresh process does) and hands it to three copies of
+the shipped drafter, which differ only in how `cost.StepChooser` judges a drafted step: by its trees'
+expected tokens (`expected`, shipped), by the tokens it happened to add (`realized`, the rule before), or
+not at all, every step drafted (`no_chooser`). Plain greedy on `fast_cpu`'s kernels (the faster plain
+method on this CPU) runs beside them; the four methods run in rotating order per prompt, each prompt twice
+per session. Run it on an idle machine; outputs are checked identical to plain greedy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import hf_bpd
+from hf_bpd.decode import binding
+from hf_bpd.decode.cost import measure_forward_cost
+from hf_bpd.drafting.drafter import BlockDrafter
+from hf_bpd.io.models import chat_inputs
+from hf_bpd.io.packaged import load_packaged_drafter, load_packaged_model
+from hf_bpd.tools.bench.report import environment
+from hf_bpd.tools.demo import WARMUP_PROMPT, demo_prompts
+
+CHOOSERS = ("expected", "realized", "no_chooser")
+
+
+def judged_as(setting: dict):
+    """Patches that make the drafters run as `setting["chooser"]` says (see the module docstring)."""
+    expected_tokens, step_chooser = BlockDrafter.expected_tokens, binding.ModelBinding.step_chooser
+    BlockDrafter.expected_tokens = lambda self: None if setting["chooser"] == "realized" else expected_tokens(self)
+    binding.ModelBinding.step_chooser = lambda self, *args, **kwargs: (
+        None if setting["chooser"] == "no_chooser" else step_chooser(self, *args, **kwargs)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m research.step_chooser", description=__doc__.split("\n")[0])
+    parser.add_argument("--sessions", type=int, default=3)
+    parser.add_argument("--passes", type=int, default=2, help="passes over the prompts per session")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args(argv)
+
+    env = environment("cpu", "float32")
+    setting = {"chooser": None}
+    judged_as(setting)
+    model, tokenizer = load_packaged_model()
+    prompts = demo_prompts()
+    fast = hf_bpd.fast_cpu(model)
+    methods = ("plain_fast", *CHOOSERS)
+    runs, curves = [], []
+    for session in range(args.sessions):
+        drafters = {name: load_packaged_drafter() for name in CHOOSERS}
+        hf_bpd.prepare(drafters["expected"], model)  # the kernel plan, read from the cache
+        curve = measure_forward_cost(model, packed_linear=drafters["expected"].packed_linear)  # a fresh process's
+        curves.append([round(s, 6) for s in curve.seconds])
+        for drafter in drafters.values():
+            drafter.forward_cost = curve
+            hf_bpd.prepare(drafter, model)
+
+        def run(name, inputs, n, drafters=drafters):
+            setting["chooser"] = name
+            if name == "plain_fast":
+                with fast:
+                    return model.generate(**inputs, do_sample=False, max_new_tokens=n)
+            kwargs = {"custom_generate": hf_bpd.generate, "assistant": drafters[name]}
+            return model.generate(**inputs, do_sample=False, max_new_tokens=n, **kwargs)
+
+        warm = chat_inputs(tokenizer, [{"role": "user", "content": WARMUP_PROMPT}])
+        for name in methods:
+            run(name, warm, 16)
+        for rep in range(args.passes):
+            for i, prompt in enumerate(prompts):
+                inputs = chat_inputs(tokenizer, [{"role": "user", "content": prompt}])
+                start = (i + rep) % len(methods)
+                outputs = {}
+                for name in methods[start:] + methods[:start]:
+                    t0 = time.perf_counter()
+                    outputs[name] = run(name, inputs, args.max_new_tokens)
+                    seconds = time.perf_counter() - t0
+                    stats = drafters[name].stats if name in drafters else None
+                    new = outputs[name].shape[1] - inputs["input_ids"].shape[1]
+                    runs.append(
+                        {
+                            "session": session,
+                            "pass": rep,
+                            "prompt": i,
+                            "method": name,
+                            "tokens": new,
+                            "forwards": stats.forwards if stats else new,
+                            "plain_steps": stats.plain_steps if stats else new,
+                            "seconds": seconds,
+                        }
+                    )
+                reference = outputs["plain_fast"][0].tolist()
+                for row in runs[-len(methods) :]:
+                    row["identical"] = outputs[row["method"]][0].tolist() == reference
+                print(
+                    session, rep, i, {r["method"]: round(r["tokens"] / r["seconds"], 1) for r in runs[-4:]}, flush=True
+                )
+
+    summary = {}
+    for name in methods:
+        mine = [r for r in runs if r["method"] == name]
+        by_pass = {}
+        for r in mine:
+            t = by_pass.setdefault((r["session"], r["pass"]), [0, 0, 0.0, 0])
+            t[0], t[1], t[2], t[3] = (
+                t[0] + r["tokens"],
+                t[1] + r["forwards"],
+                t[2] + r["seconds"],
+                t[3] + r["plain_steps"],
+            )
+        plain = {(r["session"], r["pass"]): 0.0 for r in runs}
+        for r in runs:
+            if r["method"] == "plain_fast":
+                plain[(r["session"], r["pass"])] += r["seconds"]
+        summary[name] = {
+            "tokens_per_second": sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine),
+            "tau": sum(r["tokens"] for r in mine) / sum(r["forwards"] for r in mine),
+            "per_pass": [
+                {
+                    "session": k[0],
+                    "pass": k[1],
+                    "tau": t[0] / t[1],
+                    "x_plain_fast": plain[k] / t[2],
+                    "plain_steps": t[3],
+                }
+                for k, t in sorted(by_pass.items())
+            ],
+            "identical": sum(r["identical"] for r in mine),
+            "runs": len(mine),
+        }
+    fastest = sum(r["seconds"] for r in runs if r["method"] == "plain_fast")
+    for name in methods:
+        summary[name]["x_plain_fast"] = fastest / sum(r["seconds"] for r in runs if r["method"] == name)
+    report = {
+        "environment": env,
+        "args": vars(args),
+        "forward_cost_sizes": list(curve.sizes),
+        "forward_cost_seconds": curves,
+        "summary": summary,
+        "runs": runs,
+    }
+    Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+    for name, s in summary.items():
+        print(name, f"tau {s['tau']:.2f}, {s['tokens_per_second']:.1f} tok/s, {s['x_plain_fast']:.2f}x plain_fast")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
