@@ -480,6 +480,30 @@ def render_loaded_curve(report: dict) -> list[str]:
     return lines
 
 
+def render_step_chooser(report: dict) -> list[str]:
+    """`research.step_chooser`: the step chooser's rules on the demo's prompts, over fresh cost curves."""
+    lines = [
+        "| method | τ | tokens/s | × plain_fast | × plain_fast by pass | τ by pass | plain steps by pass | identical |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, s in report["summary"].items():
+        passes = s["per_pass"]
+
+        def spread(key, passes=passes, digits=2):
+            values = [p[key] for p in passes]
+            return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
+
+        lines.append(
+            f"| {name} | {s['tau']:.2f} | {s['tokens_per_second']:.1f} | {s['x_plain_fast']:.2f} | "
+            f"{spread('x_plain_fast')} | {spread('tau')} | {spread('plain_steps', digits=0)} | "
+            f"{s['identical']} of {s['runs']} |"
+        )
+    curves = ", ".join("[" + ", ".join(f"{1000 * t:.1f}" for t in c) + "]" for c in report["forward_cost_seconds"])
+    sizes = ", ".join(str(n) for n in report["forward_cost_sizes"])
+    lines += ["", f"Each session's fresh forward-cost curve, ms at {sizes} tokens: {curves}."]
+    return lines
+
+
 def render_host_syncs(report: dict) -> list[str]:
     """`research.host_syncs`: device-to-host synchronisations per decoding step, by phase."""
     settings = report["settings"]
@@ -649,6 +673,7 @@ RENDERERS = {
     "kernels": render_kernels,
     "host_syncs": render_host_syncs,
     "loaded_curve": render_loaded_curve,
+    "step_chooser": render_step_chooser,
     "grouped_attention": render_grouped_attention,
     "prefill_memory": render_prefill_memory,
     "cost_model": render_cost_model,

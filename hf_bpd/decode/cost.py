@@ -360,12 +360,13 @@ class StepChooser:
     host, a step that paid for a squeeze) keeps a call drafting at a loss to its end, since drafted steps
     never time a plain one. A clear win is not probed: a plain step there costs what drafting gains.
 
-    A drafted step's yield is its trees' expected tokens where the drafter knows them (calibrated node
-    probabilities: `BlockDrafter.expected_tokens`), not the tokens it happened to add. Those run from 1 to
-    a whole path, so a call judged on them would turn to plain steps after one or two misses, and each
-    probe, one step judged alone, would keep it there by chance: where drafting pays, a call drew from
-    a few to most of its steps plain, run to run. The expectation has the calibration learn from every
-    verified node (the accepted tokens), and follows the text through the heads' own confidence.
+    One row's drafted step is judged by its tree's expected tokens where the drafter knows them (calibrated
+    node probabilities: `BlockDrafter.expected_tokens`), not by the tokens it happened to add. Those run
+    from 1 to a whole path, so a call judged on them turned to plain steps after one or two misses, and each
+    probe, one step judged alone, kept it there by chance: where drafting paid, a call took from a few to
+    most of its steps plain, run to run. The expectation learns from the accepted tokens through the
+    calibration (every verified node), and follows the text through the heads' own confidence. A batch
+    step's tokens are a sum over its rows, where one row's luck weighs less: batches pass no expectation.
 
     `charge_drafting`: seconds that drafted steps caused but a later step paid (a batch's squeeze of the
     holes its rows' different acceptances left, `kv.HoleLedger`): added to the next drafted step's
