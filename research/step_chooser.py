@@ -1,6 +1,8 @@
 """How the step chooser judges drafted steps, on the demo's prompts (a new user's first contact):
 
     python -m research.step_chooser --sessions 3 --output benchmarks/speed/step_chooser_demo_amd.json
+    python -m research.step_chooser ../shared/data/spec_bench_dev.jsonl --spread 40 --sessions 1 --passes 1 \
+        --max-new-tokens 128 --output benchmarks/speed/step_chooser_spread40_amd.json
 
 `hf-bpd demo` run fresh three times gave 1.29x, 1.13x and 1.00x the faster plain generate, τ 1.63 to 1.30,
 with identical outputs: the "auto" policy took a few to most of a prompt's steps plain, run to run. Here
@@ -9,7 +11,9 @@ the shipped drafter, which differ only in how `cost.StepChooser` judges a drafte
 expected tokens (`expected`, shipped), by the tokens it happened to add (`realized`, the rule before), or
 not at all, every step drafted (`no_chooser`). Plain greedy on `fast_cpu`'s kernels (the faster plain
 method on this CPU) runs beside them; the four methods run in rotating order per prompt, each prompt twice
-per session. Run it on an idle machine; outputs are checked identical to plain greedy."""
+per session. With a data file, its rows' first turns stand for the demo's prompts (`--spread`: that many rows
+spread over its categories, as `hf-bpd bench` picks them). Run it on an idle machine; outputs are checked
+identical to plain greedy."""
 
 from __future__ import annotations
 
@@ -22,8 +26,10 @@ import hf_bpd
 from hf_bpd.decode import binding
 from hf_bpd.decode.cost import measure_forward_cost
 from hf_bpd.drafting.drafter import BlockDrafter
+from hf_bpd.io.jsonl import read_jsonl
 from hf_bpd.io.models import chat_inputs
 from hf_bpd.io.packaged import load_packaged_drafter, load_packaged_model
+from hf_bpd.tools.bench import select_rows
 from hf_bpd.tools.bench.report import environment
 from hf_bpd.tools.demo import WARMUP_PROMPT, demo_prompts
 
@@ -41,6 +47,8 @@ def judged_as(setting: dict):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m research.step_chooser", description=__doc__.split("\n")[0])
+    parser.add_argument("data", nargs="?", default=None, help="a Spec-Bench-style JSONL (default: the demo's prompts)")
+    parser.add_argument("--spread", type=int, default=None, help="rows spread over the data's categories")
     parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--passes", type=int, default=2, help="passes over the prompts per session")
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -51,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     setting = {"chooser": None}
     judged_as(setting)
     model, tokenizer = load_packaged_model()
-    prompts = demo_prompts()
+    if args.data is None:
+        prompts = demo_prompts()
+    else:
+        prompts = [row["turns"][0] for row in select_rows(read_jsonl(args.data), None, None, None, args.spread)]
     fast = hf_bpd.fast_cpu(model)
     methods = ("plain_fast", *CHOOSERS)
     runs, curves = [], []
