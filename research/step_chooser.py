@@ -11,7 +11,8 @@ the shipped drafter, which differ only in how `cost.StepChooser` judges a drafte
 expected tokens (`expected`, shipped), by the tokens it happened to add (`realized`, the rule before), or
 not at all, every step drafted (`no_chooser`). Plain greedy on `fast_cpu`'s kernels (the faster plain
 method on this CPU) runs beside them; the four methods run in rotating order per prompt, each prompt twice
-per session. With a data file, its rows' first turns stand for the demo's prompts (`--spread`: that many rows
+per session. `--temperature` (and `--top-p`) samples, every call seeded alike, so that hf_bpd's tokens are
+plain sampling's. With a data file, its rows' first turns stand for the demo's prompts (`--spread`: that many rows
 spread over its categories, as `hf-bpd bench` picks them). Run it on an idle machine; outputs are checked
 identical to plain greedy."""
 
@@ -21,6 +22,8 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+import torch
 
 import hf_bpd
 from hf_bpd.decode import binding
@@ -52,10 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--passes", type=int, default=2, help="passes over the prompts per session")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
+    parser.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling")
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
 
+    if args.top_p is not None and args.temperature is None:
+        parser.error("--top-p samples: give --temperature too")
     env = environment("cpu", "float32")
+    decoding = {"do_sample": False}
+    if args.temperature is not None:  # each call seeded alike: hf_bpd then draws plain sampling's very tokens
+        decoding = {"do_sample": True, "temperature": args.temperature, "top_k": None}
+        decoding.update({} if args.top_p is None else {"top_p": args.top_p})
     setting = {"chooser": None}
     judged_as(setting)
     model, tokenizer = load_packaged_model()
@@ -77,11 +88,12 @@ def main(argv: list[str] | None = None) -> int:
 
         def run(name, inputs, n, drafters=drafters):
             setting["chooser"] = name
+            torch.manual_seed(0)
             if name == "plain_fast":
                 with fast:
-                    return model.generate(**inputs, do_sample=False, max_new_tokens=n)
+                    return model.generate(**inputs, **decoding, max_new_tokens=n)
             kwargs = {"custom_generate": hf_bpd.generate, "assistant": drafters[name]}
-            return model.generate(**inputs, do_sample=False, max_new_tokens=n, **kwargs)
+            return model.generate(**inputs, **decoding, max_new_tokens=n, **kwargs)
 
         warm = chat_inputs(tokenizer, [{"role": "user", "content": WARMUP_PROMPT}])
         for name in methods:
