@@ -248,3 +248,34 @@ def test_an_unchecked_stateful_family_is_refused_by_name(monkeypatch):
     with ForwardCounter(model) as counter, pytest.raises(ValueError, match="'mamba2' is not one of them"):
         ours(model, torch.tensor([[5, 6, 7]]), drafter, max_new_tokens=5)
     assert counter.count == 0
+
+
+def test_the_chain_loop_hands_the_chooser_the_expectation_of_the_chain_it_verifies(monkeypatch):
+    from hf_bpd.decode import cost
+    from hf_bpd.decode.cost import ForwardCost
+
+    model = build("Qwen3-Next")
+    curve = ForwardCost((1, 2, 4, 8, 16, 32), (0.047, 0.068, 0.071, 0.075, 0.088, 0.117))
+    drafter = BlockDrafter(
+        BlockDraftHeads.for_base_model(model, num_heads=3), max_tree_tokens="auto", forward_cost=curve
+    )
+    seen, chains = [], []
+    observe, expected_tokens = cost.StepChooser.observe, BlockDrafter.expected_tokens
+
+    def recording_observe(self, drafted, tokens, seconds, expected=None):
+        seen.append((drafted, expected))
+        return observe(self, drafted, tokens, seconds, expected)
+
+    def recording_expected(self):
+        chains.append(len(self._verified[0][0]) if self._verified and self._verified[0] is not None else None)
+        return expected_tokens(self)
+
+    monkeypatch.setattr(cost.StepChooser, "observe", recording_observe)
+    monkeypatch.setattr(BlockDrafter, "expected_tokens", recording_expected)
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    ref = plain(model, ids, do_sample=False, max_new_tokens=40)
+    assert ours(model, ids, drafter, do_sample=False, max_new_tokens=40).tolist() == ref.tolist()
+    drafted = [(expected, length) for (was_drafted, expected), length in zip([s for s in seen if s[0]], chains)]
+    assert drafted and len(chains) == len(drafted)  # asked once per drafted step
+    assert all(expected is not None and 1.0 <= expected <= length for expected, length in drafted)
+    assert all(expected is None for was_drafted, expected in seen if not was_drafted)
