@@ -48,6 +48,48 @@ def judged_as(setting: dict):
     )
 
 
+def totals(rows) -> dict:
+    """Tokens, forwards, seconds and plain steps summed over `rows`."""
+    keys = ("tokens", "forwards", "seconds", "plain_steps")
+    sums = dict.fromkeys(keys, 0)
+    for row in rows:
+        for key in keys:
+            sums[key] += row[key]
+    return sums
+
+
+def summarise(runs: list[dict], methods) -> dict:
+    """Per method: its tokens/s, τ and speed over plain_fast, over all runs and by pass, and its identical runs."""
+    plain_seconds = totals(r for r in runs if r["method"] == "plain_fast")["seconds"]
+    summary = {}
+    for name in methods:
+        mine = [r for r in runs if r["method"] == name]
+        passes = sorted({(r["session"], r["pass"]) for r in mine})
+        per_pass = []
+        for key in passes:
+            mine_here = totals(r for r in mine if (r["session"], r["pass"]) == key)
+            plain_here = totals(r for r in runs if r["method"] == "plain_fast" and (r["session"], r["pass"]) == key)
+            per_pass.append(
+                {
+                    "session": key[0],
+                    "pass": key[1],
+                    "tau": mine_here["tokens"] / mine_here["forwards"],
+                    "x_plain_fast": plain_here["seconds"] / mine_here["seconds"],
+                    "plain_steps": mine_here["plain_steps"],
+                }
+            )
+        whole = totals(mine)
+        summary[name] = {
+            "tokens_per_second": whole["tokens"] / whole["seconds"],
+            "tau": whole["tokens"] / whole["forwards"],
+            "per_pass": per_pass,
+            "identical": sum(r["identical"] for r in mine),
+            "runs": len(mine),
+            "x_plain_fast": plain_seconds / whole["seconds"],
+        }
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m research.step_chooser", description=__doc__.split("\n")[0])
     parser.add_argument("data", nargs="?", default=None, help="a Spec-Bench-style JSONL (default: the demo's prompts)")
@@ -125,44 +167,14 @@ def main(argv: list[str] | None = None) -> int:
                 for row in runs[-len(methods) :]:
                     row["identical"] = outputs[row["method"]][0].tolist() == reference
                 print(
-                    session, rep, i, {r["method"]: round(r["tokens"] / r["seconds"], 1) for r in runs[-4:]}, flush=True
+                    session,
+                    rep,
+                    i,
+                    {r["method"]: round(r["tokens"] / r["seconds"], 1) for r in runs[-len(methods) :]},
+                    flush=True,
                 )
 
-    summary = {}
-    for name in methods:
-        mine = [r for r in runs if r["method"] == name]
-        by_pass = {}
-        for r in mine:
-            t = by_pass.setdefault((r["session"], r["pass"]), [0, 0, 0.0, 0])
-            t[0], t[1], t[2], t[3] = (
-                t[0] + r["tokens"],
-                t[1] + r["forwards"],
-                t[2] + r["seconds"],
-                t[3] + r["plain_steps"],
-            )
-        plain = {(r["session"], r["pass"]): 0.0 for r in runs}
-        for r in runs:
-            if r["method"] == "plain_fast":
-                plain[(r["session"], r["pass"])] += r["seconds"]
-        summary[name] = {
-            "tokens_per_second": sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine),
-            "tau": sum(r["tokens"] for r in mine) / sum(r["forwards"] for r in mine),
-            "per_pass": [
-                {
-                    "session": k[0],
-                    "pass": k[1],
-                    "tau": t[0] / t[1],
-                    "x_plain_fast": plain[k] / t[2],
-                    "plain_steps": t[3],
-                }
-                for k, t in sorted(by_pass.items())
-            ],
-            "identical": sum(r["identical"] for r in mine),
-            "runs": len(mine),
-        }
-    fastest = sum(r["seconds"] for r in runs if r["method"] == "plain_fast")
-    for name in methods:
-        summary[name]["x_plain_fast"] = fastest / sum(r["seconds"] for r in runs if r["method"] == name)
+    summary = summarise(runs, methods)
     report = {
         "environment": env,
         "args": vars(args),
