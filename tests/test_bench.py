@@ -488,3 +488,43 @@ def test_the_corpus_method_drafts_from_distilled_answers_and_stays_lossless(tmp_
     report = json.loads(out.read_text())
     assert report["methods"]["hf_bpd_corpus"]["overall"]["identical"]
     assert report["methods"]["hf_bpd_corpus"]["overall"]["tau"] > 1
+
+
+def test_a_journal_timed_on_another_machine_is_refused_before_a_model_loads(tmp_path, monkeypatch):
+    """A resumed run's rows are summed with the journal's, and it reuses the journal's forward-cost curve:
+    both only mean something on the processor that timed them."""
+    import hf_bpd.io.models
+    from hf_bpd.tools.bench import check_same_machine, machine, merge_journals
+
+    monkeypatch.setattr(hf_bpd.io.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    here = machine("cpu")
+    assert here.startswith("cpu (") and f"{torch.get_num_threads()} threads" in here
+    out = tmp_path / "run.json"
+    journal = tmp_path / "run.journal.jsonl"
+    header = {"methods": ["greedy", "hf_bpd"], "max_new_tokens": 8, "drafter": {"top_k": 4}}
+    journal.write_text(json.dumps({"header": {**header, "machine": "cpu (Other CPU, 64 cores, 64 threads)"}}) + "\n")
+    with pytest.raises(SystemExit, match=r"timed on 'cpu \(Other CPU, 64 cores, 64 threads\)'; this is"):
+        bench.main(["--methods", "greedy", "--output", str(out), "--resume"])
+    journal.write_text(json.dumps({"header": header}) + "\n")  # from before journals recorded it
+    with pytest.raises(SystemExit, match="on a machine it does not record"):
+        bench.main(["--methods", "greedy", "--output", str(out), "--resume"])
+    journal.write_text(json.dumps({"header": {**header, "machine": here}}) + "\n")
+    check_same_machine(journal, here)  # the same machine resumes
+    check_same_machine(tmp_path / "none.journal.jsonl", here)  # and a run not started yet starts
+    # parts of one run split over machines still merge: each keeps its own environment
+    other = tmp_path / "other.journal.jsonl"
+    other.write_text(json.dumps({"header": {**header, "machine": "cpu (Other CPU, 64 cores, 64 threads)"}}) + "\n")
+    assert merge_journals([journal, other]) == (["greedy", "hf_bpd"], [])
+
+
+@pytest.mark.real
+def test_a_bench_journal_records_its_machine_and_resumes_there(tmp_path, smollm2):
+    out = tmp_path / "run.json"
+    argv = ["--methods", "greedy", "--limit", "1", "--max-new-tokens", "4", "--max-tree-tokens", "8"]
+    assert bench.main([*argv, "--output", str(out), "--no-progress"]) == 0
+    journal = out.with_suffix(".journal.jsonl")
+    header = json.loads(journal.read_text().splitlines()[0])["header"]
+    assert header["machine"] == bench.machine("cpu") == json.loads(out.read_text())["environment"]["device"]
+    records = journal.read_text().splitlines()[1:]
+    assert bench.main([*argv, "--output", str(out), "--no-progress", "--resume"]) == 0
+    assert journal.read_text().splitlines()[1:] == records  # nothing redone

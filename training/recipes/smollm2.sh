@@ -105,8 +105,10 @@ echo '{"top_k": 10, "max_tree_tokens": "auto", "context_lookup": 10, "context_co
 python -m hf_bpd.training.ship --to hf_bpd/assets/smollm2 --bench benchmarks/speed/streamed_dev_amd.json --cards
 # 6j'. the same drafter's all-of-dev bench after the step chooser judged drafted steps by their expected tokens
 #     (session 54), with every plain method (greedy_fast too): about 2.5 h on an idle 2-core machine; its journal
-#     keeps every finished row, so a session stops it and the next continues with the same command and --resume.
-#     Once finished it replaces speed_streamed_dev_amd in the README and on the card (6j with its --bench)
+#     keeps every finished row, so a session stops it and the next continues with the same command and --resume,
+#     on a machine with the same processor: its rows 0-97 were timed on an AMD EPYC, and --resume refuses any
+#     other (session 55 lost a continuation run on an Intel Xeon that way). Once finished it replaces
+#     speed_streamed_dev_amd in the README and on the card (6j with its --bench)
 # TORCH_LOGS=recompiles hf-bpd bench ../shared/data/spec_bench_dev.jsonl --max-new-tokens 128 \
 #   --methods greedy greedy_fast greedy_compiled prompt_lookup_fast hf_bpd --no-progress \
 #   --output benchmarks/speed/smollm2_dev_amd.json [--resume] 2>> benchmarks/speed/smollm2_dev_amd.recompiles.log

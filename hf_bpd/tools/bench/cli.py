@@ -19,7 +19,7 @@ import torch
 from ...decode.cost import ForwardCost, measure_forward_cost
 from ...drafting.drafter import BlockDrafter
 from .data import DEFAULT_DATA, check_data_file, read_prompts, select_rows
-from .journal import load_journal, merge_journals, merged_environment, state_digest
+from .journal import check_same_machine, load_journal, merge_journals, merged_environment, state_digest
 from .methods import (
     COMPILE_SECONDS,
     GREEDY,
@@ -39,7 +39,7 @@ from .methods import (
     static_cache_method,
     static_compiled_method,
 )
-from .report import drafted_step_share, environment, round_speedups, summarize, write_report
+from .report import drafted_step_share, environment, machine, round_speedups, summarize, write_report
 
 # the methods `--methods` takes besides hf_bpd+RESCORER (`main` builds each on demand)
 METHODS = (
@@ -199,6 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     elif any(v is not None for v in (args.temperature, args.top_p, args.sample_top_k)):
         raise SystemExit("--temperature, --top-p and --sample-top-k shape sampling: add --do-sample")
 
+    if args.resume and not args.output:
+        raise SystemExit("--resume continues the journal of --output: give --output")
+    journal = Path(args.output).with_suffix(".journal.jsonl") if args.output else None
+    if args.resume:
+        try:
+            check_same_machine(journal, machine(args.device))
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+
     from ...io.models import load_model
     from ...io.packaged import resolve_packaged_name
 
@@ -209,10 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     drafter.packed_linear = {"auto": None, "on": True, "off": False}[args.packed_linear]
     if args.context_lookup is not None:
         drafter.context_lookup = args.context_lookup
-    if args.resume and not args.output:
-        raise SystemExit("--resume continues the journal of --output: give --output")
     env = environment(args.device, args.dtype)  # before the run writes anything
-    journal = Path(args.output).with_suffix(".journal.jsonl") if args.output else None
     if journal is not None and journal.is_file() and not args.resume:
         if not args.overwrite:
             raise SystemExit(
@@ -226,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "selection": [args.categories, args.per_category, args.limit, args.spread],
         "dtype": args.dtype,
         "device": args.device,
+        "machine": env["device"],
         "drafter": {
             "num_heads": drafter.num_heads,
             "top_k": drafter.top_k,

@@ -26,6 +26,21 @@ def read_journal(path: str | Path, header: dict) -> dict[int, list[dict]]:
     return dict(rows)
 
 
+def check_same_machine(path: str | Path, machine: str) -> None:
+    """Raises when the journal at `path` was timed on another machine than `machine` (`report.machine`), or
+    does not say where: a resumed run's rows are summed with the journal's, and both its timings and its
+    forward-cost curve are only comparable on the same kind of processor. Cheap: read before the model
+    loads."""
+    header, _ = load_journal(Path(path))
+    if header is None or header.get("machine") == machine:
+        return
+    where = f"on {header['machine']!r}" if "machine" in header else "on a machine it does not record"
+    raise ValueError(
+        f"{path} was timed {where}; this is {machine!r}. Resume it on that machine, or start over here with "
+        "another --output or --overwrite (journals of one run split over machines combine with --merge)"
+    )
+
+
 def merge_journals(paths: list[str | Path]) -> tuple[list[str], list[dict]]:
     """(methods, records) of the finished rows of several journals of one run split by row selection
     (e.g. `--categories` per process or machine). Raises when they were written with other settings, or
@@ -37,7 +52,8 @@ def merge_journals(paths: list[str | Path]) -> tuple[list[str], list[dict]]:
             raise ValueError(f"{path}: no bench journal there")
         headers.append(header)
         records += recs
-    keys = [k for k in RESUME_KEYS if k not in ("selection", "rows")]  # the parts select different rows
+    # the parts select different rows, and may run on different machines (each part's environment is kept)
+    keys = [k for k in RESUME_KEYS if k not in ("selection", "rows", "machine")]
     for path, header in zip(paths[1:], headers[1:]):
         changes = _setting_changes(headers[0], header, keys)
         if changes:
@@ -113,6 +129,7 @@ RESUME_KEYS = (
     "selection",
     "dtype",
     "device",
+    "machine",
     "drafter",
     "rescorer_specs",
 )

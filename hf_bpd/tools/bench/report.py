@@ -244,6 +244,17 @@ def plot(results: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
+def machine(device: str) -> str:
+    """The machine a run is timed on: for a CPU its processor's model, cores and threads, since timings
+    (and which plain method is fastest) differ between processor kinds; otherwise the device's name."""
+    from ...disk_cache import device_name
+
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        return device
+    return f"cpu ({device_name(dev)}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
 def environment(device: str, dtype: str) -> dict:
     """What a result file needs to say where it came from: date, device (the processor's model for a CPU),
     library versions and the commit of the code that ran (None outside a git checkout). Take it when a run
@@ -251,8 +262,6 @@ def environment(device: str, dtype: str) -> dict:
     import subprocess
 
     import transformers
-
-    from ...disk_cache import device_name
 
     try:
         commit = subprocess.run(
@@ -271,9 +280,7 @@ def environment(device: str, dtype: str) -> dict:
     dev = torch.device(device)
     return {
         "date": datetime.date.today().isoformat(),
-        "device": device
-        if dev.type != "cpu"
-        else f"cpu ({device_name(dev)}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)",
+        "device": machine(device),
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "commit": commit,
         "dtype": dtype,
