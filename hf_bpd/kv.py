@@ -153,19 +153,35 @@ def state_tensors(cache) -> list[tuple[dict, int]]:
     return found
 
 
+def token_counts(cache) -> list[torch.Tensor]:
+    """The state layers' counts of the tokens they have seen (`cumulative_length_linear`, transformers 5.25
+    on), which `get_seq_length` reads on such a layer: one per layer for the whole batch."""
+    return [
+        layer.cumulative_length_linear
+        for layer in cache.layers
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and hasattr(layer, "cumulative_length_linear")
+    ]
+
+
 def snapshot(cache) -> list[torch.Tensor]:
-    """Copies of every state (`state_tensors` order): what a restore puts back."""
-    return [states[i].clone() for states, i in state_tensors(cache)]
+    """Copies of every state (`state_tensors` order), then of every token count: what a restore puts back."""
+    return [states[i].clone() for states, i in state_tensors(cache)] + [n.clone() for n in token_counts(cache)]
 
 
 def restore(cache, saved: list[torch.Tensor], rows: list[int] | None = None) -> None:
-    """Put the snapshot back, in place (the layers keep their tensors' addresses): all rows, or `rows`."""
-    for (states, i), old in zip(state_tensors(cache), saved):
+    """Put the snapshot back, in place (the layers keep their tensors' addresses): all rows, or `rows`.
+    The token counts go back with all rows only: where some rows keep the forward, its attention entries
+    stay (as holes for the others), and the counts must keep matching them."""
+    tensors = state_tensors(cache)
+    for (states, i), old in zip(tensors, saved):
         if rows is None:
             states[i].copy_(old)
         else:
             index = torch.tensor(rows, device=old.device)
             states[i].index_copy_(0, index, old.index_select(0, index))
+    if rows is None:
+        for count, old in zip(token_counts(cache), saved[len(tensors) :]):
+            count.copy_(old)
 
 
 def drop_last(cache, n: int) -> None:

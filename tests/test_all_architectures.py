@@ -88,3 +88,11 @@ def test_last_hidden_state_alone_is_the_one_every_hidden_state_ends_with():
 @pytest.mark.slow
 def test_every_row_is_current():
     assert current(model_types()) == [], f"run: {COMMAND} (page: {PAGE})"
+
+
+def test_a_state_layer_that_counts_its_tokens_decodes_exactly():
+    """Lfm3's first layer is a convolution: from transformers 5.25 its cache layer counts the tokens it has
+    seen, and the model's `get_seq_length` reads that count, so after a rejected draft the count is restored
+    with the conv states (`kv.token_counts`); left advanced, it shifted every later position."""
+    [row] = sweep(["lfm3"])
+    assert row.status == EXACT, row.reason

@@ -270,8 +270,14 @@ def recurrent_state_types(model) -> list[str]:
 
 
 def has_recurrent_state(model) -> bool:
-    """Whether the model keeps recurrent, convolutional or linear-attention state (`recurrent.py` decodes it)."""
-    return bool(getattr(model, "_is_stateful", False) or recurrent_state_types(model))
+    """Whether the model keeps recurrent, convolutional or linear-attention state (`recurrent.py` decodes it).
+    Families known by name count too: transformers 5.25 dropped the `_is_stateful` flag that RWKV and xLSTM,
+    whose configs list no layer types, were recognised by."""
+    config = model.config
+    names = {config.model_type, config.get_text_config(decoder=True).model_type}
+    return bool(
+        getattr(model, "_is_stateful", False) or recurrent_state_types(model) or names & RECURRENT_REFUSED.keys()
+    )
 
 
 def check_model_supported(model) -> None:
