@@ -720,15 +720,29 @@ def render_claim(claim: dict, by_id: dict | None = None, root: str = "") -> str:
 
 
 def provenance_errors(claims: list[dict]) -> list[str]:
-    """Claims whose result file records another commit or date than the claim states (files written before
-    result files recorded their commit are taken at the claim's word)."""
+    """Claims whose result file records another commit than the claim states, or a processor of another
+    maker than the claim's machine names (files written before result files recorded them are taken at the
+    claim's word)."""
     errors = []
     for claim in claims:
         env = load(claim["file"]).get("environment", {})
         recorded = env.get("commit")
         if recorded and not recorded.startswith(claim["commit"]):
             errors.append(f"{claim['id']}: claims commit {claim['commit']}, the result file records {recorded}")
+        maker = processor_maker(env.get("device") or "")
+        if maker and maker not in claim["machine"]:
+            ran = env["device"]
+            errors.append(f"{claim['id']}: its machine is {claim['machine']!r}; its result file ran on {ran!r}")
     return errors
+
+
+def processor_maker(device: str) -> str:
+    """The maker of the CPU a result file's `device` names ("cpu (AMD EPYC, 2 cores, 2 threads)" -> "AMD",
+    "cpu (Intel(R) Xeon(R) Processor, ...)" -> "Intel"); "" for another device, or where older files recorded
+    only the architecture ("cpu (x86_64, 2 threads)")."""
+    words = device.removeprefix("cpu (").split() if device.startswith("cpu (") else [""]
+    maker = words[0].removesuffix("(R)")
+    return maker if maker in ("AMD", "Intel") else ""
 
 
 def supersession_errors(claims: list[dict]) -> list[str]:

@@ -75,3 +75,24 @@ def test_the_levers_table_links_every_lever_claim_to_its_section():
         assert (link in table) == (not claim.get("superseded_by")), claim["id"]
         if not claim.get("superseded_by"):
             assert f"## {claim['title']}\n" in results
+
+
+def test_a_claim_naming_another_processor_maker_than_its_result_file_is_an_error(tmp_path):
+    """Machines of one kind here differ by processor (an AMD EPYC one day, an Intel Xeon another), and which
+    plain method is fastest differs with them: a claim must name the maker its result file ran on."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("results_page", ROOT / "benchmarks" / "results.py")
+    results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(results)
+    assert results.processor_maker("cpu (Intel(R) Xeon(R) Processor, 2 cores, 2 threads)") == "Intel"
+    assert results.processor_maker("cpu (AMD EPYC, 2 cores, 2 threads)") == "AMD"
+    assert results.processor_maker("cuda") == results.processor_maker("cpu (x86_64, 2 threads)") == ""
+    env = {"commit": "abc1234", "device": "cpu (Intel(R) Xeon(R) Processor, 2 cores, 2 threads)"}
+    (tmp_path / "run.json").write_text(json.dumps({"environment": env}))
+    claim = {"id": "c", "commit": "abc1234", "file": str(tmp_path / "run.json")}  # absolute: ROOT / it is it
+    amd = {**claim, "machine": "2-core AMD EPYC CPU (family 25, KVM), 24 GB"}
+    assert results.provenance_errors([amd]) == [
+        f"c: its machine is {amd['machine']!r}; its result file ran on {env['device']!r}"
+    ]
+    assert results.provenance_errors([{**claim, "machine": "2-core Intel Xeon CPU (KVM), 24 GB"}]) == []
