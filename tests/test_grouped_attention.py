@@ -136,16 +136,20 @@ def test_fast_cpu_and_hf_bpd_run_grouped_attention_and_leave_the_model_as_loaded
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_models_whose_code_tests_the_name_sdpa_are_left_on_sdpa():
-    from transformers import FalconConfig, FalconForCausalLM
+def test_models_whose_code_tests_the_name_sdpa_are_left_on_sdpa(monkeypatch):
+    from all_architectures import build
 
-    config = FalconConfig(
-        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2, alibi=False
-    )
-    config._attn_implementation = "sdpa"
-    model = FalconForCausalLM(config).eval()  # runs its own sdpa code only under that exact name
+    import hf_bpd.cpu.grouped_attention as module
+
+    # Gemma 4's modeling file runs code of its own under the exact name "sdpa" (in transformers 5.24 and 5.25;
+    # Falcon did until 5.25 moved it onto the attention interface)
+    model = build("gemma4_text")
+    assert model.config._attn_implementation == "sdpa"
     with grouped_attention(model):
         assert model.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(module, "_names_sdpa", lambda name: False)  # that test of the name alone keeps it there
+    with grouped_attention(model):
+        assert model.config._attn_implementation == ATTENTION_NAME
     mha = tiny_model("llama", num_key_value_heads=4)  # no grouped heads: nothing to save
     with grouped_attention(mha):
         assert mha.config._attn_implementation == "sdpa"
