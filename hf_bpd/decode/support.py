@@ -273,11 +273,16 @@ def has_recurrent_state(model) -> bool:
     """Whether the model keeps recurrent, convolutional or linear-attention state (`recurrent.py` decodes it).
     Families known by name count too: transformers 5.25 dropped the `_is_stateful` flag that RWKV and xLSTM,
     whose configs list no layer types, were recognised by."""
-    config = model.config
-    names = {config.model_type, config.get_text_config(decoder=True).model_type}
     return bool(
-        getattr(model, "_is_stateful", False) or recurrent_state_types(model) or names & RECURRENT_REFUSED.keys()
+        getattr(model, "_is_stateful", False)
+        or recurrent_state_types(model)
+        or model_type_names(model) & RECURRENT_REFUSED.keys()
     )
+
+
+def model_type_names(model) -> set[str]:
+    """The model's type and its text model's (they differ for a multimodal model): what refusals by name read."""
+    return {model.config.model_type, model.config.get_text_config(decoder=True).model_type}
 
 
 def check_model_supported(model) -> None:
@@ -286,7 +291,7 @@ def check_model_supported(model) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("hf_bpd.generate supports decoder-only causal LMs, not encoder-decoder models")
     text_config = config.get_text_config(decoder=True)
-    for model_type in {config.model_type, text_config.model_type}:
+    for model_type in model_type_names(model):
         if model_type in REFUSED_MODEL_TYPES:
             raise ValueError(f"hf_bpd.generate does not support {model_type}: {REFUSED_MODEL_TYPES[model_type]}")
     types = layer_types(text_config)
@@ -601,7 +606,7 @@ def check_recurrent_supported(model) -> None:
     """Refuse, by name and reason, a model with recurrent state that the chain loop (`recurrent.py`) cannot
     decode exactly; return for a served family."""
     config = model.config
-    names = {config.model_type, config.get_text_config(decoder=True).model_type}
+    names = model_type_names(model)
     what = f"{type(model).__name__} keeps recurrent, convolutional or linear-attention state"
     types = recurrent_state_types(model)
     if types:
