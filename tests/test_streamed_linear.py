@@ -32,6 +32,30 @@ def test_the_kernel_builds_here():
     assert streamed_linear.unavailable_reason() is None
 
 
+def test_the_build_uses_the_cpus_widest_vectors_and_torchs_threads():
+    # built without OpenMP, ATen's inline parallel_for runs every call on one thread (gcc, the compiler here
+    # and in CI, has OpenMP); AVX-512 where torch's own kernels use it, with panels one register wide
+    info = streamed_linear.build_info()
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    assert info == {"panel": 16 if avx512 else 8, "instructions": "avx512" if avx512 else "avx2", "openmp": True}
+
+
+def test_another_build_of_the_kernel_gives_the_same_bits():
+    # one FMA chain per output along the input, whatever the panel width or threads: the one-thread AVX2
+    # build (what a compiler without OpenMP gets, and what an AVX2 CPU runs) equals the build used here
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-mavx2", "-mfma"]
+    name = f"hf_bpd_streamed_linear_{streamed_linear._digest(streamed_linear.SOURCE, flags)}"
+    other = load(name=name, sources=[str(streamed_linear.SOURCE)], extra_cflags=flags, verbose=False)
+    assert dict(other.build_info()) == {"panel": 8, "instructions": "avx2", "openmp": False}
+    g = torch.Generator().manual_seed(3)
+    for out_features, in_features, rows in [(100, 64, 1), (100, 64, 7), (37, 21, 16), (576, 192, 13), (24, 8, 40)]:
+        weight, x = torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g)
+        here = streamed_linear.linear(x, streamed_linear.pack(weight), out_features)
+        assert torch.equal(other.linear(x, other.pack(weight), out_features), here), (out_features, rows)
+
+
 @pytest.mark.parametrize("out_features,in_features", [(8, 16), (21, 37), (192, 576), (1, 3)])
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 12, 13, 16, 40])
 def test_matches_f_linear_for_any_row_count_and_shape(rows, out_features, in_features):
@@ -40,7 +64,8 @@ def test_matches_f_linear_for_any_row_count_and_shape(rows, out_features, in_fea
     bias = torch.randn(out_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
     packed = streamed_linear.pack(weight)
-    assert packed.shape == ((out_features + 7) // 8, in_features, 8)
+    panel = streamed_linear.build_info()["panel"]
+    assert packed.shape == ((out_features + panel - 1) // panel, in_features, panel)
     got = streamed_linear.linear(x, packed, out_features)
     assert got.shape == (rows, out_features)
     # another summation order than BLAS's: equal up to float32 rounding of sums of up to 576 unit-scale terms
@@ -59,14 +84,15 @@ def test_keeps_leading_dimensions_and_takes_a_one_dimensional_input():
     torch.testing.assert_close(streamed_linear.linear(x[0, 0], packed, 24), F.linear(x[0, 0], weight))
 
 
-@pytest.mark.parametrize("out_features", [64, 100])  # 8 whole panels; 13 panels, the last of 4 columns
+@pytest.mark.parametrize("out_features", [64, 100])  # whole panels; the last panel of 4 columns
 def test_a_row_gives_the_same_bits_alone_or_among_others(out_features):
-    # fewer rows take several panels per pass (and a weight's last panels fewer): every count from 1 to 16
+    # fewer rows take several panels per pass (and a weight's last panels fewer), more than a group's rows
+    # split into groups: every count from 1 to 33
     g = torch.Generator().manual_seed(2)
-    weight, x = torch.randn(out_features, 100, generator=g), torch.randn(16, 100, generator=g)
+    weight, x = torch.randn(out_features, 100, generator=g), torch.randn(33, 100, generator=g)
     packed = streamed_linear.pack(weight)
-    alone = torch.cat([streamed_linear.linear(x[i : i + 1], packed, out_features) for i in range(16)])
-    for rows in range(2, 17):
+    alone = torch.cat([streamed_linear.linear(x[i : i + 1], packed, out_features) for i in range(33)])
+    for rows in range(2, 34):
         assert torch.equal(streamed_linear.linear(x[:rows], packed, out_features), alone[:rows]), rows
 
 
@@ -93,8 +119,9 @@ def test_a_plan_that_streams_a_shape_keeps_panels_as_its_one_packed_copy():
         got = model(x)
     torch.testing.assert_close(got, other(layer(x)))
     panels = mode.packed(layer.weight)
-    assert panels.shape == (3, 16, 8)  # the kernel's layout, not oneDNN's
-    assert mode.packed_bytes == 3 * 16 * 8 * 4 + mode.packed(other.weight).numel() * 4
+    panel = streamed_linear.build_info()["panel"]
+    assert panels.shape == (-(-24 // panel), 16, panel)  # the kernel's layout, not oneDNN's
+    assert mode.packed_bytes == panels.numel() * 4 + mode.packed(other.weight).numel() * 4
     with pytest.raises(ValueError, match="unknown packed formats"):
         KernelPlan({(24, 16): rows}, {(24, 16): "int8"})
 
@@ -150,7 +177,8 @@ def test_a_new_plan_that_streams_a_shape_repacks_its_weights_on_next_use():
     with mode, torch.no_grad():
         got = layer(x)
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
-    assert mode.packed(layer.weight).shape == (3, 16, 8) and len(mode) == 1
+    panel = streamed_linear.build_info()["panel"]
+    assert mode.packed(layer.weight).shape == (-(-24 // panel), 16, panel) and len(mode) == 1
 
 
 # ---------------------------------------------------------------------------------------- compiled graphs

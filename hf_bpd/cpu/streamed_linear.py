@@ -1,22 +1,26 @@
 """A float32 linear kernel for the few rows of decoding (one token, a draft tree, a small batch) on x86-64
-CPUs with AVX2 and FMA: one candidate of the measured kernel plan (`packed_linear.KernelPlan`), beside
-BLAS and oneDNN's packed weights.
+CPUs with AVX2 and FMA, or AVX-512: one candidate of the measured kernel plan (`packed_linear.KernelPlan`),
+beside BLAS and oneDNN's packed weights.
 
-Why: at 1 to ~12 rows a linear layer should cost about one read of its weight from memory, since the
+Why: at 1 to ~16 rows a linear layer should cost about one read of its weight from memory, since the
 arithmetic is small. BLAS and oneDNN run these shapes well below that on some CPUs: the weight is streamed
 and the arithmetic done one after the other rather than overlapped. This kernel packs each weight once
-into panels of 8 output columns laid out in the order they are read, computes each panel for up to 12 rows
-at once (one AVX2 accumulator per row; for fewer rows several panels at once, so that enough independent
-FMA chains keep the CPU's FMA units busy while the weight streams in) and asks for the panels' next lines
-before it needs them (`csrc/streamed_linear.cpp`). Every output is one FMA chain along the input in order,
-so a row gives the same numbers alone or among others (the plan may still send different row counts to
-different kernels). Whether it wins is measured per weight shape and row count on the machine
-(`measure_kernel_plan`); the numbers are in RESULTS.md.
+into panels of one vector register's output columns (8 on AVX2, 16 on AVX-512), laid out in the order they
+are read, computes each panel for a group of rows at once (one accumulator per row; for fewer rows several
+panels at once, so that enough independent FMA chains keep the CPU's FMA units busy while the weight
+streams in) and asks for the panels' next lines before it needs them (`csrc/streamed_linear.cpp`). Every
+output is one FMA chain along the input in order, so a row gives the same numbers alone or among others,
+and on either instruction set (the plan may still send different row counts to different kernels).
+Whether it wins is measured per weight shape and row count on the machine (`measure_kernel_plan`); the
+numbers are in RESULTS.md.
 
 The C++ source is built on first use by torch's extension loader (a compiler and ninja are needed; the
-build is cached by torch, in `TORCH_EXTENSIONS_DIR` or `~/.cache/torch_extensions`). Where the CPU lacks
-AVX2/FMA, the build fails or its results disagree with `F.linear`, `available()` is False and the plan
-keeps to BLAS and oneDNN; `unavailable_reason()` says why.
+build is cached by torch, in `TORCH_EXTENSIONS_DIR` or `~/.cache/torch_extensions`): for AVX-512 where
+torch runs its own kernels with it, else for AVX2, and with OpenMP so that a call uses torch's intra-op
+threads (ATen's `parallel_for` is inline OpenMP: built without it, the kernel runs on one thread). A
+compiler without OpenMP gets the one-thread build. Where the CPU lacks AVX2/FMA, the build fails or its
+results disagree with `F.linear`, `available()` is False and the plan keeps to BLAS and oneDNN;
+`unavailable_reason()` says why. `build_info()` says how the build came out.
 
 Compiled graphs: the kernel is also the `torch.library` custom op `hf_bpd::streamed_linear` (`OP`,
 registered at import with a fake implementation giving the output's shape), which `linear` calls inside a
@@ -37,7 +41,6 @@ import torch.nn.functional as F
 from .. import log
 
 SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
-PANEL = 8  # output columns per packed panel (csrc: kPanel)
 OP = "hf_bpd::streamed_linear"  # the kernel as a torch.library custom op (`streamed_linear_op`)
 
 
@@ -63,24 +66,47 @@ def _extension():
     return module
 
 
+def build_flags() -> list[list[str]]:
+    """The compiler flags to try, best first: AVX-512 where torch's own CPU kernels use it (else AVX2), with
+    OpenMP, then the same without OpenMP (a compiler that lacks it still gets a one-thread kernel)."""
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    isa = ["-mavx512f", "-mavx2", "-mfma"] if avx512 else ["-mavx2", "-mfma"]
+    return [["-O3", *isa, "-fopenmp"], ["-O3", *isa]]
+
+
 def build(source: Path):
-    """The kernel's C++ `source` built with torch's extension loader (raises where the build fails). The
-    source's digest is in the module's name: an edited kernel is built again, never an old build loaded."""
+    """The kernel's C++ `source` built with torch's extension loader, with the first of `build_flags()` that
+    builds (raises where none does). The digest of the source and flags is in the module's name: an edited
+    kernel or another build is built again, never an old build loaded."""
     from torch.utils.cpp_extension import load
 
-    name = f"hf_bpd_streamed_linear_{_digest(source)}"
-    return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False)
+    error = None
+    for flags in build_flags():
+        name = f"hf_bpd_streamed_linear_{_digest(source, flags)}"
+        ldflags = ["-fopenmp"] if "-fopenmp" in flags else []
+        try:
+            return load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=ldflags, verbose=False)
+        except Exception as err:  # the next flags, if any
+            error = err
+    raise error
 
 
-def _digest(source: Path) -> str:
-    return hashlib.sha1(source.read_bytes()).hexdigest()[:10]
+def _digest(source: Path, flags: list[str] | None = None) -> str:
+    return hashlib.sha1(source.read_bytes() + " ".join(flags or []).encode()).hexdigest()[:10]
+
+
+def build_info() -> dict:
+    """How the kernel was built here: its panel width (output columns per packed panel: 8 on AVX2, 16 on
+    AVX-512), instruction set ("avx2" or "avx512") and whether OpenMP spreads a call over torch's threads."""
+    return dict(_module().build_info())
 
 
 @functools.cache
 def version() -> str | None:
-    """A digest of the kernel's source (None where it is missing): what measurements made with the kernel
-    (kernel plans, forward-cost curves) are keyed by, so an edited kernel is measured again."""
-    return _digest(SOURCE) if SOURCE.is_file() else None
+    """A digest of the kernel's source and of the flags it would be built with first (None where the source
+    is missing): what measurements made with the kernel (kernel plans, forward-cost curves) are keyed by, so
+    an edited kernel or another build is measured again."""
+    return _digest(SOURCE, build_flags()[0]) if SOURCE.is_file() else None
 
 
 def available() -> bool:
@@ -95,8 +121,8 @@ def unavailable_reason() -> str | None:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] (float32, CPU) in the kernel's layout, [ceil(N / 8), K, 8]: the same bytes as the
-    weight, padded to whole panels."""
+    """`weight` [N, K] (float32, CPU) in the kernel's layout, [ceil(N / panel), K, panel] (`build_info()`'s
+    panel width): the same bytes as the weight, padded to whole panels."""
     return _module().pack(weight.detach())
 
 
@@ -129,7 +155,7 @@ def streamed_linear_op(rows: torch.Tensor, packed: torch.Tensor, out_features: i
 def _(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     torch._check(rows.dim() == 2, lambda: "hf_bpd::streamed_linear takes 2D rows [M, K]")
     torch._check(
-        packed.dim() == 3 and packed.shape[1] == rows.shape[1] and packed.shape[2] == PANEL,
+        packed.dim() == 3 and packed.shape[1] == rows.shape[1] and packed.shape[2] in (8, 16),
         lambda: "hf_bpd::streamed_linear: the packed weight does not match the rows",
     )
     return rows.new_empty(rows.shape[0], out_features)  # contiguous, as the kernel's output

@@ -1,80 +1,117 @@
-// A float32 linear layer for the few rows of decoding, on x86-64 with AVX2 and FMA (see
-// hf_bpd/streamed_linear.py for why). The weight [N, K] is packed once into panels of 8 output columns,
-// [ceil(N / 8), K, 8], so a panel is one contiguous run of memory read front to back. A pass reads P
-// adjacent panels for a group of up to 12 rows: one 8-wide accumulator per row and panel, one FMA per row,
-// panel and input index, and the lines PREFETCH_STEPS input indices ahead requested before they are
-// needed, so streaming the weight from memory overlaps the arithmetic. P is larger for fewer rows: an FMA
-// waits for the previous one on its accumulator, so one row on one panel would leave the FMA units idle
-// most of the time; enough independent accumulators keep them busy and reuse each broadcast input across
-// P panels. Every output is still one FMA chain along the input in order, whatever the row count or P: a
-// row gives the same result alone or in a batch.
+// A float32 linear layer for the few rows of decoding, on x86-64 with AVX2 and FMA, or AVX-512 where the
+// build targets it (see hf_bpd/cpu/streamed_linear.py for why). The weight [N, K] is packed once into
+// panels of kPanel output columns (one vector register of floats: 8 on AVX2, 16 on AVX-512),
+// [ceil(N / kPanel), K, kPanel], so a panel is one contiguous run of memory read front to back. A pass
+// reads P adjacent panels for a group of up to kMaxRowGroup rows: one accumulator per row and panel, one
+// FMA per row, panel and input index, and the lines kPrefetchBytes ahead requested before they are needed,
+// so streaming the weight from memory overlaps the arithmetic. P is larger for fewer rows: an FMA waits for
+// the previous one on its accumulator, so one row on one panel would leave the FMA units idle most of the
+// time; enough independent accumulators keep them busy and reuse each broadcast input across P panels.
+// Every output is one FMA chain along the input in order, whatever the row count, P or instruction set:
+// a row gives the same result alone or in a batch, on AVX2 or AVX-512.
+//
+// Built with OpenMP (-fopenmp): at::parallel_for's OpenMP backend is inline in ATen's headers, so without
+// it the pragma is dropped and every call runs on one thread.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 
 namespace {
 
-constexpr int64_t kPanel = 8;           // output columns per panel: one AVX2 register of floats
-constexpr int64_t kMaxRowGroup = 12;    // rows per pass over a panel: 12 accumulators + weight + broadcast
-constexpr int64_t kPrefetchSteps = 64;  // input indices ahead (64 x 32 bytes: 2 KB) of the current one
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t kPanel = 16;
+constexpr int64_t kMaxRowGroup = 16;  // rows per pass: up to 28 of the 32 registers hold accumulators
+// panels per pass for R rows: P * R accumulators, P weights and a broadcast within 32 registers, and at
+// least 8 independent FMA chains where the registers allow
+constexpr int kPanelsFor[kMaxRowGroup + 1] = {0, 8, 6, 4, 4, 4, 4, 3, 3, 2, 2, 2, 2, 2, 2, 1, 1};
+constexpr int kMostPanels = 8;
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec broadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void store(float* y, Vec v, int64_t columns) {
+  _mm512_mask_storeu_ps(y, columns == kPanel ? __mmask16(0xFFFF) : __mmask16((1u << columns) - 1), v);
+}
+constexpr const char* kInstructions = "avx512";
+#else
+using Vec = __m256;
+constexpr int64_t kPanel = 8;
+constexpr int64_t kMaxRowGroup = 12;  // 12 accumulators + weight + broadcast within AVX2's 16 registers
+// panels per pass for R rows: P * R accumulators, P weights and a broadcast within 16 registers, and at
+// least 6 independent FMA chains where the registers allow
+constexpr int kPanelsFor[kMaxRowGroup + 1] = {0, 6, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
+constexpr int kMostPanels = 6;
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store(float* y, Vec v, int64_t columns) {
+  if (columns == kPanel) {
+    _mm256_storeu_ps(y, v);
+  } else {
+    alignas(32) float tail[kPanel];
+    _mm256_store_ps(tail, v);
+    std::copy(tail, tail + columns, y);
+  }
+}
+constexpr const char* kInstructions = "avx2";
+#endif
+
+constexpr int64_t kLine = 64;                                      // bytes per cache line
+constexpr int64_t kStepsPerLine = kLine / (kPanel * sizeof(float));  // input indices per line of a panel
+constexpr int64_t kPrefetchSteps = 2048 / (kPanel * sizeof(float));  // 2 KB ahead of the current index
 
 template <int R, int P>
 void panels_rows(const float* __restrict x, int64_t K, const float* __restrict panel, float* __restrict y,
                  int64_t ldy, int64_t last_columns) {
-  __m256 acc[P][R];
+  Vec acc[P][R];
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[p][r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[p][r] = zero();
   const int64_t stride = K * kPanel;  // from one panel to the next
   for (int64_t k = 0; k < K; ++k) {
-    if ((k & 1) == 0) {  // one 64-byte line per panel every two input indices
+    if (k % kStepsPerLine == 0) {  // one line per panel
 #pragma GCC unroll 16
       for (int p = 0; p < P; ++p)
         _mm_prefetch(reinterpret_cast<const char*>(panel + p * stride + (k + kPrefetchSteps) * kPanel), _MM_HINT_T0);
     }
-    __m256 w[P];
+    Vec w[P];
 #pragma GCC unroll 16
-    for (int p = 0; p < P; ++p) w[p] = _mm256_loadu_ps(panel + p * stride + k * kPanel);
+    for (int p = 0; p < P; ++p) w[p] = load(panel + p * stride + k * kPanel);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m256 b = _mm256_broadcast_ss(x + r * K + k);
+      const Vec b = broadcast(x + r * K + k);
 #pragma GCC unroll 16
-      for (int p = 0; p < P; ++p) acc[p][r] = _mm256_fmadd_ps(b, w[p], acc[p][r]);
+      for (int p = 0; p < P; ++p) acc[p][r] = fma(b, w[p], acc[p][r]);
     }
   }
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p) {
     const int64_t columns = p == P - 1 ? last_columns : kPanel;
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      if (columns == kPanel) {
-        _mm256_storeu_ps(y + r * ldy + p * kPanel, acc[p][r]);
-      } else {
-        alignas(32) float tail[kPanel];
-        _mm256_store_ps(tail, acc[p][r]);
-        std::copy(tail, tail + columns, y + r * ldy + p * kPanel);
-      }
-    }
+    for (int r = 0; r < R; ++r) store(y + r * ldy + p * kPanel, acc[p][r], columns);
   }
 }
 
-// panels per pass for R rows: P * R accumulators, P weights and a broadcast within AVX2's 16 registers,
-// and at least 6 independent FMA chains where the registers allow
-constexpr int kPanelsFor[kMaxRowGroup + 1] = {0, 6, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
-constexpr int kMostPanels = 6;
-
+// [rows][panels]: the pass for that many rows over that many panels (fewer than kPanelsFor[rows] at a
+// weight's last panels); nullptr where no pass takes it
 using PanelsRows = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t);
-#define HF_BPD_PANELS(R) \
-  { nullptr, panels_rows<R, 1>, panels_rows<R, 2>, panels_rows<R, 3>, panels_rows<R, 4>, panels_rows<R, 5>, panels_rows<R, 6> }
-// [rows][panels]: a pass over fewer panels than kPanelsFor[rows] at a weight's last panels
-constexpr PanelsRows kByRowsPanels[kMaxRowGroup + 1][kMostPanels + 1] = {
-    {nullptr},         HF_BPD_PANELS(1),  HF_BPD_PANELS(2),  HF_BPD_PANELS(3), HF_BPD_PANELS(4),
-    HF_BPD_PANELS(5),  HF_BPD_PANELS(6),  HF_BPD_PANELS(7),  HF_BPD_PANELS(8), HF_BPD_PANELS(9),
-    HF_BPD_PANELS(10), HF_BPD_PANELS(11), HF_BPD_PANELS(12)};
-#undef HF_BPD_PANELS
+using ByPanels = std::array<PanelsRows, kMostPanels + 1>;
+template <int R, int... Ps>
+constexpr ByPanels by_panels(std::integer_sequence<int, Ps...>) {
+  return {nullptr, panels_rows<R, Ps + 1>...};
+}
+template <int... Rs>
+constexpr std::array<ByPanels, kMaxRowGroup + 1> by_rows_panels(std::integer_sequence<int, Rs...>) {
+  return {ByPanels{}, by_panels<Rs + 1>(std::make_integer_sequence<int, kPanelsFor[Rs + 1]>{})...};
+}
+constexpr auto kByRowsPanels = by_rows_panels(std::make_integer_sequence<int, kMaxRowGroup>{});
 
 }  // namespace
 
@@ -107,8 +144,8 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // rows split into equal groups of at most kMaxRowGroup (16 rows: 8 + 8, not 12 + 4); the panels into
-  // chunks of the most panels a group's pass takes, one thread's unit of work
+  // rows split into equal groups of at most kMaxRowGroup (16 rows on AVX2: 8 + 8, not 12 + 4); the panels
+  // into chunks of the most panels a group's pass takes, one thread's unit of work
   const int64_t groups = (M + kMaxRowGroup - 1) / kMaxRowGroup;
   const int64_t chunk = kPanelsFor[M / groups];  // the smallest group's (most panels per pass)
   const int64_t chunks = (panels + chunk - 1) / chunk;
@@ -130,7 +167,21 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
   return y;
 }
 
+// how the build came out: its panel width, instruction set and whether OpenMP spreads a call over threads
+pybind11::dict build_info() {
+  pybind11::dict info;
+  info["panel"] = kPanel;
+  info["instructions"] = kInstructions;
+#if defined(_OPENMP)
+  info["openmp"] = true;
+#else
+  info["openmp"] = false;
+#endif
+  return info;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "weight [N, K] -> panels [ceil(N / 8), K, 8]");
+  m.def("pack", &pack, "weight [N, K] -> panels [ceil(N / kPanel), K, kPanel]");
   m.def("linear", &linear, "rows [M, K], panels, N -> rows @ weight.T [M, N]");
+  m.def("build_info", &build_info, "panel width, instruction set and OpenMP of this build");
 }
