@@ -12,9 +12,10 @@ each weight once per 12 rows with the arithmetic overlapped. This measures, in o
   decoding makes) under two kernel plans measured here, one without the streamed kernel (the plan before
   it existed) and one with it (today's), interleaved so that drift hits both alike;
 - the plans themselves, and the largest difference of their logits on one 8-token forward;
-- with `--previous REV`: the kernel's source at git revision REV built beside today's (same panel
-  layout), as one more kernel in `linears` and as today's plan run on it in `forward` (interleaved too):
-  what an edit of the kernel changed, and whether its outputs stayed the same bits.
+- with `--previous REV`: the kernel's source at git revision REV built beside today's (with
+  `--previous-flags`, default today's build flags; each build packs its own panels), as one more kernel in
+  `linears` and as today's plan run on it in `forward` (interleaved too): what an edit of the kernel or of
+  its build changed, and whether its outputs stayed the same bits.
 Run with nothing else on the machine; no claim rests on one run of it alone.
 """
 
@@ -39,14 +40,15 @@ from hf_bpd.io.models import load_model
 from hf_bpd.tools.bench import environment
 
 
-def previous_kernel(rev: str):
-    """The streamed kernel's source at git revision `rev`, built as its own extension module."""
+def previous_kernel(rev: str, flags: list[str] | None = None):
+    """The streamed kernel's source at git revision `rev`, built as its own extension module (with `flags`;
+    None: today's build flags)."""
     source = subprocess.run(
         ["git", "show", f"{rev}:hf_bpd/cpu/csrc/streamed_linear.cpp"], check=True, capture_output=True, text=True
     ).stdout
     path = Path(tempfile.mkdtemp()) / "streamed_linear_previous.cpp"
     path.write_text(source)
-    return streamed_linear.build(path)
+    return streamed_linear.build(path, [flags] if flags else None)
 
 
 class OnKernel:
@@ -78,7 +80,8 @@ def linear_passes(model, sizes: list[int], repeats: int, previous=None) -> dict:
         "streamed": lambda x, i: streamed_linear.linear(x, panels[i], weights[i].shape[0]),
     }
     if previous is not None:
-        kernels["streamed_previous"] = lambda x, i: previous.linear(x, panels[i], weights[i].shape[0])
+        previous_panels = [previous.pack(w) for w in weights]
+        kernels["streamed_previous"] = lambda x, i: previous.linear(x, previous_panels[i], weights[i].shape[0])
     g = torch.Generator().manual_seed(0)
     out = {"weights_mb": sum(w.numel() * 4 for w in weights) / 1e6, "ms": {}}
     for n in sizes:
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--previous", help="a git revision whose streamed kernel to time beside today's")
+    parser.add_argument("--previous-flags", help='compiler flags for the previous build, e.g. "-O3 -mavx2 -mfma"')
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
     if not streamed_linear.available():
@@ -122,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     model, _ = load_model(args.model, dtype="float32", device="cpu")
     report = {"environment": env, "args": {k: str(v) for k, v in vars(args).items()}}
-    previous = previous_kernel(args.previous) if args.previous else None
+    previous = previous_kernel(args.previous, (args.previous_flags or "").split() or None) if args.previous else None
+    report["builds"] = {"streamed": streamed_linear.build_info()}
+    if previous is not None and hasattr(previous, "build_info"):
+        report["builds"]["streamed_previous"] = dict(previous.build_info())
     report["linears"] = linear_passes(model, args.sizes, args.repeats, previous)
     with_streamed = measure_kernel_plan(model)
     with mock.patch.object(streamed_linear, "available", lambda: False):

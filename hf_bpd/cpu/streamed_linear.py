@@ -74,14 +74,14 @@ def build_flags() -> list[list[str]]:
     return [["-O3", *isa, "-fopenmp"], ["-O3", *isa]]
 
 
-def build(source: Path):
-    """The kernel's C++ `source` built with torch's extension loader, with the first of `build_flags()` that
-    builds (raises where none does). The digest of the source and flags is in the module's name: an edited
-    kernel or another build is built again, never an old build loaded."""
+def build(source: Path, flag_choices: list[list[str]] | None = None):
+    """The kernel's C++ `source` built with torch's extension loader, with the first of `flag_choices`
+    (default `build_flags()`) that builds (raises where none does). The digest of the source and flags is in
+    the module's name: an edited kernel or another build is built again, never an old build loaded."""
     from torch.utils.cpp_extension import load
 
     error = None
-    for flags in build_flags():
+    for flags in flag_choices or build_flags():
         name = f"hf_bpd_streamed_linear_{_digest(source, flags)}"
         ldflags = ["-fopenmp"] if "-fopenmp" in flags else []
         try:
