@@ -490,11 +490,13 @@ def test_the_corpus_method_drafts_from_distilled_answers_and_stays_lossless(tmp_
     assert report["methods"]["hf_bpd_corpus"]["overall"]["tau"] > 1
 
 
-def test_a_journal_timed_on_another_machine_is_refused_before_a_model_loads(tmp_path, monkeypatch):
+def test_a_journal_timed_on_another_machine_or_kernel_is_refused_before_a_model_loads(tmp_path, monkeypatch):
     """A resumed run's rows are summed with the journal's, and it reuses the journal's forward-cost curve:
-    both only mean something on the processor that timed them."""
+    both only mean something on the processor and with the CPU kernel that timed them."""
     import hf_bpd.io.models
+    from hf_bpd.cpu import streamed_linear
     from hf_bpd.tools.bench import check_same_machine, machine, merge_journals
+    from hf_bpd.tools.bench.cli import cpu_kernel
 
     monkeypatch.setattr(hf_bpd.io.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     here = machine("cpu")
@@ -508,8 +510,15 @@ def test_a_journal_timed_on_another_machine_is_refused_before_a_model_loads(tmp_
     journal.write_text(json.dumps({"header": header}) + "\n")  # from before journals recorded it
     with pytest.raises(SystemExit, match="on a machine it does not record"):
         bench.main(["--methods", "greedy", "--output", str(out), "--resume"])
-    journal.write_text(json.dumps({"header": {**header, "machine": here}}) + "\n")
-    check_same_machine(journal, here)  # the same machine resumes
+    # the same machine with another build of the CPU kernel (or a journal from before they were recorded)
+    kernel = cpu_kernel("cpu")
+    assert kernel == streamed_linear.version() and cpu_kernel("cuda") is None
+    for recorded in ({}, {"cpu_kernel": "0123456789"}):
+        journal.write_text(json.dumps({"header": {**header, "machine": here, **recorded}}) + "\n")
+        with pytest.raises(SystemExit, match="another build of hf_bpd's CPU kernel"):
+            bench.main(["--methods", "greedy", "--output", str(out), "--resume"])
+    journal.write_text(json.dumps({"header": {**header, "machine": here, "cpu_kernel": kernel}}) + "\n")
+    check_same_machine(journal, here, kernel)  # the same machine and kernel resume
     check_same_machine(tmp_path / "none.journal.jsonl", here)  # and a run not started yet starts
     # parts of one run split over machines still merge: each keeps its own environment
     other = tmp_path / "other.journal.jsonl"
@@ -519,12 +528,15 @@ def test_a_journal_timed_on_another_machine_is_refused_before_a_model_loads(tmp_
 
 @pytest.mark.real
 def test_a_bench_journal_records_its_machine_and_resumes_there(tmp_path, smollm2):
+    from hf_bpd.cpu import streamed_linear
+
     out = tmp_path / "run.json"
     argv = ["--methods", "greedy", "--limit", "1", "--max-new-tokens", "4", "--max-tree-tokens", "8"]
     assert bench.main([*argv, "--output", str(out), "--no-progress"]) == 0
     journal = out.with_suffix(".journal.jsonl")
     header = json.loads(journal.read_text().splitlines()[0])["header"]
     assert header["machine"] == bench.machine("cpu") == json.loads(out.read_text())["environment"]["device"]
+    assert header["cpu_kernel"] == streamed_linear.version()
     records = journal.read_text().splitlines()[1:]
     assert bench.main([*argv, "--output", str(out), "--no-progress", "--resume"]) == 0
     assert journal.read_text().splitlines()[1:] == records  # nothing redone

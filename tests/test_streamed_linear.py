@@ -3,6 +3,8 @@ one FMA chain per output (a row's result does not depend on the rows beside it),
 kernel plan (`packed_linear`): a shape the plan gives to it keeps its panels as its one packed copy, a plan
 measured without it never names it, and the cached plan keeps each shape's format."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,14 @@ def test_the_build_uses_the_cpus_widest_vectors_and_torchs_threads():
     info = streamed_linear.build_info()
     avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
     assert info == {"panel": 16 if avx512 else 8, "instructions": "avx512" if avx512 else "avx2", "openmp": True}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc")
+def test_the_kernel_shares_torchs_openmp_runtime():
+    # two OpenMP runtimes in one process would keep two thread pools spinning on the same cores
+    assert streamed_linear.available()
+    runtimes = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "gomp" in line}
+    assert len({Path(r).name for r in runtimes}) == 1 and len(runtimes) == 1, runtimes
 
 
 def test_another_build_of_the_kernel_gives_the_same_bits():

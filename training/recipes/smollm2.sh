@@ -104,14 +104,18 @@ echo '{"top_k": 10, "max_tree_tokens": "auto", "context_lookup": 10, "context_co
 #     (claim speed_streamed_dev_amd)
 python -m hf_bpd.training.ship --to hf_bpd/assets/smollm2 --bench benchmarks/speed/streamed_dev_amd.json --cards
 # 6j'. the same drafter's all-of-dev bench after the step chooser judged drafted steps by their expected tokens
-#     (session 54), with every plain method (greedy_fast too): about 2.5 h on an idle 2-core machine; its journal
-#     keeps every finished row, so a session stops it and the next continues with the same command and --resume,
-#     on a machine with the same processor: its rows 0-97 were timed on an AMD EPYC, and --resume refuses any
-#     other (session 55 lost a continuation run on an Intel Xeon that way). Once finished it replaces
-#     speed_streamed_dev_amd in the README and on the card (6j with its --bench)
+#     (session 54) and the streamed kernel ran on torch's threads, with AVX-512 where the CPU has it (session
+#     56), with every plain method (greedy_fast too): about 2.5 h on an idle 2-core machine; its journal keeps
+#     every finished row, so a session stops it and the next continues with the same command and --resume, on
+#     a machine with the same processor and the same kernel build (--resume refuses any other). One output per
+#     processor maker, MAKER intel on an Intel Xeon, amd on an AMD EPYC (smollm2_dev_amd.journal.jsonl, rows
+#     0-97 of sessions 54-55, was timed with the one-thread kernel: it stays as the evidence three claims cite,
+#     and --resume refuses it). Once finished it replaces speed_streamed_dev_amd in the README and on the card
+#     (6j with its --bench)
 # TORCH_LOGS=recompiles hf-bpd bench ../shared/data/spec_bench_dev.jsonl --max-new-tokens 128 \
 #   --methods greedy greedy_fast greedy_compiled prompt_lookup_fast hf_bpd --no-progress \
-#   --output benchmarks/speed/smollm2_dev_amd.json [--resume] 2>> benchmarks/speed/smollm2_dev_amd.recompiles.log
+#   --output benchmarks/speed/smollm2_dev_${MAKER}_threaded.json [--resume] \
+#   2>> benchmarks/speed/smollm2_dev_${MAKER}_threaded.recompiles.log
 # 6k. heads v8 (issue #59; trained, not shipped until measured): v5's heads reading a fusion of hidden states 2,
 #     15 and the final one (--feature-layers; EAGLE-3's low/middle/high features). The fusion starts as the
 #     identity on the final state, so training continues from v5's behaviour. v5 is the shipped v7 without its

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ...cpu import streamed_linear
 from ...decode.cost import ForwardCost, measure_forward_cost
 from ...drafting.drafter import BlockDrafter
 from .data import DEFAULT_DATA, check_data_file, read_prompts, select_rows
@@ -70,6 +71,11 @@ def rescorer_specs(methods: list[str], model: str | None = None) -> dict:
     specs = packaged_rescorers(model)
     names = [m.split("+", 1)[1] for m in methods if m.startswith("hf_bpd+")] + (["neural"] * ("assisted" in methods))
     return {n: specs.get(n) for n in names}
+
+
+def cpu_kernel(device: str) -> str | None:
+    """Which build of hf_bpd's CPU kernel a run on `device` times (None off the CPU): a journal keeps it."""
+    return streamed_linear.version() if device == "cpu" else None
 
 
 def _tree_size(value: str) -> int | str:
@@ -204,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     journal = Path(args.output).with_suffix(".journal.jsonl") if args.output else None
     if args.resume:
         try:
-            check_same_machine(journal, machine(args.device))
+            check_same_machine(journal, machine(args.device), cpu_kernel(args.device))
         except ValueError as e:
             raise SystemExit(str(e)) from None
 
@@ -233,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "device": args.device,
         "machine": env["device"],
+        # the CPU kernel's source and build (a rebuilt kernel times differently): never one run across both
+        "cpu_kernel": cpu_kernel(args.device),
         "drafter": {
             "num_heads": drafter.num_heads,
             "top_k": drafter.top_k,

@@ -26,19 +26,27 @@ def read_journal(path: str | Path, header: dict) -> dict[int, list[dict]]:
     return dict(rows)
 
 
-def check_same_machine(path: str | Path, machine: str) -> None:
+def check_same_machine(path: str | Path, machine: str, cpu_kernel: str | None = None) -> None:
     """Raises when the journal at `path` was timed on another machine than `machine` (`report.machine`), or
-    does not say where: a resumed run's rows are summed with the journal's, and both its timings and its
-    forward-cost curve are only comparable on the same kind of processor. Cheap: read before the model
-    loads."""
+    does not say where, or (`cpu_kernel`: `streamed_linear.version()` of a CPU run) with another build of
+    hf_bpd's CPU kernel: a resumed run's rows are summed with the journal's, and both its timings and its
+    forward-cost curve are only comparable on the same kind of processor with the same kernels. Cheap: read
+    before the model loads."""
     header, _ = load_journal(Path(path))
-    if header is None or header.get("machine") == machine:
+    if header is None:
         return
-    where = f"on {header['machine']!r}" if "machine" in header else "on a machine it does not record"
-    raise ValueError(
-        f"{path} was timed {where}; this is {machine!r}. Resume it on that machine, or start over here with "
-        "another --output or --overwrite (journals of one run split over machines combine with --merge)"
-    )
+    if header.get("machine") != machine:
+        where = f"on {header['machine']!r}" if "machine" in header else "on a machine it does not record"
+        raise ValueError(
+            f"{path} was timed {where}; this is {machine!r}. Resume it on that machine, or start over here with "
+            "another --output or --overwrite (journals of one run split over machines combine with --merge)"
+        )
+    if cpu_kernel is not None and header.get("cpu_kernel") != cpu_kernel:
+        which = repr(header["cpu_kernel"]) if "cpu_kernel" in header else "one it does not record"
+        raise ValueError(
+            f"{path} was timed with another build of hf_bpd's CPU kernel ({which}; this one is {cpu_kernel!r}), "
+            "whose forwards cost differently; start over with another --output or --overwrite"
+        )
 
 
 def merge_journals(paths: list[str | Path]) -> tuple[list[str], list[dict]]:
@@ -53,7 +61,7 @@ def merge_journals(paths: list[str | Path]) -> tuple[list[str], list[dict]]:
         headers.append(header)
         records += recs
     # the parts select different rows, and may run on different machines (each part's environment is kept)
-    keys = [k for k in RESUME_KEYS if k not in ("selection", "rows", "machine")]
+    keys = [k for k in RESUME_KEYS if k not in ("selection", "rows", "machine", "cpu_kernel")]  # per machine
     for path, header in zip(paths[1:], headers[1:]):
         changes = _setting_changes(headers[0], header, keys)
         if changes:
@@ -130,6 +138,7 @@ RESUME_KEYS = (
     "dtype",
     "device",
     "machine",
+    "cpu_kernel",
     "drafter",
     "rescorer_specs",
 )
