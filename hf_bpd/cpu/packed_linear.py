@@ -4,7 +4,7 @@ Why: BLAS can treat the skinny matrices of decoding badly on a CPU. A one-token 
 through a matrix-vector kernel, and 2 to 16 rows through a GEMM that may re-pack each weight on every
 call. oneDNN with each weight reordered once into its blocked layout (what `torch.compile` does on a CPU)
 avoids that, and on x86-64 with AVX2 hf_bpd's own `streamed_linear` kernel streams each weight once for
-up to 12 rows with its arithmetic overlapped. Which one wins depends on the processor, the weight shape
+up to 12 rows (16 on AVX-512) with its arithmetic overlapped. Which one wins depends on the processor, the weight shape
 and the row count, so the choice is measured on the model itself, once per machine (`KernelPlan`,
 `cached_kernel_plan`), and each shape keeps one packed copy (oneDNN's or the streamed kernel's panels).
 `RESULTS.md` has the measured costs.
@@ -356,9 +356,9 @@ class PackedLinear:
 KERNEL_PLAN_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # packed weights must beat BLAS by this factor to be used: a tie within noise keeps BLAS, which costs no copy
 PACKED_MARGIN = 0.97
-# the most rows `streamed_linear` is measured at: it re-reads each panel once per 12 rows, a kernel for
-# decoding's few rows, not for prefills (where BLAS and oneDNN run at the CPU's arithmetic rate); on the dev
-# CPU it never beat BLAS at 32 or 64 rows, and timing it there cost a sixth of the plan's time
+# the most rows `streamed_linear` is measured at: it re-reads each panel once per 12 rows (16 on AVX-512), a
+# kernel for decoding's few rows, not for prefills (where BLAS and oneDNN run at the CPU's arithmetic rate); on
+# the dev CPU it never beat BLAS at 32 or 64 rows, and timing it there cost a sixth of the plan's time
 STREAMED_MAX_ROWS = 16
 # the bytes of one shape's weights a kernel plan times (`streaming_sample`): twice a large server CPU's
 # last-level cache, so the sample streams from memory as a forward's weights do
@@ -547,7 +547,7 @@ def fast_cpu(model: torch.nn.Module) -> PackedLinear:
             model.generate(**inputs, max_new_tokens=128)  # greedy, sampling, beams, prompt lookup ...
 
     Every float32 `nn.Linear` of `model` runs the fastest of BLAS, oneDNN on a packed copy of its weight
-    and `streamed_linear`'s panels (on AVX2 CPUs) for its shape and row count, one row and the prefill
+    and `streamed_linear`'s panels (on AVX2 and AVX-512 CPUs) for its shape and row count, one row and the prefill
     included, as measured on this machine and model at first use (`.plan`; cached in hf_bpd's cache, so
     later processes read it; module docstring), and its
     `sdpa` attention layers run masked forwards of several tokens without copying the cache per query
