@@ -4,9 +4,10 @@ Why: BLAS can treat the skinny matrices of decoding badly on a CPU. A one-token 
 through a matrix-vector kernel, and 2 to 16 rows through a GEMM that may re-pack each weight on every
 call. oneDNN with each weight reordered once into its blocked layout (what `torch.compile` does on a CPU)
 avoids that, and on x86-64 with AVX2 hf_bpd's own `streamed_linear` kernel streams each weight once for
-up to 12 rows (16 on AVX-512) with its arithmetic overlapped. Which one wins depends on the processor, the weight shape
-and the row count, so the choice is measured on the model itself, once per machine (`KernelPlan`,
-`cached_kernel_plan`), and each shape keeps one packed copy (oneDNN's or the streamed kernel's panels).
+up to 12 rows (16 on AVX-512) with its arithmetic overlapped. Which one wins depends on the processor, the
+weight shape and the row count, so the choice is measured on the model itself, once per machine
+(`KernelPlan`, `cached_kernel_plan`), and each shape keeps one packed copy (oneDNN's or the streamed
+kernel's panels).
 `RESULTS.md` has the measured costs.
 
 Two ways in, one packed copy per model (`fast_cpu(model)` and the drafter share it):
@@ -547,9 +548,9 @@ def fast_cpu(model: torch.nn.Module) -> PackedLinear:
             model.generate(**inputs, max_new_tokens=128)  # greedy, sampling, beams, prompt lookup ...
 
     Every float32 `nn.Linear` of `model` runs the fastest of BLAS, oneDNN on a packed copy of its weight
-    and `streamed_linear`'s panels (on AVX2 and AVX-512 CPUs) for its shape and row count, one row and the prefill
-    included, as measured on this machine and model at first use (`.plan`; cached in hf_bpd's cache, so
-    later processes read it; module docstring), and its
+    and `streamed_linear`'s panels (on AVX2 and AVX-512 CPUs) for its shape and row count, one row and the
+    prefill included, as measured on this machine and model at first use (`.plan`; cached in hf_bpd's cache,
+    so later processes read it; module docstring), and its
     `sdpa` attention layers run masked forwards of several tokens without copying the cache per query
     head (`grouped_attention`), and freed host memory stays with malloc for the next layer's activations
     instead of being mapped and faulted in again (`host_memory.reuse_freed_memory`, process-wide while a

@@ -3,7 +3,7 @@
 // panels of kPanel output columns (one vector register of floats: 8 on AVX2, 16 on AVX-512),
 // [ceil(N / kPanel), K, kPanel], so a panel is one contiguous run of memory read front to back. A pass
 // reads P adjacent panels for a group of up to kMaxRowGroup rows: one accumulator per row and panel, one
-// FMA per row, panel and input index, and the lines kPrefetchBytes ahead requested before they are needed,
+// FMA per row, panel and input index, and the lines 2 KB ahead requested before they are needed,
 // so streaming the weight from memory overlaps the arithmetic. P is larger for fewer rows: an FMA waits for
 // the previous one on its accumulator, so one row on one panel would leave the FMA units idle most of the
 // time; enough independent accumulators keep them busy and reuse each broadcast input across P panels.
