@@ -1,7 +1,8 @@
 """Every change hf_bpd makes to a model's KV cache, through the Cache API and the layers' own tensors only:
 the one place a reader looks for what decoding does to a cache.
 
-- before decoding: windowed layers keep every key (`keep_every_key`);
+- before decoding: windowed layers keep every key (`keep_every_key`); full layers grow in place
+  (`grow_in_place`, `GrowingLayer`) where the forward is eager;
 - after a verification: keep the accepted tree entries of one row (`compact_cache`), of every row of a
   batch (`compact_rows`), or of a preallocated static cache, in place (`compact_static_cache`);
 - batches: squeeze the holes rows' different acceptances left (`squeeze_holes`, when `HoleLedger` says
@@ -41,6 +42,96 @@ def keep_every_key(model_kwargs: dict) -> None:
                     states = getattr(layer, "number_of_states", None)
                     full = DynamicLayer() if states is None else LinearAttentionAndFullAttentionLayer(states)
                     cache.layers[i] = full
+
+
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values are the filled front of a buffer with room to grow: a forward
+    writes its entries in place after them, where `DynamicLayer` concatenates, copying the whole layer,
+    in every forward. On a CPU, where decoding is bound by memory bandwidth, that copy of every layer's
+    cache grows with the context, and a tree's forward pays it as a one-token one does.
+
+    `keys` and `values` stay what transformers and `kv.py` read and set: views of the buffer's first
+    positions ([B, heads, length, dim], strided over the capacity). Cropping, compacting (`compact_cache`)
+    or dropping the last entries sets a shorter view of the same buffer, and the next forward writes after
+    it. Anything else that sets them (a batch's reorder, `squeeze_holes`, a copy) leaves a tensor that is
+    not the buffer's front; the next forward then copies it into a new buffer, as a `DynamicLayer`'s
+    forward copies every time. A buffer that is full is replaced by one with a quarter more room."""
+
+    # positions added past what a buffer must hold when one is made: at least this many, or a quarter more
+    MIN_ROOM = 256
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+
+    @classmethod
+    def adopting(cls, layer: DynamicLayer) -> GrowingLayer:
+        """A growing layer holding what `layer` holds (its first forward moves that into a buffer)."""
+        grown = cls()
+        for name in ("keys", "values", "is_initialized", "device"):
+            if hasattr(layer, name):
+                setattr(grown, name, getattr(layer, name))
+        return grown
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.key_buffer = _written_after(self.keys, self.key_buffer, key_states)
+        self.values, self.value_buffer = _written_after(self.values, self.value_buffer, value_states)
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self.key_buffer = self.value_buffer = None
+        super().reset()
+
+
+def _written_after(front: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor):
+    """(`front` with `new` after it along the positions, the buffer that view is of): written in `buffer`
+    where `front` is its first positions and room is left, else in a new buffer that `front` is copied to."""
+    length = front.shape[-2] if front.dim() == 4 else 0  # an empty layer's tensors are 1-D
+    end = length + new.shape[-2]
+    if not _is_front_of(front, buffer, new) or end > buffer.shape[-2]:
+        capacity = end + max(end // 4, GrowingLayer.MIN_ROOM)
+        buffer = new.new_empty(*new.shape[:-2], capacity, new.shape[-1])
+        if length:
+            buffer[..., :length, :].copy_(front)
+    buffer[..., length:end, :].copy_(new)
+    return buffer[..., :end, :], buffer
+
+
+def _is_front_of(front: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor) -> bool:
+    if buffer is None or buffer.shape[:-2] != new.shape[:-2] or buffer.shape[-1] != new.shape[-1]:
+        return False
+    if buffer.dtype != new.dtype or buffer.device != new.device:
+        return False
+    if front.dim() != 4:  # nothing kept yet: the buffer's front is empty
+        return front.numel() == 0
+    return (
+        front.data_ptr() == buffer.data_ptr()
+        and front.shape[:-2] == buffer.shape[:-2]
+        and front.stride() == buffer.stride()
+    )
+
+
+def grow_in_place(model_kwargs: dict) -> None:
+    """Make the cache `generate` prepared grow its full-attention layers in place (`GrowingLayer`), for
+    decoding on an eager forward (a compiled forward copies each layer out to its own layout instead,
+    `contiguous_kv`). Layers of other kinds (windowed, recurrent, quantised) are left as they are."""
+    for name in CACHE_NAMES:
+        cache = model_kwargs.get(name)
+        if isinstance(cache, DynamicCache):
+            grow_layers(cache)
+
+
+def grow_layers(cache: DynamicCache) -> None:
+    """`grow_in_place` for one cache: its layers, and those it adds on its first forward (a cache made
+    without a config)."""
+    if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+        cache.layer_class_to_replicate = GrowingLayer
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            cache.layers[i] = GrowingLayer.adopting(layer)
 
 
 def compact_cache(cache: DynamicCache, num_tree: int, keep: torch.Tensor) -> None:

@@ -10,12 +10,12 @@ import torch
 from conftest import random_heads, tiny_model
 from support_matrix import Row, build
 from test_decoding import OracleDrafter
-from transformers.cache_utils import DynamicLayer
 
 import hf_bpd
 from hf_bpd import BlockDrafter, BlockDraftHeads
 from hf_bpd.compat import GENERATE_CACHE_FIELD
 from hf_bpd.decode.support import attention_windows
+from hf_bpd.kv import GrowingLayer
 
 W = 8
 MIXED = ["sliding_attention", "full_attention"]
@@ -79,8 +79,8 @@ def test_windowed_family_is_exact_past_its_window(family):
     out = generate(model, ids, drafter, do_sample=False, max_new_tokens=10 * W - 5, return_dict_in_generate=True)
     assert out.sequences.tolist() == reference.tolist()
     assert drafter.stats.accepted_lengths[:-1] == [h + 1] * (drafter.stats.steps - 1)
-    # the returned cache keeps every key (full layers)
-    assert all(type(layer) is DynamicLayer for layer in getattr(out, GENERATE_CACHE_FIELD).layers)
+    # the returned cache keeps every key (full layers, grown in place)
+    assert all(type(layer) is GrowingLayer for layer in getattr(out, GENERATE_CACHE_FIELD).layers)
 
     # seeded sampling, a prompt longer than the window
     ids = torch.randint(3, 97, (1, 2 * W + 3), generator=g)

@@ -31,11 +31,11 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..compat import GENERATE_CACHE_FIELD, last_hidden_state_request, output_cache
+from ..compat import GENERATE_CACHE_FIELD, compiled_forward, last_hidden_state_request, output_cache
 from ..drafting.calibration import SamplingWarp
 from ..drafting.drafter import BlockDrafter
 from ..drafting.layer_features import only_last_position
-from ..kv import keep_every_key
+from ..kv import grow_in_place, keep_every_key
 from .accept import AcceptResult, HostStop, accept_tree, choose_tokens
 from .binding import ModelBinding, binding_of
 from .static_cache import is_static
@@ -262,6 +262,8 @@ def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.T
     """Run the prompt exactly as `generate` does. Returns (raw next-token logits [B, V] float32, last
     hidden state [B, H], cache)."""
     keep_every_key(model_kwargs)
+    if not compiled_forward(model):  # a compiled forward lays each layer out its own way (`contiguous_kv`)
+        grow_in_place(model_kwargs)
     # as `generate`'s first forward: with its multimodal inputs (images), which later steps drop
     first = {"is_first_iteration": True} if _takes_first_iteration(model) else {}
     model_inputs = model.prepare_inputs_for_generation(input_ids, **first, **model_kwargs)

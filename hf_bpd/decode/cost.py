@@ -33,7 +33,7 @@ from ..drafting.assembly import best_batch_width as best_batch_width  # sizing t
 from ..drafting.assembly import best_tree_size as best_tree_size
 from ..drafting.tree import DraftTree, batch_trees
 from ..drafting.vocab import model_vocab_size
-from ..kv import contiguous_kv, drop_last, restore, snapshot, state_tensors
+from ..kv import contiguous_kv, drop_last, grow_layers, restore, snapshot, state_tensors
 from .verify import verify_chain, verify_tree
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -126,6 +126,8 @@ class ForwardTimer:
         self.vocab = model_vocab_size(model)
         self.context = context
         self.cache = DynamicCache(config=model.config)
+        if not compiled_forward(model):  # as decoding's cache (`call.prefill`)
+            grow_layers(self.cache)
         self.generator = torch.Generator().manual_seed(0)
         self.cache_kwarg = cache_argument(model)
         prompt = torch.randint(0, self.vocab, (1, context), generator=self.generator).to(self.device)
@@ -181,6 +183,7 @@ def forward_cost_key(model, packed_linear: bool | None = None, sizes=DEFAULT_SIZ
         # another version of that kernel are measured again
         "kernels": f"plan with streamed_linear {streamed_linear.version()}",
         "timed_as": "verify_tree",  # and those from before the timing made decoding's own call
+        "cache": "grown in place",  # and those timed on a cache that copied itself every forward
         "fit": "isotonic, rounds",  # and those fitted otherwise
         "sizes": list(sizes),
         "context": context,
