@@ -654,7 +654,22 @@ def render_head_accuracy(report: dict) -> list[str]:
     return [*lines, "", f"Held-out positions: {positions:,}."]
 
 
+def render_growing_cache(report: dict) -> list[str]:
+    """`research.growing_cache`: a verification forward on a cache grown in place against one that concatenates."""
+    lines = [
+        "| cached tokens | tree tokens | grown in place ms | concatenated ms | concatenated / grown |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['context']} | {r['tokens']} | {r['grown_ms']:.1f} | {r['concatenated_ms']:.1f} | "
+            f"{r['concatenated_over_grown']:.3f} |"
+        )
+    return lines
+
+
 RENDERERS = {
+    "growing_cache": render_growing_cache,
     "head_accuracy": render_head_accuracy,
     "lm_head_sketch": render_lm_head_sketch,
     "perturbed_base": render_perturbed_base,
