@@ -668,7 +668,28 @@ def render_growing_cache(report: dict) -> list[str]:
     return lines
 
 
+def render_compiled_plan_forward(report: dict) -> list[str]:
+    """`research.compiled_plan_forward`: per process, compile time and forward ms, eager plan against compiled."""
+    sizes = list(report["processes"][0]["forward_ms"]["eager"])
+    lines = [
+        "| process | inductor cache | compile s | "
+        + " | ".join(f"{n} tok eager / compiled ms" for n in sizes)
+        + " | largest logit difference | same argmax |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in sizes) + " | --- | --- |",
+    ]
+    for i, proc in enumerate(report["processes"], 1):
+        cells = " | ".join(
+            f"{proc['forward_ms']['eager'][n]:.1f} / {proc['forward_ms']['compiled'][n]:.1f}" for n in sizes
+        )
+        lines.append(
+            f"| {i} | {proc['inductor_cache']} | {proc['compile_seconds']:.0f} | {cells} | "
+            f"{proc['largest_logit_difference']:.1e} | {proc['same_argmax']} |"
+        )
+    return lines
+
+
 RENDERERS = {
+    "compiled_plan_forward": render_compiled_plan_forward,
     "growing_cache": render_growing_cache,
     "head_accuracy": render_head_accuracy,
     "lm_head_sketch": render_lm_head_sketch,
