@@ -287,6 +287,34 @@ def test_kernel_plan_decides_per_weight_shape_by_the_smallest_measured_size_at_o
     assert plan.description == "96x40: BLAS for 1 rows, packed for 2-8 rows, BLAS for 9+ rows; 8x16: BLAS for 1+ rows"
 
 
+def test_a_traced_row_plan_decides_as_the_eager_one_and_guards_only_where_its_decision_changes(monkeypatch):
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    g = torch.Generator().manual_seed(0)
+    plans = [
+        RowPlan(KERNEL_PLAN_SIZES, tuple(bool(b) for b in torch.randint(0, 2, (7,), generator=g))) for _ in range(40)
+    ]
+    eager = [[plan(n) for n in range(1, 200)] for plan in plans]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert [[plan(n) for n in range(1, 200)] for plan in plans] == eager
+    monkeypatch.undo()
+
+    # BLAS for one row, packed for 2-16, BLAS beyond: a traced forward of 2 to 16 rows is ONE graph
+    plan = RowPlan(KERNEL_PLAN_SIZES, (False, True, True, True, True, False, False))
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, dynamic=True)
+    def decide(x):
+        return x * 2 if plan(x.shape[0]) else x * 3
+
+    torch._dynamo.reset()
+    for rows in (2, 3, 4, 8, 9, 16):
+        assert torch.equal(decide(torch.ones(rows)), torch.full((rows,), 2.0))
+    assert counter.frame_count == 1
+    assert torch.equal(decide(torch.ones(17)), torch.full((17,), 3.0)) and counter.frame_count == 2
+
+
 def test_blas_rows_of_a_plan_pack_nothing():
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 8)

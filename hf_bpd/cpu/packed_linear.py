@@ -121,8 +121,14 @@ class RowPlan:
             raise ValueError("RowPlan needs increasing sizes with one decision each")
 
     def __call__(self, rows: int) -> bool:
-        if torch.compiler.is_compiling():  # dynamo cannot trace `bisect` (C): the same index, summed
-            return self.packed[min(sum(size < rows for size in self.sizes), len(self.sizes) - 1)]
+        if torch.compiler.is_compiling():
+            # compared only where the decision changes: each comparison of a traced row count is a guard of
+            # the graph, so one graph then serves every row count of one decision (comparing with every
+            # size would pin the count between two sizes, and 2 rows to exactly 2: a graph per tree size)
+            for size, packed, following in zip(self.sizes, self.packed, self.packed[1:]):
+                if packed != following and rows <= size:
+                    return packed
+            return self.packed[-1]
         return self.packed[min(bisect_left(self.sizes, rows), len(self.sizes) - 1)]
 
     @property
