@@ -62,6 +62,53 @@ def test_another_build_of_the_kernel_gives_the_same_bits():
         weight, x = torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g)
         here = streamed_linear.linear(x, streamed_linear.pack(weight), out_features)
         assert torch.equal(other.linear(x, other.pack(weight), out_features), here), (out_features, rows)
+        # the int8 copy too: one FMA chain over the weights multiplied out as they are loaded
+        weight = q8_0_weight(out_features, in_features, g)
+        here = streamed_linear.linear(x, streamed_linear.pack(weight), out_features)
+        there = other.linear_int8(x, other.pack_int8_exact(weight), out_features)
+        assert torch.equal(there, here), (out_features, rows)
+
+
+def q8_0_weight(out_features: int, in_features: int, g: torch.Generator) -> torch.Tensor:
+    """A weight as transformers dequantises GGUF's Q8_0: int8 values times a float16 scale per 32 of a row,
+    each block's largest value +-127 (as Q8_0's quantiser makes it)."""
+    blocks = -(-in_features // 32)
+    values = torch.randint(-127, 128, (out_features, blocks * 32), generator=g).float()
+    values[:, ::32] = 127.0
+    scales = (torch.rand(out_features, blocks, 1, generator=g) * 0.05 + 1e-3).half().float()
+    return (values.view(out_features, blocks, 32) * scales).flatten(1)[:, :in_features].contiguous()
+
+
+@pytest.mark.parametrize("out_features,in_features", [(8, 16), (21, 37), (192, 576), (300, 64), (1, 3)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 13, 16, 40])
+def test_a_weight_dequantised_from_q8_0_is_packed_as_int8_and_gives_the_same_bits(rows, out_features, in_features):
+    # a quarter of the bytes read, and every output the float32 panels' FMA chain, bit for bit
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight, x = q8_0_weight(out_features, in_features, g), torch.randn(rows, in_features, generator=g)
+    packed = streamed_linear.pack(weight)
+    floats = streamed_linear.pack(weight, compact=False)
+    assert packed.dtype == torch.int8 and floats.dtype == torch.float32
+    if in_features >= 32:  # the scales (a float per 32 weights) are small beside the weights
+        assert packed.numel() < floats.numel() * floats.element_size() / 3  # bytes
+    out = streamed_linear.linear(x, packed, out_features)
+    assert torch.equal(out, streamed_linear.linear(x, floats, out_features))
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-4, atol=1e-4)
+
+
+def test_a_weight_no_int8_copy_holds_stays_float32():
+    g = torch.Generator().manual_seed(7)
+    assert streamed_linear.pack(torch.randn(64, 64, generator=g)).dtype == torch.float32
+    weight = q8_0_weight(64, 64, g)
+    weight[40, 33] = torch.nextafter(weight[40, 33], torch.tensor(1.0))  # one weight off by one ulp
+    assert streamed_linear.pack(weight).dtype == torch.float32
+
+
+def test_the_custom_op_serves_the_int8_copy():
+    g = torch.Generator().manual_seed(8)
+    weight, x = q8_0_weight(48, 64, g), torch.randn(5, 64, generator=g)
+    packed = streamed_linear.pack(weight)
+    assert torch.equal(torch.ops.hf_bpd.streamed_linear(x, packed, 48), streamed_linear.linear(x, packed, 48))
+    torch.library.opcheck(torch.ops.hf_bpd.streamed_linear, (x, packed, 48))
 
 
 @pytest.mark.parametrize("out_features,in_features", [(8, 16), (21, 37), (192, 576), (1, 3)])

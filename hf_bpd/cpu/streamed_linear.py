@@ -12,7 +12,10 @@ streams in) and asks for the panels' next lines before it needs them (`csrc/stre
 output is one FMA chain along the input in order, so a row gives the same numbers alone or among others,
 and on either instruction set (the plan may still send different row counts to different kernels).
 Whether it wins is measured per weight shape and row count on the machine (`measure_kernel_plan`); the
-numbers are in RESULTS.md.
+numbers are in RESULTS.md. A weight that an int8 copy with one scale per 32 weights of a row holds
+exactly (one dequantised from GGUF's Q8_0, as both packaged models' LM heads are) is packed as that copy
+(`pack`): a quarter of the bytes streamed, each value multiplied by its scale as it is loaded, so the
+outputs are the float32 panels' bit for bit.
 
 The C++ source is built on first use by torch's extension loader (a compiler and ninja are needed; the
 build is cached by torch, in `TORCH_EXTENSIONS_DIR` or `~/.cache/torch_extensions`): for AVX-512 where
@@ -120,9 +123,16 @@ def unavailable_reason() -> str | None:
     return ext if isinstance(ext, str) else None
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] (float32, CPU) in the kernel's layout, [ceil(N / panel), K, panel] (`build_info()`'s
-    panel width): the same bytes as the weight, padded to whole panels."""
+def pack(weight: torch.Tensor, compact: bool = True) -> torch.Tensor:
+    """`weight` [N, K] (float32, CPU) in the kernel's layout: where `compact` and an int8 copy with one scale
+    per 32 weights of a row holds it exactly (a weight dequantised from GGUF's Q8_0, as both packaged
+    models' LM heads are), that copy, int8 [ceil(N / panel), panel bytes], a quarter of the bytes, giving
+    the same bits; else float32 panels [ceil(N / panel), K, panel] (`build_info()`'s panel width), the
+    same bytes as the weight padded to whole panels."""
+    if compact:
+        packed = _module().pack_int8_exact(weight.detach())
+        if packed.numel():
+            return packed
     return _module().pack(weight.detach())
 
 
@@ -136,7 +146,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         if bias is not None:
             out = out + bias
     else:
-        out = _module().linear(rows, packed, out_features)
+        out = _kernel(packed)(rows, packed, out_features)
         if bias is not None:
             out += bias
     return out.reshape(*x.shape[:-1], out_features)
@@ -148,17 +158,24 @@ def streamed_linear_op(rows: torch.Tensor, packed: torch.Tensor, out_features: i
     out_features) -> [M, out_features]`: what `torch.compile` keeps in its graph (dynamo cannot trace into
     the pybind extension; an op it can), inductor calling it as an extern kernel. Registered at import;
     the extension is built on the first call, not here."""
-    return _module().linear(rows, packed, out_features)
+    return _kernel(packed)(rows, packed, out_features)
 
 
 @streamed_linear_op.register_fake
 def _(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     torch._check(rows.dim() == 2, lambda: "hf_bpd::streamed_linear takes 2D rows [M, K]")
     torch._check(
-        packed.dim() == 3 and packed.shape[1] == rows.shape[1] and packed.shape[2] in (8, 16),
+        (packed.dim() == 3 and packed.shape[1] == rows.shape[1] and packed.shape[2] in (8, 16))
+        or (packed.dim() == 2 and packed.dtype == torch.int8),
         lambda: "hf_bpd::streamed_linear: the packed weight does not match the rows",
     )
     return rows.new_empty(rows.shape[0], out_features)  # contiguous, as the kernel's output
+
+
+def _kernel(packed: torch.Tensor):
+    """The extension's function for `packed`'s layout: float32 panels or the int8 copy (`pack`)."""
+    module = _module()
+    return module.linear_int8 if packed.dtype == torch.int8 else module.linear
 
 
 def _module():

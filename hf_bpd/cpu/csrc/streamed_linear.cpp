@@ -10,6 +10,10 @@
 // Every output is one FMA chain along the input in order, whatever the row count, P or instruction set:
 // a row gives the same result alone or in a batch, on AVX2 or AVX-512.
 //
+// A weight an int8 copy holds exactly (one scale per kBlock weights of a row: a weight dequantised from GGUF's
+// Q8_0) is packed as that copy instead (`pack_int8_exact`), a quarter of the bytes; its values are multiplied
+// by their scales as they are loaded, so the FMA chains, and the outputs, are the float32 panels'.
+//
 // Built with OpenMP (-fopenmp): at::parallel_for's OpenMP backend is inline in ATen's headers, so without
 // it the pragma is dropped and every call runs on one thread.
 #include <ATen/Parallel.h>
@@ -18,6 +22,9 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cmath>
+#include <type_traits>
 #include <utility>
 
 namespace {
@@ -32,6 +39,10 @@ constexpr int kPanelsFor[kMaxRowGroup + 1] = {0, 8, 6, 4, 4, 4, 4, 3, 3, 2, 2, 2
 constexpr int kMostPanels = 8;
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec load(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec broadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void store(float* y, Vec v, int64_t columns) {
@@ -48,6 +59,10 @@ constexpr int kPanelsFor[kMaxRowGroup + 1] = {0, 6, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1
 constexpr int kMostPanels = 6;
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void store(float* y, Vec v, int64_t columns) {
@@ -62,28 +77,60 @@ inline void store(float* y, Vec v, int64_t columns) {
 constexpr const char* kInstructions = "avx2";
 #endif
 
-constexpr int64_t kLine = 64;                                      // bytes per cache line
-constexpr int64_t kStepsPerLine = kLine / (kPanel * sizeof(float));  // input indices per line of a panel
-constexpr int64_t kPrefetchSteps = 2048 / (kPanel * sizeof(float));  // 2 KB ahead of the current index
+constexpr int64_t kLine = 64;  // bytes per cache line
+template <typename T>
+constexpr int64_t kStepsPerLine = kLine / (kPanel * sizeof(T));  // input indices per line of a panel
+template <typename T>
+constexpr int64_t kPrefetchSteps = 2048 / (kPanel * sizeof(T));  // 2 KB ahead of the current index
 
-template <int R, int P>
-void panels_rows(const float* __restrict x, int64_t K, const float* __restrict panel, float* __restrict y,
+// int8 weights carry one float scale per kBlock input indices of a column (GGUF's Q8_0 blocks: a weight
+// dequantised from Q8_0 is then held exactly)
+constexpr int64_t kBlock = 32;
+
+// T elements from one panel to the next: float panels [K, kPanel]; int8 panels [K, kPanel] followed by their
+// scales [ceil(K / kBlock), kPanel] (float)
+template <typename T>
+constexpr int64_t panel_stride(int64_t K) {
+  if constexpr (std::is_same_v<T, float>) {
+    return K * kPanel;
+  } else {
+    return K * kPanel + (K + kBlock - 1) / kBlock * kPanel * int64_t(sizeof(float));
+  }
+}
+
+// T: the packed weight's type, float or int8_t. An int8 weight is multiplied by its block's scale as it is
+// loaded, so the FMA chain is the float kernel's on the dequantised weight, bit for bit where the products
+// are exact, as `pack_int8_exact` makes them
+template <typename T, int R, int P>
+void panels_rows(const float* __restrict x, int64_t K, const T* __restrict panel, float* __restrict y,
                  int64_t ldy, int64_t last_columns) {
   Vec acc[P][R];
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[p][r] = zero();
-  const int64_t stride = K * kPanel;  // from one panel to the next
+  const int64_t stride = panel_stride<T>(K);
+  [[maybe_unused]] Vec scale[P];
   for (int64_t k = 0; k < K; ++k) {
-    if (k % kStepsPerLine == 0) {  // one line per panel
+    if constexpr (!std::is_same_v<T, float>) {
+      if (k % kBlock == 0) {
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p)
+          scale[p] = load(reinterpret_cast<const float*>(panel + p * stride + K * kPanel) + k / kBlock * kPanel);
+      }
+    }
+    if (k % kStepsPerLine<T> == 0) {  // one line per panel
 #pragma GCC unroll 16
       for (int p = 0; p < P; ++p)
-        _mm_prefetch(reinterpret_cast<const char*>(panel + p * stride + (k + kPrefetchSteps) * kPanel), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(panel + p * stride + (k + kPrefetchSteps<T>) * kPanel),
+                     _MM_HINT_T0);
     }
     Vec w[P];
 #pragma GCC unroll 16
-    for (int p = 0; p < P; ++p) w[p] = load(panel + p * stride + k * kPanel);
+    for (int p = 0; p < P; ++p) {
+      w[p] = load(panel + p * stride + k * kPanel);
+      if constexpr (!std::is_same_v<T, float>) w[p] = mul(w[p], scale[p]);
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const Vec b = broadcast(x + r * K + k);
@@ -101,17 +148,47 @@ void panels_rows(const float* __restrict x, int64_t K, const float* __restrict p
 
 // [rows][panels]: the pass for that many rows over that many panels (fewer than kPanelsFor[rows] at a
 // weight's last panels); nullptr where no pass takes it
-using PanelsRows = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t);
-using ByPanels = std::array<PanelsRows, kMostPanels + 1>;
-template <int R, int... Ps>
-constexpr ByPanels by_panels(std::integer_sequence<int, Ps...>) {
-  return {nullptr, panels_rows<R, Ps + 1>...};
+template <typename T>
+using PanelsRows = void (*)(const float*, int64_t, const T*, float*, int64_t, int64_t);
+template <typename T>
+using ByPanels = std::array<PanelsRows<T>, kMostPanels + 1>;
+template <typename T, int R, int... Ps>
+constexpr ByPanels<T> by_panels(std::integer_sequence<int, Ps...>) {
+  return {nullptr, panels_rows<T, R, Ps + 1>...};
 }
-template <int... Rs>
-constexpr std::array<ByPanels, kMaxRowGroup + 1> by_rows_panels(std::integer_sequence<int, Rs...>) {
-  return {ByPanels{}, by_panels<Rs + 1>(std::make_integer_sequence<int, kPanelsFor[Rs + 1]>{})...};
+template <typename T, int... Rs>
+constexpr std::array<ByPanels<T>, kMaxRowGroup + 1> by_rows_panels(std::integer_sequence<int, Rs...>) {
+  return {ByPanels<T>{}, by_panels<T, Rs + 1>(std::make_integer_sequence<int, kPanelsFor[Rs + 1]>{})...};
 }
-constexpr auto kByRowsPanels = by_rows_panels(std::make_integer_sequence<int, kMaxRowGroup>{});
+template <typename T>
+constexpr auto kByRowsPanels = by_rows_panels<T>(std::make_integer_sequence<int, kMaxRowGroup>{});
+
+// rows [M, K] times the `panels` of a weight of N columns (float panels from `pack`, int8 ones with their
+// scales from `pack_int8_exact`), into y [M, N]
+template <typename T>
+void run_panels(const float* xp, int64_t M, int64_t K, const T* wp, int64_t panels, int64_t N, float* yp) {
+  const int64_t stride = panel_stride<T>(K);
+  // rows split into equal groups of at most kMaxRowGroup (16 rows on AVX2: 8 + 8, not 12 + 4); the panels
+  // into chunks of the most panels a group's pass takes, one thread's unit of work
+  const int64_t groups = (M + kMaxRowGroup - 1) / kMaxRowGroup;
+  const int64_t chunk = kPanelsFor[M / groups];  // the smallest group's (most panels per pass)
+  const int64_t chunks = (panels + chunk - 1) / chunk;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t first = c * chunk, end = std::min(panels, first + chunk);
+      for (int64_t g = 0, start = 0; g < groups; ++g) {
+        const int64_t stop = M * (g + 1) / groups, rows = stop - start;
+        for (int64_t p = first; p < end;) {
+          const int64_t n = std::min<int64_t>(kPanelsFor[rows], end - p);
+          const int64_t last_columns = std::min(kPanel, N - (p + n - 1) * kPanel);
+          kByRowsPanels<T>[rows][n](xp + start * K, K, wp + p * stride, yp + start * N + p * kPanel, N, last_columns);
+          p += n;
+        }
+        start = stop;
+      }
+    }
+  });
+}
 
 }  // namespace
 
@@ -141,29 +218,60 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), N = out_features;
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // rows split into equal groups of at most kMaxRowGroup (16 rows on AVX2: 8 + 8, not 12 + 4); the panels
-  // into chunks of the most panels a group's pass takes, one thread's unit of work
-  const int64_t groups = (M + kMaxRowGroup - 1) / kMaxRowGroup;
-  const int64_t chunk = kPanelsFor[M / groups];  // the smallest group's (most panels per pass)
-  const int64_t chunks = (panels + chunk - 1) / chunk;
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t first = c * chunk, end = std::min(panels, first + chunk);
-      for (int64_t g = 0, start = 0; g < groups; ++g) {
-        const int64_t stop = M * (g + 1) / groups, rows = stop - start;
-        for (int64_t p = first; p < end;) {
-          const int64_t n = std::min<int64_t>(kPanelsFor[rows], end - p);
-          const int64_t last_columns = std::min(kPanel, N - (p + n - 1) * kPanel);
-          kByRowsPanels[rows][n](xp + start * K, K, wp + p * K * kPanel, yp + start * N + p * kPanel, N, last_columns);
-          p += n;
+  run_panels(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), panels, N, y.data_ptr<float>());
+  return y;
+}
+
+// The weight [N, K] as int8 values with one float scale per kBlock of a row's K (`panel_stride`), where that
+// holds it exactly: each block's scale its largest magnitude / 127 and every weight that scale times an int8
+// (true of a weight dequantised from GGUF's Q8_0, whose quantiser gives each block's largest weight +-127).
+// Else an empty tensor: the first block that does not come back exactly stops the search.
+torch::Tensor pack_int8_exact(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
+              "streamed_linear.pack_int8_exact takes a 2D float32 CPU weight");
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel, stride = panel_stride<int8_t>(K);
+  auto out = torch::zeros({panels, stride}, w.options().dtype(torch::kInt8));
+  const float* src = w.data_ptr<float>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1 && exact.load(std::memory_order_relaxed); ++p) {
+      float* panel_scales = reinterpret_cast<float*>(dst + p * stride + K * kPanel);
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j) {
+        const float* row = src + (p * kPanel + j) * K;
+        for (int64_t b = 0; b * kBlock < K; ++b) {
+          const int64_t end = std::min(K, (b + 1) * kBlock);
+          float largest = 0.0f;
+          for (int64_t k = b * kBlock; k < end; ++k) largest = std::max(largest, std::fabs(row[k]));
+          const float scale = largest > 0.0f ? largest / 127.0f : 1.0f;
+          for (int64_t k = b * kBlock; k < end; ++k) {
+            const float q = std::nearbyint(row[k] / scale);
+            if (!(std::fabs(q) <= 127.0f && q * scale == row[k])) {
+              exact.store(false, std::memory_order_relaxed);
+              return;
+            }
+            dst[p * stride + k * kPanel + j] = static_cast<int8_t>(q);
+          }
+          panel_scales[b * kPanel + j] = scale;
         }
-        start = stop;
       }
     }
   });
+  return exact.load() ? out : torch::empty({0}, out.options());
+}
+
+torch::Tensor linear_int8(const torch::Tensor& input, const torch::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == torch::kFloat32 && input.device().is_cpu(),
+              "streamed_linear.linear_int8 takes 2D float32 CPU rows");
+  const int64_t K = input.size(1), panels = (out_features + kPanel - 1) / kPanel;
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kInt8 && packed.size(0) == panels &&
+                  packed.size(1) == panel_stride<int8_t>(K) && packed.is_contiguous(),
+              "streamed_linear.linear_int8: the packed weight does not match the input or out_features");
+  const auto x = input.contiguous();
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return y;
+  run_panels(x.data_ptr<float>(), x.size(0), K, packed.data_ptr<int8_t>(), panels, out_features, y.data_ptr<float>());
   return y;
 }
 
@@ -183,5 +291,7 @@ pybind11::dict build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "weight [N, K] -> panels [ceil(N / kPanel), K, kPanel]");
   m.def("linear", &linear, "rows [M, K], panels, N -> rows @ weight.T [M, N]");
+  m.def("pack_int8_exact", &pack_int8_exact, "weight [N, K] -> int8 panels with block scales where exact, else empty");
+  m.def("linear_int8", &linear_int8, "rows [M, K], int8 panels, N -> rows @ weight.T [M, N]");
   m.def("build_info", &build_info, "panel width, instruction set and OpenMP of this build");
 }
