@@ -668,6 +668,22 @@ def render_growing_cache(report: dict) -> list[str]:
     return lines
 
 
+def render_int8_head(report: dict) -> list[str]:
+    """`research.int8_head`: per model, forward ms with the LM head's float32 panels against its exact int8 copy."""
+    first = next(iter(report["models"].values()))
+    sizes = list(first["forward_ms"]["float32"])
+    lines = [
+        "| model | head packed as int8 | "
+        + " | ".join(f"{n} tok float32 / int8 ms" for n in sizes)
+        + " | same logits (bits) |",
+        "| --- | --- | " + " | ".join("---" for _ in sizes) + " | --- |",
+    ]
+    for name, m in report["models"].items():
+        cells = " | ".join(f"{m['forward_ms']['float32'][n]:.1f} / {m['forward_ms']['int8'][n]:.1f}" for n in sizes)
+        lines.append(f"| {name} | {m['int8_copy']} | {cells} | {all(m['same_logits'].values())} |")
+    return lines
+
+
 def render_compiled_plan_forward(report: dict) -> list[str]:
     """`research.compiled_plan_forward`: per process, compile time and forward ms, eager plan against compiled."""
     sizes = list(report["processes"][0]["forward_ms"]["eager"])
@@ -691,6 +707,7 @@ def render_compiled_plan_forward(report: dict) -> list[str]:
 RENDERERS = {
     "compiled_plan_forward": render_compiled_plan_forward,
     "growing_cache": render_growing_cache,
+    "int8_head": render_int8_head,
     "head_accuracy": render_head_accuracy,
     "lm_head_sketch": render_lm_head_sketch,
     "perturbed_base": render_perturbed_base,
