@@ -67,6 +67,11 @@ def test_another_build_of_the_kernel_gives_the_same_bits():
         here = streamed_linear.linear(x, streamed_linear.pack(weight), out_features)
         there = other.linear_int8(x, other.pack_int8_exact(weight), out_features)
         assert torch.equal(there, here), (out_features, rows)
+        if in_features % 32 == 0:  # and the 4-bit copy
+            weight = q4_1_weight(out_features, in_features, g)
+            here = streamed_linear.linear(x, streamed_linear.pack(weight), out_features)
+            there = other.linear_q4_1(x, other.pack_q4_1(*streamed_linear.q4_1_copy(weight)), out_features)
+            assert torch.equal(there, here), (out_features, rows)
 
 
 def q8_0_weight(out_features: int, in_features: int, g: torch.Generator) -> torch.Tensor:
@@ -95,6 +100,42 @@ def test_a_weight_dequantised_from_q8_0_is_packed_as_int8_and_gives_the_same_bit
     torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-4, atol=1e-4)
 
 
+def q4_1_weight(out_features: int, in_features: int, g: torch.Generator) -> torch.Tensor:
+    """A weight as GGUF's Q4_1 quantises it and transformers (gguf's numpy code) dequantises it."""
+    from gguf import GGMLQuantizationType, quants
+
+    weight = torch.randn(out_features, in_features, generator=g) * torch.rand(out_features, 1, generator=g)
+    stored = quants.quantize(weight.numpy(), GGMLQuantizationType.Q4_1)
+    return torch.from_numpy(quants.dequantize(stored, GGMLQuantizationType.Q4_1).copy()).reshape(weight.shape)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(8, 32), (21, 64), (192, 576), (300, 96)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 13, 16, 40])
+def test_a_weight_dequantised_from_q4_1_is_packed_as_4_bits_and_gives_the_same_bits(rows, out_features, in_features):
+    # SmolLM2-135M's every linear: an eighth of the bytes read, every output the float32 panels' FMA chain
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight, x = q4_1_weight(out_features, in_features, g), torch.randn(rows, in_features, generator=g)
+    packed = streamed_linear.pack(weight)
+    floats = streamed_linear.pack(weight, compact=False)
+    assert packed.dtype == torch.uint8
+    assert packed.numel() < floats.numel() * floats.element_size() / 5  # bytes
+    out = streamed_linear.linear(x, packed, out_features)
+    assert torch.equal(out, streamed_linear.linear(x, floats, out_features))
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-4, atol=1e-4)
+
+
+def test_a_q4_1_block_with_equal_weights_or_one_off_by_an_ulp():
+    g = torch.Generator().manual_seed(9)
+    weight = q4_1_weight(40, 64, g)
+    weight[3, :32] = 0.25  # a block of equal weights: scale 0
+    assert streamed_linear.pack(weight).dtype == torch.uint8
+    x = torch.randn(3, 64, generator=g)
+    floats = streamed_linear.linear(x, streamed_linear.pack(weight, compact=False), 40)
+    assert torch.equal(streamed_linear.linear(x, streamed_linear.pack(weight), 40), floats)
+    weight[7, 40] = torch.nextafter(weight[7, 40], torch.tensor(10.0))
+    assert streamed_linear.pack(weight).dtype == torch.float32
+
+
 def test_a_weight_no_int8_copy_holds_stays_float32():
     g = torch.Generator().manual_seed(7)
     assert streamed_linear.pack(torch.randn(64, 64, generator=g)).dtype == torch.float32
@@ -107,6 +148,10 @@ def test_the_custom_op_serves_the_int8_copy():
     g = torch.Generator().manual_seed(8)
     weight, x = q8_0_weight(48, 64, g), torch.randn(5, 64, generator=g)
     packed = streamed_linear.pack(weight)
+    assert torch.equal(torch.ops.hf_bpd.streamed_linear(x, packed, 48), streamed_linear.linear(x, packed, 48))
+    torch.library.opcheck(torch.ops.hf_bpd.streamed_linear, (x, packed, 48))
+    packed = streamed_linear.pack(q4_1_weight(48, 64, g))
+    assert packed.dtype == torch.uint8
     assert torch.equal(torch.ops.hf_bpd.streamed_linear(x, packed, 48), streamed_linear.linear(x, packed, 48))
     torch.library.opcheck(torch.ops.hf_bpd.streamed_linear, (x, packed, 48))
 

@@ -10,9 +10,11 @@
 // Every output is one FMA chain along the input in order, whatever the row count, P or instruction set:
 // a row gives the same result alone or in a batch, on AVX2 or AVX-512.
 //
-// A weight an int8 copy holds exactly (one scale per kBlock weights of a row: a weight dequantised from GGUF's
-// Q8_0) is packed as that copy instead (`pack_int8_exact`), a quarter of the bytes; its values are multiplied
-// by their scales as they are loaded, so the FMA chains, and the outputs, are the float32 panels'.
+// A weight a compact copy holds exactly is packed as that copy instead: int8 values with one scale per kBlock
+// weights of a row (a weight dequantised from GGUF's Q8_0: `pack_int8_exact`), a quarter of the bytes, or
+// 4-bit values with a scale and an offset per kBlock (from GGUF's Q4_1: `pack_q4_1`), under a sixth. Its
+// values are multiplied out as they are loaded, exactly, so the FMA chains, and the outputs, are the float32
+// panels'.
 //
 // Built with OpenMP (-fopenmp): at::parallel_for's OpenMP backend is inline in ATen's headers, so without
 // it the pragma is dropped and every call runs on one thread.
@@ -24,6 +26,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -43,6 +46,13 @@ inline Vec load(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+// 16 columns' 4-bit values from 8 bytes: byte j holds column j in its low half and column j + 8 in its high one
+inline Vec load_nibbles(const uint8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(low, high)));
+}
 inline Vec broadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void store(float* y, Vec v, int64_t columns) {
@@ -63,6 +73,15 @@ inline Vec load(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+// 8 columns' 4-bit values from 4 bytes: byte j holds column j in its low half and column j + 4 in its high one
+inline Vec load_nibbles(const uint8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  const __m128i bytes = _mm_cvtsi32_si128(word);
+  const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi32(low, high)));
+}
 inline Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void store(float* y, Vec v, int64_t columns) {
@@ -78,29 +97,41 @@ constexpr const char* kInstructions = "avx2";
 #endif
 
 constexpr int64_t kLine = 64;  // bytes per cache line
-template <typename T>
-constexpr int64_t kStepsPerLine = kLine / (kPanel * sizeof(T));  // input indices per line of a panel
-template <typename T>
-constexpr int64_t kPrefetchSteps = 2048 / (kPanel * sizeof(T));  // 2 KB ahead of the current index
 
-// int8 weights carry one float scale per kBlock input indices of a column (GGUF's Q8_0 blocks: a weight
-// dequantised from Q8_0 is then held exactly)
+// int8 and 4-bit weights carry their parameters per kBlock input indices of a column (GGUF's Q8_0 and Q4_1
+// blocks: a weight dequantised from either is then held exactly)
 constexpr int64_t kBlock = 32;
 
-// T elements from one panel to the next: float panels [K, kPanel]; int8 panels [K, kPanel] followed by their
-// scales [ceil(K / kBlock), kPanel] (float)
+// The packed weight's formats, by the type of its elements: float panels [K, kPanel]; int8 panels [K, kPanel]
+// followed by their blocks' scales [ceil(K / kBlock), kPanel] (float); 4-bit panels [K, kPanel / 2] (bytes,
+// two columns each: `load_nibbles`) followed by their blocks' scales and then offsets, each [K / kBlock,
+// kPanel] (float), a weight being scale * value + offset (Q4_1's dequantisation, exact in one FMA)
+struct Nibbles {
+  uint8_t byte;
+};
+template <typename T>
+constexpr int64_t kStep = std::is_same_v<T, Nibbles> ? kPanel / 2 : kPanel;  // elements per input index
+template <typename T>
+constexpr int64_t kStepsPerLine = kLine / (kStep<T> * sizeof(T));  // input indices per line of a panel
+template <typename T>
+constexpr int64_t kPrefetchSteps = 2048 / (kStep<T> * sizeof(T));  // 2 KB ahead of the current index
+
+// T elements from one panel to the next
 template <typename T>
 constexpr int64_t panel_stride(int64_t K) {
+  const int64_t blocks = (K + kBlock - 1) / kBlock, floats = int64_t(sizeof(float)) / int64_t(sizeof(T));
   if constexpr (std::is_same_v<T, float>) {
     return K * kPanel;
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    return K * kPanel + blocks * kPanel * floats;
   } else {
-    return K * kPanel + (K + kBlock - 1) / kBlock * kPanel * int64_t(sizeof(float));
+    return K * kStep<T> + 2 * blocks * kPanel * floats;
   }
 }
 
-// T: the packed weight's type, float or int8_t. An int8 weight is multiplied by its block's scale as it is
-// loaded, so the FMA chain is the float kernel's on the dequantised weight, bit for bit where the products
-// are exact, as `pack_int8_exact` makes them
+// T: the packed weight's format (`panel_stride`). An int8 or 4-bit weight is multiplied out as it is loaded,
+// so the FMA chain is the float kernel's on the dequantised weight, bit for bit where those products are
+// exact, as `pack_int8_exact` and `pack_q4_1` make them
 template <typename T, int R, int P>
 void panels_rows(const float* __restrict x, int64_t K, const T* __restrict panel, float* __restrict y,
                  int64_t ldy, int64_t last_columns) {
@@ -110,26 +141,34 @@ void panels_rows(const float* __restrict x, int64_t K, const T* __restrict panel
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[p][r] = zero();
   const int64_t stride = panel_stride<T>(K);
-  [[maybe_unused]] Vec scale[P];
+  const int64_t blocks = (K + kBlock - 1) / kBlock;
+  [[maybe_unused]] Vec scale[P], offset[P];
   for (int64_t k = 0; k < K; ++k) {
     if constexpr (!std::is_same_v<T, float>) {
       if (k % kBlock == 0) {
 #pragma GCC unroll 16
-        for (int p = 0; p < P; ++p)
-          scale[p] = load(reinterpret_cast<const float*>(panel + p * stride + K * kPanel) + k / kBlock * kPanel);
+        for (int p = 0; p < P; ++p) {
+          const float* parameters = reinterpret_cast<const float*>(panel + p * stride + K * kStep<T>);
+          scale[p] = load(parameters + k / kBlock * kPanel);
+          if constexpr (std::is_same_v<T, Nibbles>) offset[p] = load(parameters + (blocks + k / kBlock) * kPanel);
+        }
       }
     }
     if (k % kStepsPerLine<T> == 0) {  // one line per panel
 #pragma GCC unroll 16
       for (int p = 0; p < P; ++p)
-        _mm_prefetch(reinterpret_cast<const char*>(panel + p * stride + (k + kPrefetchSteps<T>) * kPanel),
+        _mm_prefetch(reinterpret_cast<const char*>(panel + p * stride + (k + kPrefetchSteps<T>) * kStep<T>),
                      _MM_HINT_T0);
     }
     Vec w[P];
 #pragma GCC unroll 16
     for (int p = 0; p < P; ++p) {
-      w[p] = load(panel + p * stride + k * kPanel);
-      if constexpr (!std::is_same_v<T, float>) w[p] = mul(w[p], scale[p]);
+      if constexpr (std::is_same_v<T, Nibbles>) {
+        w[p] = fma(load_nibbles(&panel[p * stride + k * kStep<T>].byte), scale[p], offset[p]);
+      } else {
+        w[p] = load(panel + p * stride + k * kPanel);
+        if constexpr (std::is_same_v<T, int8_t>) w[p] = mul(w[p], scale[p]);
+      }
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -275,6 +314,60 @@ torch::Tensor linear_int8(const torch::Tensor& input, const torch::Tensor& packe
   return y;
 }
 
+// A weight dequantised from GGUF's Q4_1 as its 4-bit copy: values [N, K] (uint8, 0-15), scales and offsets
+// [N, K / kBlock] (float32), each weight scale * value + offset of its block, packed into panels of kPanel
+// columns (`panel_stride<Nibbles>`)
+torch::Tensor pack_q4_1(const torch::Tensor& values, const torch::Tensor& scales, const torch::Tensor& offsets) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == torch::kUInt8 && values.device().is_cpu() &&
+                  values.size(1) % kBlock == 0,
+              "streamed_linear.pack_q4_1 takes 2D uint8 CPU values, whole blocks of 32 per row");
+  const int64_t N = values.size(0), K = values.size(1), blocks = K / kBlock;
+  for (const auto* t : {&scales, &offsets})
+    TORCH_CHECK(t->dim() == 2 && t->scalar_type() == torch::kFloat32 && t->size(0) == N && t->size(1) == blocks,
+                "streamed_linear.pack_q4_1 takes float32 scales and offsets [N, K / 32]");
+  const auto v = values.contiguous();
+  const auto sc = scales.contiguous();
+  const auto of = offsets.contiguous();
+  const int64_t panels = (N + kPanel - 1) / kPanel, stride = panel_stride<Nibbles>(K), half = kPanel / 2;
+  auto out = torch::zeros({panels, stride}, v.options());
+  const uint8_t* src = v.data_ptr<uint8_t>();
+  const float* scale = sc.data_ptr<float>();
+  const float* offset = of.data_ptr<float>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      uint8_t* panel = dst + p * stride;
+      float* parameters = reinterpret_cast<float*>(panel + K * half);
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const int64_t n = p * kPanel + j;
+        for (int64_t b = 0; b < blocks; ++b) {
+          parameters[b * kPanel + j] = n < N ? scale[n * blocks + b] : 0.0f;
+          parameters[(blocks + b) * kPanel + j] = n < N ? offset[n * blocks + b] : 0.0f;
+        }
+        if (n >= N) continue;
+        const int shift = j < half ? 0 : 4;
+        for (int64_t k = 0; k < K; ++k) panel[k * half + j % half] |= uint8_t((src[n * K + k] & 0x0F) << shift);
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor linear_q4_1(const torch::Tensor& input, const torch::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == torch::kFloat32 && input.device().is_cpu(),
+              "streamed_linear.linear_q4_1 takes 2D float32 CPU rows");
+  const int64_t K = input.size(1), panels = (out_features + kPanel - 1) / kPanel;
+  TORCH_CHECK(K % kBlock == 0 && packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 &&
+                  packed.size(0) == panels && packed.size(1) == panel_stride<Nibbles>(K) && packed.is_contiguous(),
+              "streamed_linear.linear_q4_1: the packed weight does not match the input or out_features");
+  const auto x = input.contiguous();
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return y;
+  run_panels(x.data_ptr<float>(), x.size(0), K, reinterpret_cast<const Nibbles*>(packed.data_ptr<uint8_t>()), panels,
+             out_features, y.data_ptr<float>());
+  return y;
+}
+
 // how the build came out: its panel width, instruction set and whether OpenMP spreads a call over threads
 pybind11::dict build_info() {
   pybind11::dict info;
@@ -293,5 +386,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "rows [M, K], panels, N -> rows @ weight.T [M, N]");
   m.def("pack_int8_exact", &pack_int8_exact, "weight [N, K] -> int8 panels with block scales where exact, else empty");
   m.def("linear_int8", &linear_int8, "rows [M, K], int8 panels, N -> rows @ weight.T [M, N]");
+  m.def("pack_q4_1", &pack_q4_1, "values [N, K] 0-15, scales, offsets [N, K / 32] -> 4-bit panels");
+  m.def("linear_q4_1", &linear_q4_1, "rows [M, K], 4-bit panels, N -> rows @ weight.T [M, N]");
   m.def("build_info", &build_info, "panel width, instruction set and OpenMP of this build");
 }
