@@ -684,6 +684,24 @@ def render_int8_head(report: dict) -> list[str]:
     return lines
 
 
+def render_compact_weights(report: dict) -> list[str]:
+    """`research.compact_weights`: per model and way of packing, streamed MB and forward ms, and the same logits."""
+    first = next(iter(report["models"].values()))
+    sizes = list(first["forward_ms"]["float32"])
+    lines = [
+        "| model | streamed weights | streamed MB | "
+        + " | ".join(f"{n} tok ms" for n in sizes)
+        + " | float32's logits (bits) |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in sizes) + " | --- |",
+    ]
+    for name, m in report["models"].items():
+        for way, forward in m["forward_ms"].items():
+            cells = " | ".join(f"{forward[n]:.1f}" for n in sizes)
+            same = all(m["same_logits"][way].values())
+            lines.append(f"| {name} | {way} | {m['streamed_bytes'][way] / 1e6:.0f} | {cells} | {same} |")
+    return lines
+
+
 def render_compiled_plan_forward(report: dict) -> list[str]:
     """`research.compiled_plan_forward`: per process, compile time and forward ms, eager plan against compiled."""
     sizes = list(report["processes"][0]["forward_ms"]["eager"])
@@ -708,6 +726,7 @@ RENDERERS = {
     "compiled_plan_forward": render_compiled_plan_forward,
     "growing_cache": render_growing_cache,
     "int8_head": render_int8_head,
+    "compact_weights": render_compact_weights,
     "head_accuracy": render_head_accuracy,
     "lm_head_sketch": render_lm_head_sketch,
     "perturbed_base": render_perturbed_base,
