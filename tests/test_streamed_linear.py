@@ -84,22 +84,6 @@ def q8_0_weight(out_features: int, in_features: int, g: torch.Generator) -> torc
     return (values.view(out_features, blocks, 32) * scales).flatten(1)[:, :in_features].contiguous()
 
 
-@pytest.mark.parametrize("out_features,in_features", [(8, 16), (21, 37), (192, 576), (300, 64), (1, 3)])
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 13, 16, 40])
-def test_a_weight_dequantised_from_q8_0_is_packed_as_int8_and_gives_the_same_bits(rows, out_features, in_features):
-    # a quarter of the bytes read, and every output the float32 panels' FMA chain, bit for bit
-    g = torch.Generator().manual_seed(rows * 1000 + out_features)
-    weight, x = q8_0_weight(out_features, in_features, g), torch.randn(rows, in_features, generator=g)
-    packed = streamed_linear.pack(weight)
-    floats = streamed_linear.pack(weight, compact=False)
-    assert packed.dtype == torch.int8 and floats.dtype == torch.float32
-    if in_features >= 32:  # the scales (a float per 32 weights) are small beside the weights
-        assert packed.numel() < floats.numel() * floats.element_size() / 3  # bytes
-    out = streamed_linear.linear(x, packed, out_features)
-    assert torch.equal(out, streamed_linear.linear(x, floats, out_features))
-    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-4, atol=1e-4)
-
-
 def q4_1_weight(out_features: int, in_features: int, g: torch.Generator) -> torch.Tensor:
     """A weight as GGUF's Q4_1 quantises it and transformers (gguf's numpy code) dequantises it."""
     from gguf import GGMLQuantizationType, quants
@@ -109,16 +93,30 @@ def q4_1_weight(out_features: int, in_features: int, g: torch.Generator) -> torc
     return torch.from_numpy(quants.dequantize(stored, GGMLQuantizationType.Q4_1).copy()).reshape(weight.shape)
 
 
-@pytest.mark.parametrize("out_features,in_features", [(8, 32), (21, 64), (192, 576), (300, 96)])
+# the compact copies: (the weight's GGUF type, a weight dequantised from it, the copy's dtype, how many times
+# fewer bytes than float32 panels at least, where a row holds whole blocks of 32)
+COMPACT = {"q8_0": (q8_0_weight, torch.int8, 3), "q4_1": (q4_1_weight, torch.uint8, 5)}
+
+
+@pytest.mark.parametrize(
+    "kind,out_features,in_features",
+    [(kind, n, k) for kind in COMPACT for n, k in [(8, 32), (21, 64), (192, 576), (300, 96)]]
+    + [("q8_0", 21, 37), ("q8_0", 8, 16), ("q8_0", 1, 3)],  # int8 copies of partial blocks
+)
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 13, 16, 40])
-def test_a_weight_dequantised_from_q4_1_is_packed_as_4_bits_and_gives_the_same_bits(rows, out_features, in_features):
-    # SmolLM2-135M's every linear: an eighth of the bytes read, every output the float32 panels' FMA chain
+def test_a_weight_dequantised_from_gguf_is_packed_compact_and_gives_the_same_bits(
+    kind, rows, out_features, in_features
+):
+    # Q8_0: both packaged models' LM heads; Q4_1: every linear of the packaged SmolLM2. Fewer bytes read,
+    # and every output the float32 panels' FMA chain, bit for bit
+    make, dtype, fewer = COMPACT[kind]
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
-    weight, x = q4_1_weight(out_features, in_features, g), torch.randn(rows, in_features, generator=g)
+    weight, x = make(out_features, in_features, g), torch.randn(rows, in_features, generator=g)
     packed = streamed_linear.pack(weight)
     floats = streamed_linear.pack(weight, compact=False)
-    assert packed.dtype == torch.uint8
-    assert packed.numel() < floats.numel() * floats.element_size() / 5  # bytes
+    assert packed.dtype == dtype and floats.dtype == torch.float32
+    if in_features >= 32:  # the blocks' scales (and offsets) are small beside the weights
+        assert packed.numel() < floats.numel() * floats.element_size() / fewer  # bytes
     out = streamed_linear.linear(x, packed, out_features)
     assert torch.equal(out, streamed_linear.linear(x, floats, out_features))
     torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-4, atol=1e-4)
