@@ -202,8 +202,8 @@ constexpr std::array<ByPanels<T>, kMaxRowGroup + 1> by_rows_panels(std::integer_
 template <typename T>
 constexpr auto kByRowsPanels = by_rows_panels<T>(std::make_integer_sequence<int, kMaxRowGroup>{});
 
-// rows [M, K] times the `panels` of a weight of N columns (float panels from `pack`, int8 ones with their
-// scales from `pack_int8_exact`), into y [M, N]
+// rows [M, K] times the `panels` of a weight of N columns (float panels from `pack`, int8 ones from
+// `pack_int8_exact`, 4-bit ones from `pack_q4_1`), into y [M, N]
 template <typename T>
 void run_panels(const float* xp, int64_t M, int64_t K, const T* wp, int64_t panels, int64_t N, float* yp) {
   const int64_t stride = panel_stride<T>(K);
