@@ -142,7 +142,9 @@ def pack(weight: torch.Tensor, compact: bool = True) -> torch.Tensor:
 
 
 Q4_1_BLOCK = 32  # weights of a row per scale and offset in GGUF's Q4_1
-CHECKED_ROWS = 4096  # rows of a weight checked at a time (a few MB: in cache); a failing block stops the search
+# rows of a weight checked at a time (a few MB: in cache), after a first few alone: a weight of another kind
+# fails there, so checking it costs little whatever its size
+CHECKED_ROWS, FIRST_ROWS = 4096, 64
 
 
 def q4_1_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -150,8 +152,7 @@ def q4_1_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     32 weights of a row [N, K / 32] (float32) with `scale * value + offset`, rounded once, giving back every
     weight of `weight` [N, K] exactly, as transformers' dequantisation of GGUF's Q4_1 leaves them (the offset
     is the block's smallest weight, the scale the float16 nearest to its range / 15 or a float16 next to it);
-    None where no such copy holds the weight (the first block of rows with a block that fails stops the
-    search, so a weight of another kind costs little)."""
+    None where no such copy holds the weight (the first rows with a block that fails stop the search)."""
     rows, columns = weight.shape
     if columns % Q4_1_BLOCK:
         return None
@@ -159,8 +160,9 @@ def q4_1_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     blocks = columns // Q4_1_BLOCK
     values = torch.empty(rows, columns, dtype=torch.uint8)
     scales, offsets = torch.empty(rows, blocks), torch.empty(rows, blocks)
-    for start in range(0, rows, CHECKED_ROWS):
-        part = w[start : start + CHECKED_ROWS].reshape(-1, blocks, Q4_1_BLOCK)
+    starts = [0, *range(FIRST_ROWS, rows, CHECKED_ROWS)]
+    for start, stop in zip(starts, [*starts[1:], rows]):
+        part = w[start:stop].reshape(-1, blocks, Q4_1_BLOCK)
         low = part.amin(dim=-1, keepdim=True)
         nearest = ((part.amax(dim=-1, keepdim=True) - low) / 15).half()
         held = torch.zeros(low.shape, dtype=torch.bool)
@@ -179,9 +181,9 @@ def q4_1_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
             held |= fits
         if not bool(held.all()):
             return None
-        values[start : start + CHECKED_ROWS] = value.flatten(1).to(torch.uint8)
-        scales[start : start + CHECKED_ROWS] = scale.flatten(1)
-        offsets[start : start + CHECKED_ROWS] = low.flatten(1)
+        values[start:stop] = value.flatten(1).to(torch.uint8)
+        scales[start:stop] = scale.flatten(1)
+        offsets[start:stop] = low.flatten(1)
     return values, scales, offsets
 
 
