@@ -39,25 +39,26 @@ def measure(name: str, context: int, repeats: int) -> dict:
     g = torch.Generator().manual_seed(1)
     with torch.no_grad(), packed:
         packed.pack_planned()
-        compact = {key: entry for key, entry in packed._packed.items() if entry[2] is not None and entry[3] == STREAMED}
+        # every streamed weight as the plan packed it: compact where a copy holds it, float32 panels elsewhere
+        planned = {key: entry for key, entry in packed._packed.items() if entry[2] is not None and entry[3] == STREAMED}
         floats = {
             key: (weight, version, streamed_linear.pack(weight, compact=False), STREAMED)
-            for key, (weight, version, _, _) in compact.items()
+            for key, (weight, version, _, _) in planned.items()
         }
         ways = {
             "float32": floats,
-            "compact_head": {**floats, id(head): compact[id(head)]} if id(head) in compact else floats,
-            "compact": compact,
+            "compact_head": {**floats, id(head): planned[id(head)]} if id(head) in planned else floats,
+            "compact": planned,
         }
         result = {
             "forward_ms": {way: {} for way in ways},
             "same_logits": {},
-            "streamed_weights": len(compact),
+            "streamed_weights": len(planned),
             "packed_as": {
-                str(dtype): sum(e[2].dtype == dtype for e in compact.values())
-                for dtype in {e[2].dtype for e in compact.values()}
+                str(dtype): sum(e[2].dtype == dtype for e in planned.values())
+                for dtype in {e[2].dtype for e in planned.values()}
             },
-            "head_packed_as": str(compact[id(head)][2].dtype) if id(head) in compact else None,
+            "head_packed_as": str(planned[id(head)][2].dtype) if id(head) in planned else None,
             "streamed_bytes": {
                 way: sum(e[2].numel() * e[2].element_size() for e in entries.values()) for way, entries in ways.items()
             },
