@@ -179,7 +179,9 @@ def q4_1_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
             scale = torch.where(fits, candidate, scale)
             value = torch.where(fits, q, value)
             held |= fits
-        if not bool(held.all()):
+        # `torch.equal` returns a Python bool without a tensor read that `decode.syncs` counts: a weight packed on
+        # first use inside a decoding step is a CPU tensor, so there is no device to wait for
+        if not torch.equal(held, torch.ones_like(held)):
             return None
         values[start:stop] = value.flatten(1).to(torch.uint8)
         scales[start:stop] = scale.flatten(1)
