@@ -70,7 +70,7 @@ def test_another_build_of_the_kernel_gives_the_same_bits():
         if in_features % 32 == 0:  # and the 4-bit copy
             weight = q4_1_weight(out_features, in_features, g)
             here = streamed_linear.linear(x, streamed_linear.pack(weight), out_features)
-            there = other.linear_q4_1(x, other.pack_q4_1(*streamed_linear.q4_1_copy(weight)), out_features)
+            there = other.linear_4bit(x, other.pack_4bit_exact(weight), out_features)
             assert torch.equal(there, here), (out_features, rows)
 
 
@@ -84,18 +84,51 @@ def q8_0_weight(out_features: int, in_features: int, g: torch.Generator) -> torc
     return (values.view(out_features, blocks, 32) * scales).flatten(1)[:, :in_features].contiguous()
 
 
-def q4_1_weight(out_features: int, in_features: int, g: torch.Generator) -> torch.Tensor:
-    """A weight as GGUF's Q4_1 quantises it and transformers (gguf's numpy code) dequantises it."""
+def gguf_weight(kind: str, out_features: int, in_features: int, g: torch.Generator) -> torch.Tensor:
+    """A weight as GGUF's `kind` (Q4_1, Q5_0) quantises it and transformers (gguf's numpy code) dequantises it."""
     from gguf import GGMLQuantizationType, quants
 
     weight = torch.randn(out_features, in_features, generator=g) * torch.rand(out_features, 1, generator=g)
-    stored = quants.quantize(weight.numpy(), GGMLQuantizationType.Q4_1)
-    return torch.from_numpy(quants.dequantize(stored, GGMLQuantizationType.Q4_1).copy()).reshape(weight.shape)
+    stored = quants.quantize(weight.numpy(), GGMLQuantizationType[kind])
+    return torch.from_numpy(quants.dequantize(stored, GGMLQuantizationType[kind]).copy()).reshape(weight.shape)
+
+
+def q4_1_weight(out_features: int, in_features: int, g: torch.Generator) -> torch.Tensor:
+    return gguf_weight("Q4_1", out_features, in_features, g)
+
+
+def q5_0_weight(out_features: int, in_features: int, g: torch.Generator) -> torch.Tensor:
+    return gguf_weight("Q5_0", out_features, in_features, g)
+
+
+def q4_k_weight(out_features: int, in_features: int, g: torch.Generator) -> torch.Tensor:
+    """A weight as transformers (gguf's numpy code) dequantises GGUF's Q4_K blocks (256 weights: a float16
+    scale and minimum, 6-bit scales and minimums per 32, 4-bit values), some blocks without the values 0 or 15
+    (as Q4_K's quantiser leaves a few)."""
+    from gguf import GGMLQuantizationType, quants
+
+    superblocks = out_features * -(-in_features // 256)
+    scale, low = (torch.rand(superblocks, 2, generator=g) * 2e-3 + 1e-4).half().view(torch.uint8).split(2, 1)
+    sc, m = torch.randint(0, 64, (2, superblocks, 8), generator=g, dtype=torch.uint8)
+    scales = torch.cat(
+        [sc[:, :4] | (sc[:, 4:] >> 4 << 6), m[:, :4] | (m[:, 4:] >> 4 << 6), sc[:, 4:] & 15 | m[:, 4:] << 4], 1
+    )
+    q = torch.randint(0, 16, (superblocks, 8, 32), generator=g, dtype=torch.uint8)
+    q[::7, 3] = q[::7, 3].clamp(2, 13)  # blocks with neither 0 nor 15
+    q = q.view(superblocks, 4, 2, 32)
+    blocks = torch.cat([scale, low, scales, (q[:, :, 0] | q[:, :, 1] << 4).flatten(1)], 1)
+    weight = quants.dequantize(blocks.numpy(), GGMLQuantizationType.Q4_K).reshape(out_features, -1)
+    return torch.from_numpy(weight[:, :in_features].copy())
 
 
 # the compact copies: (the weight's GGUF type, a weight dequantised from it, the copy's dtype, how many times
 # fewer bytes than float32 panels at least, where a row holds whole blocks of 32)
-COMPACT = {"q8_0": (q8_0_weight, torch.int8, 3), "q4_1": (q4_1_weight, torch.uint8, 5)}
+COMPACT = {
+    "q8_0": (q8_0_weight, torch.int8, 3),
+    "q5_0": (q5_0_weight, torch.int8, 3),  # its values q - 16 in 8 bits: most of Gemma-3-270M's linears
+    "q4_1": (q4_1_weight, torch.uint8, 5),
+    "q4_k": (q4_k_weight, torch.uint8, 5),  # 27 of Gemma-3-270M's linears
+}
 
 
 @pytest.mark.parametrize(
@@ -107,8 +140,8 @@ COMPACT = {"q8_0": (q8_0_weight, torch.int8, 3), "q4_1": (q4_1_weight, torch.uin
 def test_a_weight_dequantised_from_gguf_is_packed_compact_and_gives_the_same_bits(
     kind, rows, out_features, in_features
 ):
-    # Q8_0: both packaged models' LM heads; Q4_1: every linear of the packaged SmolLM2. Fewer bytes read,
-    # and every output the float32 panels' FMA chain, bit for bit
+    # Q8_0: both packaged models' LM heads; Q5_0 and Q4_K: most of Gemma-3-270M's linears; Q4_1: every linear
+    # of the packaged SmolLM2. Fewer bytes read, and every output the float32 panels' FMA chain, bit for bit
     make, dtype, fewer = COMPACT[kind]
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     weight, x = make(out_features, in_features, g), torch.randn(rows, in_features, generator=g)

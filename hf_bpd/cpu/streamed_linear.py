@@ -14,9 +14,10 @@ and on either instruction set (the plan may still send different row counts to d
 Whether it wins is measured per weight shape and row count on the machine (`measure_kernel_plan`); the
 numbers are in RESULTS.md. A weight that a compact copy holds exactly is packed as that copy (`pack`):
 int8 values with one scale per 32 weights of a row (a weight dequantised from GGUF's Q8_0, as both
-packaged models' LM heads are), a quarter of the bytes, or 4-bit values with a scale and an offset per 32
-(from GGUF's Q4_1, as SmolLM2-135M's linears are), under a sixth. Each value is multiplied out as it is
-loaded, exactly, so the outputs are the float32 panels' bit for bit.
+packaged models' LM heads are, or Q5_0, as most of Gemma-3-270M's linears are), a quarter of the bytes, or
+4-bit values with a scale and an offset per 32 (from GGUF's Q4_1, as SmolLM2-135M's linears are, or Q4_K),
+under a sixth. Each value is multiplied out as it is loaded, exactly, so the outputs are the float32 panels'
+bit for bit.
 
 The C++ source is built on first use by torch's extension loader (a compiler and ninja are needed; the
 build is cached by torch, in `TORCH_EXTENSIONS_DIR` or `~/.cache/torch_extensions`): for AVX-512 where
@@ -127,66 +128,17 @@ def unavailable_reason() -> str | None:
 def pack(weight: torch.Tensor, compact: bool = True) -> torch.Tensor:
     """`weight` [N, K] (float32, CPU) in the kernel's layout: where `compact` and a compact copy holds it
     exactly, that copy, giving the same bits: int8 with one scale per 32 weights of a row (a weight
-    dequantised from GGUF's Q8_0), int8 [ceil(N / panel), panel bytes]; else 4-bit values with a scale and
-    an offset per 32 (from Q4_1: `q4_1_copy`), uint8 [ceil(N / panel), panel bytes]. Else float32 panels
+    dequantised from GGUF's Q8_0 or Q5_0), int8 [ceil(N / panel), panel bytes]; else 4-bit values with a
+    scale and an offset per 32 (from Q4_1 or Q4_K), uint8 [ceil(N / panel), panel bytes]. Else float32 panels
     [ceil(N / panel), K, panel] (`build_info()`'s panel width), the same bytes as the weight padded to
-    whole panels."""
+    whole panels. Each copy's search stops at the first block that no copy holds."""
+    module, weight = _module(), weight.detach()
     if compact:
-        packed = _module().pack_int8_exact(weight.detach())
-        if packed.numel():
-            return packed
-        copy = q4_1_copy(weight)
-        if copy is not None:
-            return _module().pack_q4_1(*copy)
-    return _module().pack(weight.detach())
-
-
-Q4_1_BLOCK = 32  # weights of a row per scale and offset in GGUF's Q4_1
-# rows of a weight checked at a time (a few MB: in cache), after a first few alone: a weight of another kind
-# fails there, so checking it costs little whatever its size
-CHECKED_ROWS, FIRST_ROWS = 4096, 64
-
-
-def q4_1_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """`(values, scales, offsets)`: 4-bit values [N, K] (uint8) and a float16-valued scale and an offset per
-    32 weights of a row [N, K / 32] (float32) with `scale * value + offset`, rounded once, giving back every
-    weight of `weight` [N, K] exactly, as transformers' dequantisation of GGUF's Q4_1 leaves them (the offset
-    is the block's smallest weight, the scale the float16 nearest to its range / 15 or a float16 next to it);
-    None where no such copy holds the weight (the first rows with a block that fails stop the search)."""
-    rows, columns = weight.shape
-    if columns % Q4_1_BLOCK:
-        return None
-    w = weight.detach()
-    blocks = columns // Q4_1_BLOCK
-    values = torch.empty(rows, columns, dtype=torch.uint8)
-    scales, offsets = torch.empty(rows, blocks), torch.empty(rows, blocks)
-    starts = [0, *range(FIRST_ROWS, rows, CHECKED_ROWS)]
-    for start, stop in zip(starts, [*starts[1:], rows]):
-        part = w[start:stop].reshape(-1, blocks, Q4_1_BLOCK)
-        low = part.amin(dim=-1, keepdim=True)
-        nearest = ((part.amax(dim=-1, keepdim=True) - low) / 15).half()
-        held = torch.zeros(low.shape, dtype=torch.bool)
-        scale = torch.zeros_like(low)
-        value = torch.zeros_like(part)
-        for candidate in (
-            nearest,
-            torch.nextafter(nearest, torch.zeros_like(nearest)),
-            torch.nextafter(nearest, nearest.new_full((), 65504.0)),
-        ):
-            candidate = candidate.float()
-            q = torch.where(candidate > 0, (part - low) / candidate, 0.0).round_().clamp_(0, 15)
-            fits = (torch.addcmul(low, q, candidate) == part).all(dim=-1, keepdim=True) & ~held
-            scale = torch.where(fits, candidate, scale)
-            value = torch.where(fits, q, value)
-            held |= fits
-        # `torch.equal` returns a Python bool without a tensor read that `decode.syncs` counts: a weight packed on
-        # first use inside a decoding step is a CPU tensor, so there is no device to wait for
-        if not torch.equal(held, torch.ones_like(held)):
-            return None
-        values[start:stop] = value.flatten(1).to(torch.uint8)
-        scales[start:stop] = scale.flatten(1)
-        offsets[start:stop] = low.flatten(1)
-    return values, scales, offsets
+        for pack_exact in (module.pack_int8_exact, module.pack_4bit_exact):
+            packed = pack_exact(weight)
+            if packed.numel():
+                return packed
+    return module.pack(weight)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -228,7 +180,7 @@ def _(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tens
 def _kernel(packed: torch.Tensor):
     """The extension's function for `packed`'s layout: float32 panels, the int8 or the 4-bit copy (`pack`)."""
     module = _module()
-    return {torch.int8: module.linear_int8, torch.uint8: module.linear_q4_1}.get(packed.dtype, module.linear)
+    return {torch.int8: module.linear_int8, torch.uint8: module.linear_4bit}.get(packed.dtype, module.linear)
 
 
 def _module():

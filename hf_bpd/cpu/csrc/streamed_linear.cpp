@@ -11,10 +11,10 @@
 // a row gives the same result alone or in a batch, on AVX2 or AVX-512.
 //
 // A weight a compact copy holds exactly is packed as that copy instead: int8 values with one scale per kBlock
-// weights of a row (a weight dequantised from GGUF's Q8_0: `pack_int8_exact`), a quarter of the bytes, or
-// 4-bit values with a scale and an offset per kBlock (from GGUF's Q4_1: `pack_q4_1`), under a sixth. Its
-// values are multiplied out as they are loaded, exactly, so the FMA chains, and the outputs, are the float32
-// panels'.
+// weights of a row (a weight dequantised from GGUF's Q8_0 or Q5_0: `pack_int8_exact`), a quarter of the
+// bytes, or 4-bit values with a scale and an offset per kBlock (from GGUF's Q4_1 or Q4_K: `pack_4bit_exact`),
+// under a sixth. Its values are multiplied out as they are loaded, exactly, so the FMA chains, and the
+// outputs, are the float32 panels'.
 //
 // Built with OpenMP (-fopenmp): at::parallel_for's OpenMP backend is inline in ATen's headers, so without
 // it the pragma is dropped and every call runs on one thread.
@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 
@@ -98,14 +99,14 @@ constexpr const char* kInstructions = "avx2";
 
 constexpr int64_t kLine = 64;  // bytes per cache line
 
-// int8 and 4-bit weights carry their parameters per kBlock input indices of a column (GGUF's Q8_0 and Q4_1
-// blocks: a weight dequantised from either is then held exactly)
+// int8 and 4-bit weights carry their parameters per kBlock input indices of a column (GGUF's Q8_0, Q5_0 and
+// Q4_1 blocks, and Q4_K's sub-blocks: a weight dequantised from any of them is then held exactly)
 constexpr int64_t kBlock = 32;
 
 // The packed weight's formats, by the type of its elements: float panels [K, kPanel]; int8 panels [K, kPanel]
 // followed by their blocks' scales [ceil(K / kBlock), kPanel] (float); 4-bit panels [K, kPanel / 2] (bytes,
 // two columns each: `load_nibbles`) followed by their blocks' scales and then offsets, each [K / kBlock,
-// kPanel] (float), a weight being scale * value + offset (Q4_1's dequantisation, exact in one FMA)
+// kPanel] (float), a weight being scale * value + offset (Q4_1's and Q4_K's dequantisation, exact in one FMA)
 struct Nibbles {
   uint8_t byte;
 };
@@ -131,7 +132,7 @@ constexpr int64_t panel_stride(int64_t K) {
 
 // T: the packed weight's format (`panel_stride`). An int8 or 4-bit weight is multiplied out as it is loaded,
 // so the FMA chain is the float kernel's on the dequantised weight, bit for bit where those products are
-// exact, as `pack_int8_exact` and `pack_q4_1` make them
+// exact, as `pack_int8_exact` and `pack_4bit_exact` make them
 template <typename T, int R, int P>
 void panels_rows(const float* __restrict x, int64_t K, const T* __restrict panel, float* __restrict y,
                  int64_t ldy, int64_t last_columns) {
@@ -203,7 +204,7 @@ template <typename T>
 constexpr auto kByRowsPanels = by_rows_panels<T>(std::make_integer_sequence<int, kMaxRowGroup>{});
 
 // rows [M, K] times the `panels` of a weight of N columns (float panels from `pack`, int8 ones from
-// `pack_int8_exact`, 4-bit ones from `pack_q4_1`), into y [M, N]
+// `pack_int8_exact`, 4-bit ones from `pack_4bit_exact`), into y [M, N]
 template <typename T>
 void run_panels(const float* xp, int64_t M, int64_t K, const T* wp, int64_t panels, int64_t N, float* yp) {
   const int64_t stride = panel_stride<T>(K);
@@ -265,6 +266,10 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
 // holds it exactly: each block's scale its largest magnitude / 127 and every weight that scale times an int8
 // (true of a weight dequantised from GGUF's Q8_0, whose quantiser gives each block's largest weight +-127).
 // Else an empty tensor: the first block that does not come back exactly stops the search.
+// what a block's largest magnitude is divided by for the scale tried, in turn: Q8_0's 127, Q5_0's 16, then
+// every smaller count of scales (a block whose values a search quantised to fewer levels)
+constexpr float kInt8Divisors[] = {127, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1};
+
 torch::Tensor pack_int8_exact(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
               "streamed_linear.pack_int8_exact takes a 2D float32 CPU weight");
@@ -283,16 +288,26 @@ torch::Tensor pack_int8_exact(const torch::Tensor& weight) {
           const int64_t end = std::min(K, (b + 1) * kBlock);
           float largest = 0.0f;
           for (int64_t k = b * kBlock; k < end; ++k) largest = std::max(largest, std::fabs(row[k]));
-          const float scale = largest > 0.0f ? largest / 127.0f : 1.0f;
-          for (int64_t k = b * kBlock; k < end; ++k) {
-            const float q = std::nearbyint(row[k] / scale);
-            if (!(std::fabs(q) <= 127.0f && q * scale == row[k])) {
-              exact.store(false, std::memory_order_relaxed);
-              return;
+          // the block's largest magnitude is that many scales: Q8_0's quantiser maps it to 127, Q5_0's
+          // to 16 (its values q - 16, q of 5 bits), other searches to fewer
+          bool held = false;
+          for (const float divisor : kInt8Divisors) {
+            const float scale = largest > 0.0f ? largest / divisor : 1.0f;
+            held = true;
+            for (int64_t k = b * kBlock; k < end && held; ++k) {
+              const float q = std::nearbyint(row[k] / scale);
+              held = std::fabs(q) <= 127.0f && q * scale == row[k];
+              dst[p * stride + k * kPanel + j] = static_cast<int8_t>(q);
             }
-            dst[p * stride + k * kPanel + j] = static_cast<int8_t>(q);
+            if (held) {
+              panel_scales[b * kPanel + j] = scale;
+              break;
+            }
           }
-          panel_scales[b * kPanel + j] = scale;
+          if (!held) {
+            exact.store(false, std::memory_order_relaxed);
+            return;
+          }
         }
       }
     }
@@ -314,25 +329,82 @@ torch::Tensor linear_int8(const torch::Tensor& input, const torch::Tensor& packe
   return y;
 }
 
-// A weight dequantised from GGUF's Q4_1 as its 4-bit copy: values [N, K] (uint8, 0-15), scales and offsets
-// [N, K / kBlock] (float32), each weight scale * value + offset of its block, packed into panels of kPanel
-// columns (`panel_stride<Nibbles>`)
-torch::Tensor pack_q4_1(const torch::Tensor& values, const torch::Tensor& scales, const torch::Tensor& offsets) {
-  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == torch::kUInt8 && values.device().is_cpu() &&
-                  values.size(1) % kBlock == 0,
-              "streamed_linear.pack_q4_1 takes 2D uint8 CPU values, whole blocks of 32 per row");
-  const int64_t N = values.size(0), K = values.size(1), blocks = K / kBlock;
-  for (const auto* t : {&scales, &offsets})
-    TORCH_CHECK(t->dim() == 2 && t->scalar_type() == torch::kFloat32 && t->size(0) == N && t->size(1) == blocks,
-                "streamed_linear.pack_q4_1 takes float32 scales and offsets [N, K / 32]");
-  const auto v = values.contiguous();
-  const auto sc = scales.contiguous();
-  const auto of = offsets.contiguous();
+namespace {
+
+// One block of a row (kBlock weights) as 4-bit values q with fma(q, scale, offset) giving back each weight
+// exactly; false where the search finds none. gguf's dequantisation of Q4_1 (`d * q + m`) and Q4_K
+// (`(d * sc) * q - dmin * m`) multiplies exactly and rounds once, as one FMA does. The offset is the block's
+// smallest weight (its value 0; where a block has no 0, the offset plus that many scales is usually exact
+// too). The scale is its range over the largest value, 15 or fewer: the float nearest that quotient or a
+// few ulps from it, since the largest weight was rounded.
+constexpr int kScaleUlps = 8;  // how far from the nearest float to the quotient a scale is looked for
+
+bool recover_4bit(const float* w, float* scale, float* offset, uint8_t* q) {
+  const auto [low_it, high_it] = std::minmax_element(w, w + kBlock);
+  const float low = *low_it, high = *high_it;
+  *offset = low;
+  if (high == low) {
+    *scale = 0.0f;
+    std::fill(q, q + kBlock, uint8_t(0));
+    return std::isfinite(low);
+  }
+  for (int largest = 15; largest >= 1; --largest) {
+    const float nearest = static_cast<float>((double(high) - double(low)) / largest);
+    for (int step = 0; step <= 2 * kScaleUlps; ++step) {  // 0, -1, +1, -2, +2, ... ulps
+      const int ulps = step % 2 ? -(step + 1) / 2 : step / 2;
+      float candidate = nearest;
+      for (int u = 0; u < std::abs(ulps); ++u)
+        candidate = std::nextafter(candidate, ulps < 0 ? 0.0f : std::numeric_limits<float>::infinity());
+      if (!(candidate > 0.0f && std::isfinite(candidate))) continue;
+      bool held = true;
+      for (int64_t k = 0; k < kBlock && held; ++k) {
+        const double value = std::clamp(std::nearbyint((double(w[k]) - low) / candidate), 0.0, 15.0);
+        q[k] = static_cast<uint8_t>(value);
+        held = std::fma(static_cast<float>(value), candidate, low) == w[k];
+      }
+      if (held) {
+        *scale = candidate;
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+// The weight [N, K] as 4-bit values with a scale and an offset per kBlock of a row, each weight
+// fma(value, scale, offset) of its block exactly (a weight dequantised from GGUF's Q4_1 or Q4_K:
+// `recover_4bit`), packed into panels of kPanel columns (`panel_stride<Nibbles>`); an empty tensor where
+// a block holds no such copy (the search stops at the first). K must hold whole blocks.
+torch::Tensor pack_4bit_exact(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
+              "streamed_linear.pack_4bit_exact takes a 2D float32 CPU weight");
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), blocks = K / kBlock;
+  const auto empty = torch::empty({0}, w.options().dtype(torch::kUInt8));
+  if (K % kBlock != 0 || K == 0) return empty;
+  auto values = torch::empty({N, K}, empty.options());
+  auto scales = torch::empty({N, blocks}, w.options());
+  auto offsets = torch::empty({N, blocks}, w.options());
+  const float* src = w.data_ptr<float>();
+  uint8_t* q = values.data_ptr<uint8_t>();
+  float* scale = scales.data_ptr<float>();
+  float* offset = offsets.data_ptr<float>();
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1 && exact.load(std::memory_order_relaxed); ++n)
+      for (int64_t b = 0; b < blocks; ++b)
+        if (!recover_4bit(src + n * K + b * kBlock, scale + n * blocks + b, offset + n * blocks + b,
+                          q + n * K + b * kBlock)) {
+          exact.store(false, std::memory_order_relaxed);
+          return;
+        }
+  });
+  if (!exact.load()) return empty;
+  const uint8_t* src_values = values.data_ptr<uint8_t>();
   const int64_t panels = (N + kPanel - 1) / kPanel, stride = panel_stride<Nibbles>(K), half = kPanel / 2;
-  auto out = torch::zeros({panels, stride}, v.options());
-  const uint8_t* src = v.data_ptr<uint8_t>();
-  const float* scale = sc.data_ptr<float>();
-  const float* offset = of.data_ptr<float>();
+  auto out = torch::zeros({panels, stride}, values.options());
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -346,20 +418,20 @@ torch::Tensor pack_q4_1(const torch::Tensor& values, const torch::Tensor& scales
         }
         if (n >= N) continue;
         const int shift = j < half ? 0 : 4;
-        for (int64_t k = 0; k < K; ++k) panel[k * half + j % half] |= uint8_t((src[n * K + k] & 0x0F) << shift);
+        for (int64_t k = 0; k < K; ++k) panel[k * half + j % half] |= uint8_t(src_values[n * K + k] << shift);
       }
     }
   });
   return out;
 }
 
-torch::Tensor linear_q4_1(const torch::Tensor& input, const torch::Tensor& packed, int64_t out_features) {
+torch::Tensor linear_4bit(const torch::Tensor& input, const torch::Tensor& packed, int64_t out_features) {
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == torch::kFloat32 && input.device().is_cpu(),
-              "streamed_linear.linear_q4_1 takes 2D float32 CPU rows");
+              "streamed_linear.linear_4bit takes 2D float32 CPU rows");
   const int64_t K = input.size(1), panels = (out_features + kPanel - 1) / kPanel;
   TORCH_CHECK(K % kBlock == 0 && packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 &&
                   packed.size(0) == panels && packed.size(1) == panel_stride<Nibbles>(K) && packed.is_contiguous(),
-              "streamed_linear.linear_q4_1: the packed weight does not match the input or out_features");
+              "streamed_linear.linear_4bit: the packed weight does not match the input or out_features");
   const auto x = input.contiguous();
   auto y = torch::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return y;
@@ -386,7 +458,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "rows [M, K], panels, N -> rows @ weight.T [M, N]");
   m.def("pack_int8_exact", &pack_int8_exact, "weight [N, K] -> int8 panels with block scales where exact, else empty");
   m.def("linear_int8", &linear_int8, "rows [M, K], int8 panels, N -> rows @ weight.T [M, N]");
-  m.def("pack_q4_1", &pack_q4_1, "values [N, K] 0-15, scales, offsets [N, K / 32] -> 4-bit panels");
-  m.def("linear_q4_1", &linear_q4_1, "rows [M, K], 4-bit panels, N -> rows @ weight.T [M, N]");
+  m.def("pack_4bit_exact", &pack_4bit_exact,
+        "weight [N, K] -> 4-bit panels with block scales and offsets where exact, else empty");
+  m.def("linear_4bit", &linear_4bit, "rows [M, K], 4-bit panels, N -> rows @ weight.T [M, N]");
   m.def("build_info", &build_info, "panel width, instruction set and OpenMP of this build");
 }
