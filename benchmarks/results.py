@@ -438,6 +438,49 @@ def render_graph_trees(report: dict) -> list[str]:
     return lines
 
 
+def render_captured_step(report: dict) -> list[str]:
+    """research/gpu/captured_step.py: plain static-cache generate against hf_bpd's captured step on a GPU:
+    random-weight shapes (step cost measured, tokens/s projected from a replayed τ) and the real model (measured)."""
+    rows = report["rows"]
+    plain = {(r["shape"], r["dtype"]): r for r in rows if r.get("part") == "random" and r["method"] == "greedy_static"}
+    lines = [
+        "| shape | dtype | plain static ms/token | captured step ms/step | step / plain token | τ replayed "
+        "| projected tok/s (x plain) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if r.get("part") == "random" and r.get("method") == "captured" and "ms_per_step" in r:
+            g = plain[(r["shape"], r["dtype"])]
+            lines.append(
+                f"| {r['shape']} | {r['dtype']} | {g['ms_per_token']:.2f} "
+                f"| {r['ms_per_step']:.2f} (n = {r['tree_tokens']}) "
+                f"| {r['step_over_plain_token']:.2f} | {r['tau_replayed']:.2f} | {r['projected_tokens_per_s']:.0f} "
+                f"({r['projected_speedup_over_greedy_static']:.2f}x) |"
+            )
+    if not any(r.get("part") in ("real", "bf16") for r in rows):
+        return lines
+    lines += [
+        "",
+        "| model dtype | method | tokens/s | x plain static | τ | turns identical to plain |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    base = {
+        r["dtype"]: r["tokens_per_s"]
+        for r in rows
+        if r.get("part") in ("real", "bf16") and r.get("method") == "greedy_static"
+    }
+    for r in rows:
+        if r.get("part") in ("real", "bf16") and "tokens_per_s" in r:
+            tau = f"{r['tau']:.2f}" if "tau" in r else "1"
+            same = f"{r['identical']} of {r['of']}" if "identical" in r else "(reference)"
+            lines.append(
+                f"| {r['dtype']} | {r['method']} | {r['tokens_per_s']:.1f} "
+                f"| {r['tokens_per_s'] / base[r['dtype']]:.2f}x "
+                f"| {tau} | {same} |"
+            )
+    return lines
+
+
 def render_projection(report: dict) -> list[str]:
     """research/gpu_projection.py: a PROJECTION (no run of the step): τ(n) / (t(n) + X) against plain
     static-cache generate, at each assumed overhead X."""
@@ -751,6 +794,7 @@ RENDERERS = {
     "cost_model": render_cost_model,
     "graph_trees": render_graph_trees,
     "projection": render_projection,
+    "captured_step": render_captured_step,
     "tau": render_tau_by_tree,
     "tau_by_predictability": render_tau_by_predictability,
 }

@@ -175,6 +175,34 @@ def test_a_weight_no_int8_copy_holds_stays_float32():
     assert streamed_linear.pack(weight).dtype == torch.float32
 
 
+def test_compact_copies_are_used_only_where_they_give_the_float32_panels_bits(monkeypatch):
+    module = streamed_linear._module()
+    assert streamed_linear.compact_disagreement(module) is None  # this build, here
+
+    class OneUlpOff:  # the real build but a 4-bit kernel that is one ulp off (as a miscompiled one might be)
+        def __getattr__(self, name):
+            return getattr(module, name)
+
+        def linear_4bit(self, x, packed, out_features):
+            out = module.linear_4bit(x, packed, out_features)
+            out[3, 5] = torch.nextafter(out[3, 5], torch.tensor(1e9))
+            return out
+
+    class HoldsNothing(OneUlpOff):
+        def pack_int8_exact(self, weight):
+            return torch.empty(0, dtype=torch.int8)
+
+    assert "4-bit copy's results differ" in streamed_linear.compact_disagreement(OneUlpOff())
+    assert "int8 copy does not hold" in streamed_linear.compact_disagreement(HoldsNothing())
+    # refused: every weight is packed as float32 panels, which give the same bits
+    g = torch.Generator().manual_seed(4)
+    weight, x = q8_0_weight(48, 64, g), torch.randn(5, 64, generator=g)
+    expected = streamed_linear.linear(x, streamed_linear.pack(weight), 48)
+    monkeypatch.setattr(streamed_linear, "_compact_refused", lambda: "a reason")
+    assert streamed_linear.pack(weight).dtype == torch.float32
+    assert torch.equal(streamed_linear.linear(x, streamed_linear.pack(weight), 48), expected)
+
+
 def test_the_custom_op_serves_the_int8_copy():
     g = torch.Generator().manual_seed(8)
     weight, x = q8_0_weight(48, 64, g), torch.randn(5, 64, generator=g)

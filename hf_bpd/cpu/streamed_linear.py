@@ -125,6 +125,39 @@ def unavailable_reason() -> str | None:
     return ext if isinstance(ext, str) else None
 
 
+def compact_disagreement(module) -> str | None:
+    """Why `module`'s compact copies cannot be used here (None where they can): built to fit, a weight must
+    pack as each copy and give the float32 panels' bits. A miscompiled or mis-dispatched copy is then never
+    used; `pack` keeps to float32 panels."""
+    g = torch.Generator().manual_seed(0)  # never the global stream
+    scales = torch.rand(21, 2, 1, generator=g).half().float() + 0.5
+    offsets = -torch.rand(21, 2, 1, generator=g).half().float()
+    int8 = torch.randint(-127, 128, (21, 2, 32), generator=g).double()
+    nibbles = torch.randint(0, 16, (21, 2, 32), generator=g).double()
+    # each block's extremes as the GGUF quantisers leave them: ±127 in an int8 block, 0 and 15 in a 4-bit one
+    int8[..., 0], nibbles[..., 0], nibbles[..., 1] = 127 * torch.sign(torch.randn(21, 2, generator=g)), 0, 15
+    x = torch.randn(13, 64, generator=g)
+    for kind, weight, pack_exact, linear in (
+        ("int8", int8 * scales, module.pack_int8_exact, module.linear_int8),
+        ("4-bit", nibbles * scales + offsets, module.pack_4bit_exact, module.linear_4bit),  # exact, then rounded once
+    ):
+        weight = weight.float().flatten(1)
+        packed = pack_exact(weight)
+        if not packed.numel():
+            return f"its {kind} copy does not hold a weight built to fit it"
+        if not torch.equal(linear(x, packed, 21), module.linear(x, module.pack(weight), 21)):
+            return f"its {kind} copy's results differ from the float32 panels' on this machine"
+    return None
+
+
+@functools.cache
+def _compact_refused() -> str | None:
+    reason = compact_disagreement(_module())
+    if reason is not None:
+        log.logger.warning("the streamed kernel's compact weight copies are off: %s; float32 panels are used", reason)
+    return reason
+
+
 def pack(weight: torch.Tensor, compact: bool = True) -> torch.Tensor:
     """`weight` [N, K] (float32, CPU) in the kernel's layout: where `compact` and a compact copy holds it
     exactly, that copy, giving the same bits: int8 with one scale per 32 weights of a row (a weight
@@ -133,7 +166,7 @@ def pack(weight: torch.Tensor, compact: bool = True) -> torch.Tensor:
     [ceil(N / panel), K, panel] (`build_info()`'s panel width), the same bytes as the weight padded to
     whole panels. Each copy's search stops at the first block that no copy holds."""
     module, weight = _module(), weight.detach()
-    if compact:
+    if compact and _compact_refused() is None:
         for pack_exact in (module.pack_int8_exact, module.pack_4bit_exact):
             packed = pack_exact(weight)
             if packed.numel():

@@ -665,8 +665,15 @@ class CapturedDecoder:
         active_packed_linear()  # makes this thread's packed-linear stack, which the heads' graph guards on
 
     def start(self, ids: torch.Tensor, hidden: torch.Tensor, limit: int, drafter) -> None:
-        """The call's state, once before its first step (`CapturedState.load`)."""
+        """The call's state, once before its first step (`CapturedState.load`), and the packed CPU kernels'
+        weights: every weight the plan packs is packed here, not on its first use inside a step (setup work
+        a step should not do), and a traced step only reads the packed copies there are
+        (`PackedLinear.pack_planned`)."""
         self.state.load(ids, hidden, limit, drafter.calibration)
+        packed = active_packed_linear()
+        if packed is not None:
+            tied = self.heads.__dict__.get("_tied_weight")  # the LM-head rows the heads borrow
+            packed.pack_planned(() if tied is None else (tied,))
 
     def fitting(self, room: int) -> list[int]:
         """The bucket sizes of at most `room` nodes (none: not even the root fits)."""
@@ -705,10 +712,6 @@ class CapturedDecoder:
             return self._compile(model, bucket, cache)
 
     def _compile(self, model, bucket: TreeBucket, cache) -> torch.Tensor:
-        packed = active_packed_linear()
-        if packed is not None:  # the graph takes the packed copies there are (`PackedLinear.pack_planned`)
-            tied = self.heads.__dict__.get("_tied_weight")  # the LM-head rows the heads borrow
-            packed.pack_planned(() if tied is None else (tied,))
         # a bucket's first call compiles its graph: every decoder's graphs are entries of the one compiled
         # function, so its entry limit (8 by default) is raised to the graphs decoders may hold
         with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)):

@@ -4,15 +4,15 @@ device call (about 8 minutes of an H200): one JSON line per configuration as it 
 
 Parts (`--parts`, in this order by default; each skipped once `--budget-s` seconds have passed):
   random  random-weight Llama shapes (`hf_bpd.tools.cost_model.random_llama`): 135m float32, 1b bfloat16, 7b
-          bfloat16 (last, only with time left). Per shape: plain greedy `generate` on a static cache
-          (`cache_implementation="static"`: transformers compiles its decoding step, CUDA graphs on a GPU)
-          and hf_bpd's captured step (`captured_step=True`: inductor, "reduce-overhead") with random
-          shipped-style heads (5 "previous" heads, an 8192-token draft vocabulary, top-k 10) at each
-          `--trees` size. Per-token time from CUDA events after two warm-up calls (which compile):
-          (time of K new tokens - time of 1) / (K - 1), median of `--repeats`; the captured step's time per
-          STEP likewise over its steps. With random weights the measured τ is the random heads' (about 1),
-          so each captured row also gives `projected_tokens_per_s` = τ_replay(n) / step time, τ_replay(n)
-          the captured step's τ measured on the real SmolLM2 with its shipped heads
+          bfloat16 (last, only with time left; `--shapes` names others, e.g. 135m:bfloat16). Per shape: plain
+          greedy `generate` on a static cache (`cache_implementation="static"`: transformers compiles its
+          decoding step, CUDA graphs on a GPU) and hf_bpd's captured step (`captured_step=True`: inductor,
+          "reduce-overhead") with random shipped-style heads (5 "previous" heads, an 8192-token draft
+          vocabulary, top-k 10) at each `--trees` size. Per-token time from CUDA events after two warm-up
+          calls (which compile): (time of K new tokens - time of 1) / (K - 1), median of `--repeats`; the
+          captured step's time per STEP likewise over its steps. With random weights the measured τ is the
+          random heads' (about 1), so each captured row also gives `projected_tokens_per_s` = τ_replay(n) /
+          step time, τ_replay(n) the captured step's τ measured on the real SmolLM2 with its shipped heads
           (benchmarks/gpu/captured_tau_merged_smollm2_cpu.json's grown trees with the lookup, learning,
           `research/captured_tau.py`: τ is a count, the same on any machine): a projection, labelled so in
           the row.
@@ -152,7 +152,7 @@ class Runner:
         return tk, t1, warm
 
     def random_shapes(self) -> None:
-        for shape, dtype in (("tiny", "float32"),) if self.args.tiny else SHAPES:
+        for shape, dtype in (("tiny", "float32"),) if self.args.tiny else self.args.shapes:
             if self.out_of_time():
                 self.emit({"part": "random", "shape": shape, "dtype": dtype, "skipped": "time budget"})
                 continue
@@ -327,6 +327,13 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny models, a few tokens: the script's path on a CPU")
     parser.add_argument("--dry-run", action="store_true", help="= --device cpu --tiny")
     parser.add_argument("--parts", nargs="+", default=["random", "real", "bf16"], choices=["random", "real", "bf16"])
+    parser.add_argument(
+        "--shapes",
+        type=lambda s: tuple(s.split(":")),
+        nargs="+",
+        default=list(SHAPES),
+        help="the random part's shape:dtype pairs, in order (default 135m:float32 1b:bfloat16 7b:bfloat16)",
+    )
     parser.add_argument("--trees", type=int, nargs="+", default=[16])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64, help="K of the per-token timing (random part)")
