@@ -38,3 +38,24 @@ def test_captured_step_script_runs_its_whole_path_on_a_cpu_and_writes_one_line_p
             assert r["of"] == r["rows"] == 2 and r["tau"] >= 1
     # float32: the tree decodings give plain static-cache greedy's tokens
     assert by[("real", "captured")]["identical"] == 2 and by[("real", "hf_bpd_static")]["identical"] == 2
+
+
+def test_the_profile_part_names_where_each_calls_time_goes(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    assert (
+        main(["--dry-run", "--parts", "profile", "--trees", "4", "8", "--profile-top", "5", "--output", str(out)]) == 0
+    )
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["part"], r["method"], r["tree_tokens"]) for r in rows] == [
+        ("profile", "greedy_static", 1),
+        ("profile", "captured", 4),
+        ("profile", "captured", 8),
+    ]
+    for r in rows:
+        assert set(r) >= COMMON | {"steps", "wall_ms_per_step", "device_busy_ms_per_step", "top"}
+        assert r["device_busy_ms_per_step"] is None  # a CPU has no device timeline
+        assert len(r["top"]) == 5 and all(op["calls"] > 0 and op["own_ms_per_step"] >= 0 for op in r["top"])
+        assert 1 <= r["steps"] <= r["new_tokens"]
+    # a plain call's one-token forwards and the captured calls' trees: a tree step emits at least one token
+    assert rows[0]["steps"] == rows[0]["new_tokens"]
+    assert any(op["name"] == "aten::mm" for op in rows[0]["top"])

@@ -25,6 +25,9 @@ Parts (`--parts`, in this order by default; each skipped once `--budget-s` secon
           total time, the first row run once before timing as warm-up/compile).
   bf16    the same model in bfloat16: the share of turns token-identical to bfloat16 plain static greedy
           for the captured step (and its τ and tokens/s).
+  profile (not in the default parts) where a step's time goes, per `--shapes` pair: `torch.profiler` over
+          one call of plain static greedy and of the captured step at each `--trees` size, the device's
+          busy time per step against the wall time and the top ops by own device time (`profile_shape`).
 
     python -m research.gpu.captured_step --device cuda --output $OUT/captured.jsonl   # on the GPU
     python -m research.gpu.captured_step --device cpu --tiny                            # the whole path here
@@ -163,11 +166,11 @@ class Runner:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    @torch.no_grad()
-    def random_shape(self, shape: str, dtype: str) -> None:
-        args, tau = self.args, replayed_tau()
-        k, context = args.new_tokens, args.context
-        model = random_llama(shape, args.device, dtype)
+    def random_setup(self, shape: str, dtype: str):
+        """A random-weight model of `shape`, a random prompt of `--context` tokens and `generate`'s common
+        arguments (greedy, a static cache with room for `--new-tokens`, no eos)."""
+        k, context = self.args.new_tokens, self.args.context
+        model = random_llama(shape, self.args.device, dtype)
         for cfg in (model.config, model.generation_config):
             cfg.eos_token_id = None
         model.generation_config.pad_token_id = 0
@@ -175,6 +178,13 @@ class Runner:
         prompt = torch.randint(3, model.config.vocab_size, (1, context), generator=g).to(self.device)
         common = self.cache_kwargs(model, context + k)
         common.update(do_sample=False, attention_mask=torch.ones_like(prompt))
+        return model, prompt, common
+
+    @torch.no_grad()
+    def random_shape(self, shape: str, dtype: str) -> None:
+        args, tau = self.args, replayed_tau()
+        k, context = args.new_tokens, args.context
+        model, prompt, common = self.random_setup(shape, dtype)
         plain = lambda n: model.generate(prompt, max_new_tokens=n, **fresh(common))  # noqa: E731
         tk, t1, warm = self.per_token(plain, k)
         plain_s = (tk - t1) / (k - 1)
@@ -231,6 +241,66 @@ class Runner:
                     projection=f"tau_replayed from {TAU_FILE.relative_to(ROOT)} (grown, lookup, learned calibration)",
                 )
             self.emit(row)
+
+    # ------------------------------------------------------------------------------------------ profile
+    @torch.no_grad()
+    def profile_shape(self, shape: str, dtype: str) -> None:
+        """Where a step's time goes: `torch.profiler` over one call of `--new-tokens` tokens, after two
+        warm-up calls (which compile), of plain static-cache greedy and of the captured step at each
+        `--trees` size (one bucket each). One row per call: the device's busy time (the sum of its kernels'
+        own times) per token or step against the wall time, and the `--profile-top` ops by own device
+        time (by own host time on a CPU); the profiler's own work adds to the wall time. Busy time well
+        under wall time: launches or host waits bound the step; near it: the kernels do, and the top ops
+        say which."""
+        args = self.args
+        model, prompt, common = self.random_setup(shape, dtype)
+        heads = shipped_style_heads(model, self.device, dtype)
+        base = {"part": "profile", "shape": shape, "dtype": dtype, "context": args.context}
+        calls = [("greedy_static", None, {})]
+        for n in args.trees:
+            drafter = BlockDrafter(heads, top_k=10, max_tree_tokens=n, **self.cpu_kwargs)
+            drafter.captured_sizes = (n,)
+            calls.append(
+                ("captured", drafter, dict(custom_generate=hf_bpd.generate, assistant=drafter, captured_step=True))
+            )
+        for method, drafter, extra in calls:
+            if self.out_of_time():
+                self.emit({**base, "method": method, "skipped": "time budget"})
+                continue
+
+            def call(extra=extra):
+                model.generate(prompt, max_new_tokens=args.new_tokens, **fresh(common), **extra)
+
+            for _ in range(2):
+                call()
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+                torch.cuda.synchronize()
+            with torch.profiler.profile(activities=activities) as prof:
+                wall = self.clock.time(call)
+            own = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            ops = sorted(prof.key_averages(), key=lambda e: getattr(e, own), reverse=True)
+            device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy_us = sum(e.device_time for e in device_events) if device_events else None
+            units = drafter.stats.steps if drafter is not None else args.new_tokens
+            row = {
+                **base,
+                "method": method,
+                "tree_tokens": drafter.max_tree_tokens if drafter is not None else 1,
+                "new_tokens": drafter.stats.new_tokens if drafter is not None else args.new_tokens,
+                "steps": units,
+                "wall_ms_per_step": wall * 1e3 / units,
+                "device_busy_ms_per_step": None if busy_us is None else busy_us / 1e3 / units,
+                "top": [
+                    {"name": e.key[:120], "calls": e.count, "own_ms_per_step": getattr(e, own) / 1e3 / units}
+                    for e in ops[: args.profile_top]
+                ],
+            }
+            self.emit(row)
+        if self.device.type == "cuda":
+            model.to("meta")  # frees its memory for the next shape
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------------------------- real model
     def real_inputs(self, dtype: str):
@@ -326,7 +396,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny models, a few tokens: the script's path on a CPU")
     parser.add_argument("--dry-run", action="store_true", help="= --device cpu --tiny")
-    parser.add_argument("--parts", nargs="+", default=["random", "real", "bf16"], choices=["random", "real", "bf16"])
+    parser.add_argument(
+        "--parts", nargs="+", default=["random", "real", "bf16"], choices=["random", "real", "bf16", "profile"]
+    )
     parser.add_argument(
         "--shapes",
         type=lambda s: tuple(s.split(":")),
@@ -341,6 +413,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cache-margin", type=int, default=64, help="static cache positions past the longest call (0: generate's own)"
     )
+    parser.add_argument("--profile-top", type=int, default=25, help="ops listed per profiled call")
     parser.add_argument("--rows", type=int, default=6)
     parser.add_argument("--real-new-tokens", type=int, default=128)
     parser.add_argument("--budget-s", type=float, default=420, help="no new configuration starts after this")
@@ -359,6 +432,9 @@ def main(argv=None) -> int:
         runner.real_model("float32", ("greedy_static", "hf_bpd_static", "captured"))
     if "bf16" in args.parts:
         runner.real_model("bfloat16", ("greedy_static", "captured"))
+    if "profile" in args.parts:
+        for shape, dtype in (("tiny", "float32"),) if args.tiny else args.shapes:
+            runner.profile_shape(shape, dtype)
     return 0
 
 
