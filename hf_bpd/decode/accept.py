@@ -27,11 +27,18 @@ class AcceptResult:
     finished: bool
 
 
+def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
+    """`scores.argmax(dim=-1)`, the greedy token of each row, through `max(dim=-1)`: the same indices (the
+    first maximum, a NaN where there is one), and torch's CPU `max` reduces over a large vocabulary in
+    vectorised chunks where its `argmax` does not."""
+    return scores.max(dim=-1).indices
+
+
 def choose_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     """Processed scores `[B, V]` -> the token `generate` picks for each row `[B]`: the argmax, or one draw
     from their softmax made exactly as `generate`'s sampling loop makes it (so a seed gives the same draws)."""
     if not do_sample:
-        return scores.argmax(dim=-1)
+        return greedy_tokens(scores)
     probs = torch.nn.functional.softmax(scores, dim=-1)
     return torch.multinomial(probs, num_samples=1).squeeze(1)
 
@@ -104,7 +111,7 @@ def accept_greedy(
     walk on the host. `length`: the sequence's length, root included. `choices`: that argmax, where the
     caller already read it (`accept_greedy_and_grow`)."""
     if choices is None:
-        choices = logits.argmax(dim=-1).tolist()
+        choices = greedy_tokens(logits).tolist()
     nodes, tokens = [], []
     node = 0
     while True:

@@ -53,7 +53,7 @@ from transformers import (
 
 from ..drafting.tree import DraftTree, batch_trees, root_batch
 from ..kv import HoleLedger, compact_rows, drop_rows, squeeze_holes
-from .accept import AcceptResult, HostStop, accept_greedy
+from .accept import AcceptResult, HostStop, accept_greedy, greedy_tokens
 from .call import DecodeCall, row_processors
 from .cost import BatchForwardCost
 from .stats import DecodingStats
@@ -295,7 +295,7 @@ def accept_greedy_rows(
 ) -> dict[int, AcceptResult]:
     """`accept_rows` for greedy decoding without processors: the base model's token at every node of every
     row in one argmax and one copy to the host, then each row's walk there (`accept.accept_greedy`)."""
-    choices = logits.argmax(dim=-1).tolist()  # [rows in cache][N], finished rows' too: one read, no gather
+    choices = greedy_tokens(logits).tolist()  # [rows in cache][N], finished rows' too: one read, no gather
     return {
         b: accept_greedy(trees[slot[b]], logits[slot[b]], sequences[b].shape[1], stop, choices[slot[b]]) for b in active
     }
@@ -306,7 +306,7 @@ def accept_greedy_roots(
 ) -> dict[int, AcceptResult]:
     """`accept_greedy_rows` for a plain step (every cache row verified its root alone, `tree.root_batch`):
     one argmax over every row's logits and one copy to the host; each row's token is its bonus token."""
-    choices = logits[:, 0].argmax(dim=-1).tolist()
+    choices = greedy_tokens(logits[:, 0]).tolist()
     results = {}
     for b in active:
         token, raw = choices[slot[b]], [logits[slot[b], 0].float()]

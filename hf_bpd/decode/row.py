@@ -47,7 +47,7 @@ from ..drafting.drafter import BlockDrafter
 from ..drafting.expansion import GrownTree
 from ..drafting.tree import DraftTree, TreeBatch, batch_trees
 from ..kv import compact_cache, compact_static_cache
-from .accept import AcceptResult, HostStop, accept_greedy
+from .accept import AcceptResult, HostStop, accept_greedy, greedy_tokens
 from .call import DecodeCall
 from .captured import decode_captured, use_captured
 from .sampled_walk import accept_sampled_and_grow, walk_serves
@@ -90,7 +90,7 @@ def accept_greedy_and_grow(
     # the tree's own nodes only: a compiled forward's batch is padded past them, and the copy below reads
     # the walk's last node right after the tree's choices
     logits, hidden = out.logits[0, :n], out.hidden_states[-1][0, :n]
-    choices = logits.argmax(dim=-1)
+    choices = greedy_tokens(logits)
     last = greedy_last_node(batch, torch.tensor(tree.parents, device=device), choices)
     t0 = time.perf_counter()
     grown = drafter.grow(hidden.index_select(0, last), choices.index_select(0, last), max_depth=max_depth)
