@@ -1,16 +1,15 @@
 """What streaming weights from their exact compact copies (`streamed_linear.pack`: int8 for a weight
-dequantised from GGUF's Q8_0 or Q5_0, 4-bit for one from Q4_1 or Q4_K; the same bits) saves a decoding
-forward:
+dequantised from GGUF's Q8_0 or Q5_0, int8 with a scale per 16 for one from Q6_K, 4-bit for one from Q4_1 or
+Q4_K; the same bits) saves a decoding forward:
 
     python -m research.compact_weights --output benchmarks/kernels/compact_weights_intel.json
 
 For each packaged model (SmolLM2-135M-Instruct; Gemma-3-270M where installed), on its kernel plan
 (`fast_cpu`), three ways: every streamed weight as float32 panels; only the LM head compact (both
 packaged models' heads are Q8_0 in their GGUF files); every weight a copy holds compact (SmolLM2's linears
-are Q4_1; Gemma's Q5_0, Q4_K and Q8_0, and nine Q6_K, which no copy holds yet). For each: the forward of n
-tokens on a `--context`-token cache, in turns, median of `--repeats` (`cost.ForwardTimer`, decoding's own
-call), and whether it gives the float32 panels' logits bit for bit on a prompt at each size. Run with nothing else on
-the machine.
+are Q4_1; Gemma's Q5_0, Q4_K, Q8_0 and nine Q6_K). For each: the forward of n tokens on a `--context`-token
+cache, in turns, median of `--repeats` (`cost.ForwardTimer`, decoding's own call), and whether it gives the
+float32 panels' logits bit for bit on a prompt at each size. Run with nothing else on the machine.
 """
 
 from __future__ import annotations

@@ -67,6 +67,11 @@ def test_another_build_of_the_kernel_gives_the_same_bits():
         here = streamed_linear.linear(x, streamed_linear.pack(weight), out_features)
         there = other.linear_int8(x, other.pack_int8_exact(weight), out_features)
         assert torch.equal(there, here), (out_features, rows)
+        # the int8 copy with a scale per 16
+        weight = q6_k_weight(out_features, in_features, g)
+        here = streamed_linear.linear(x, streamed_linear.pack(weight), out_features)
+        there = other.linear_int8(x, other.pack_int8_exact(weight, 16), out_features)
+        assert torch.equal(there, here), (out_features, rows)
         if in_features % 32 == 0:  # and the 4-bit copy
             weight = q4_1_weight(out_features, in_features, g)
             here = streamed_linear.linear(x, streamed_linear.pack(weight), out_features)
@@ -121,6 +126,21 @@ def q4_k_weight(out_features: int, in_features: int, g: torch.Generator) -> torc
     return torch.from_numpy(weight[:, :in_features].copy())
 
 
+def q6_k_weight(out_features: int, in_features: int, g: torch.Generator) -> torch.Tensor:
+    """A weight as transformers (gguf's numpy code) dequantises GGUF's Q6_K blocks (256 weights: a float16
+    scale, int8 scales per 16, 6-bit values less 32), the scales of either sign, some 0."""
+    from gguf import GGMLQuantizationType, quants
+
+    superblocks = out_features * -(-in_features // 256)
+    bits = torch.randint(0, 256, (superblocks, 128 + 64), generator=g, dtype=torch.uint8)
+    scales = torch.randint(-128, 128, (superblocks, 16), generator=g, dtype=torch.int8)
+    scales[::5, 2] = 0
+    d = (torch.rand(superblocks, 1, generator=g) * 1e-3 + 1e-5).half().view(torch.uint8)
+    blocks = torch.cat([bits, scales.view(torch.uint8), d], 1)
+    weight = quants.dequantize(blocks.numpy(), GGMLQuantizationType.Q6_K).reshape(out_features, -1)
+    return torch.from_numpy(weight[:, :in_features].copy())
+
+
 # the compact copies: (the weight's GGUF type, a weight dequantised from it, the copy's dtype, how many times
 # fewer bytes than float32 panels at least, where a row holds whole blocks of 32)
 COMPACT = {
@@ -128,6 +148,7 @@ COMPACT = {
     "q5_0": (q5_0_weight, torch.int8, 3),  # its values q - 16 in 8 bits: most of Gemma-3-270M's linears
     "q4_1": (q4_1_weight, torch.uint8, 5),
     "q4_k": (q4_k_weight, torch.uint8, 5),  # 27 of Gemma-3-270M's linears
+    "q6_k": (q6_k_weight, torch.int8, 3),  # int8 with a scale per 16: 9 of Gemma-3-270M's linears
 }
 
 
@@ -189,7 +210,7 @@ def test_compact_copies_are_used_only_where_they_give_the_float32_panels_bits(mo
             return out
 
     class HoldsNothing(OneUlpOff):
-        def pack_int8_exact(self, weight):
+        def pack_int8_exact(self, weight, block=32):
             return torch.empty(0, dtype=torch.int8)
 
     assert "4-bit copy's results differ" in streamed_linear.compact_disagreement(OneUlpOff())

@@ -132,13 +132,18 @@ def compact_disagreement(module) -> str | None:
     g = torch.Generator().manual_seed(0)  # never the global stream
     scales = torch.rand(21, 2, 1, generator=g).half().float() + 0.5
     offsets = -torch.rand(21, 2, 1, generator=g).half().float()
+    sub_scales = torch.rand(21, 4, 1, generator=g).half().float() * torch.randint(1, 128, (21, 4, 1), generator=g)
     int8 = torch.randint(-127, 128, (21, 2, 32), generator=g).double()
+    six_bit = torch.randint(-32, 32, (21, 4, 16), generator=g).double()
     nibbles = torch.randint(0, 16, (21, 2, 32), generator=g).double()
-    # each block's extremes as the GGUF quantisers leave them: ±127 in an int8 block, 0 and 15 in a 4-bit one
-    int8[..., 0], nibbles[..., 0], nibbles[..., 1] = 127 * torch.sign(torch.randn(21, 2, generator=g)), 0, 15
+    # each block's extremes as the GGUF quantisers leave them: ±127 in an int8 block, -32 in a Q6_K sub-block,
+    # 0 and 15 in a 4-bit one
+    int8[..., 0], six_bit[..., 0] = 127 * torch.sign(torch.randn(21, 2, generator=g)), -32
+    nibbles[..., 0], nibbles[..., 1] = 0, 15
     x = torch.randn(13, 64, generator=g)
     for kind, weight, pack_exact, linear in (
         ("int8", int8 * scales, module.pack_int8_exact, module.linear_int8),
+        ("int8 per 16", six_bit * sub_scales, _per_16(module), module.linear_int8),
         ("4-bit", nibbles * scales + offsets, module.pack_4bit_exact, module.linear_4bit),  # exact, then rounded once
     ):
         weight = weight.float().flatten(1)
@@ -162,16 +167,21 @@ def pack(weight: torch.Tensor, compact: bool = True) -> torch.Tensor:
     """`weight` [N, K] (float32, CPU) in the kernel's layout: where `compact` and a compact copy holds it
     exactly, that copy, giving the same bits: int8 with one scale per 32 weights of a row (a weight
     dequantised from GGUF's Q8_0 or Q5_0), int8 [ceil(N / panel), panel bytes]; else 4-bit values with a
-    scale and an offset per 32 (from Q4_1 or Q4_K), uint8 [ceil(N / panel), panel bytes]. Else float32 panels
+    scale and an offset per 32 (from Q4_1 or Q4_K), uint8 [ceil(N / panel), panel bytes]; else int8 with one
+    scale per 16 (from Q6_K), int8 [ceil(N / panel), panel bytes] (the bytes tell it apart). Else float32 panels
     [ceil(N / panel), K, panel] (`build_info()`'s panel width), the same bytes as the weight padded to
     whole panels. Each copy's search stops at the first block that no copy holds."""
     module, weight = _module(), weight.detach()
     if compact and _compact_refused() is None:
-        for pack_exact in (module.pack_int8_exact, module.pack_4bit_exact):
+        for pack_exact in (module.pack_int8_exact, module.pack_4bit_exact, _per_16(module)):
             packed = pack_exact(weight)
             if packed.numel():
                 return packed
     return module.pack(weight)
+
+
+def _per_16(module):
+    return functools.partial(module.pack_int8_exact, block=16)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:

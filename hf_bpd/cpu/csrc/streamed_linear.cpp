@@ -12,9 +12,9 @@
 //
 // A weight a compact copy holds exactly is packed as that copy instead: int8 values with one scale per kBlock
 // weights of a row (a weight dequantised from GGUF's Q8_0 or Q5_0: `pack_int8_exact`), a quarter of the
-// bytes, or 4-bit values with a scale and an offset per kBlock (from GGUF's Q4_1 or Q4_K: `pack_4bit_exact`),
-// under a sixth. Its values are multiplied out as they are loaded, exactly, so the FMA chains, and the
-// outputs, are the float32 panels'.
+// bytes, or per kSubBlock (from Q6_K, whose scales change every 16 weights), or 4-bit values with a scale and
+// an offset per kBlock (from GGUF's Q4_1 or Q4_K: `pack_4bit_exact`), under a sixth. Its values are
+// multiplied out as they are loaded, exactly, so the FMA chains, and the outputs, are the float32 panels'.
 //
 // Built with OpenMP (-fopenmp): at::parallel_for's OpenMP backend is inline in ATen's headers, so without
 // it the pragma is dropped and every call runs on one thread.
@@ -100,11 +100,13 @@ constexpr const char* kInstructions = "avx2";
 constexpr int64_t kLine = 64;  // bytes per cache line
 
 // int8 and 4-bit weights carry their parameters per kBlock input indices of a column (GGUF's Q8_0, Q5_0 and
-// Q4_1 blocks, and Q4_K's sub-blocks: a weight dequantised from any of them is then held exactly)
+// Q4_1 blocks, and Q4_K's sub-blocks: a weight dequantised from any of them is then held exactly); an int8
+// copy may carry them per kSubBlock instead (Q6_K's sub-blocks)
 constexpr int64_t kBlock = 32;
+constexpr int64_t kSubBlock = 16;
 
 // The packed weight's formats, by the type of its elements: float panels [K, kPanel]; int8 panels [K, kPanel]
-// followed by their blocks' scales [ceil(K / kBlock), kPanel] (float); 4-bit panels [K, kPanel / 2] (bytes,
+// followed by their blocks' scales [ceil(K / B), kPanel] (float, B kBlock or kSubBlock); 4-bit panels [K, kPanel / 2] (bytes,
 // two columns each: `load_nibbles`) followed by their blocks' scales and then offsets, each [K / kBlock,
 // kPanel] (float), a weight being scale * value + offset (Q4_1's and Q4_K's dequantisation, exact in one FMA)
 struct Nibbles {
@@ -117,10 +119,10 @@ constexpr int64_t kStepsPerLine = kLine / (kStep<T> * sizeof(T));  // input indi
 template <typename T>
 constexpr int64_t kPrefetchSteps = 2048 / (kStep<T> * sizeof(T));  // 2 KB ahead of the current index
 
-// T elements from one panel to the next
-template <typename T>
+// T elements from one panel to the next, for parameters per B input indices
+template <typename T, int64_t B = kBlock>
 constexpr int64_t panel_stride(int64_t K) {
-  const int64_t blocks = (K + kBlock - 1) / kBlock, floats = int64_t(sizeof(float)) / int64_t(sizeof(T));
+  const int64_t blocks = (K + B - 1) / B, floats = int64_t(sizeof(float)) / int64_t(sizeof(T));
   if constexpr (std::is_same_v<T, float>) {
     return K * kPanel;
   } else if constexpr (std::is_same_v<T, int8_t>) {
@@ -132,8 +134,8 @@ constexpr int64_t panel_stride(int64_t K) {
 
 // T: the packed weight's format (`panel_stride`). An int8 or 4-bit weight is multiplied out as it is loaded,
 // so the FMA chain is the float kernel's on the dequantised weight, bit for bit where those products are
-// exact, as `pack_int8_exact` and `pack_4bit_exact` make them
-template <typename T, int R, int P>
+// exact, as `pack_int8_exact` and `pack_4bit_exact` make them; B: the input indices per block of parameters
+template <typename T, int64_t B, int R, int P>
 void panels_rows(const float* __restrict x, int64_t K, const T* __restrict panel, float* __restrict y,
                  int64_t ldy, int64_t last_columns) {
   Vec acc[P][R];
@@ -141,17 +143,17 @@ void panels_rows(const float* __restrict x, int64_t K, const T* __restrict panel
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[p][r] = zero();
-  const int64_t stride = panel_stride<T>(K);
-  const int64_t blocks = (K + kBlock - 1) / kBlock;
+  const int64_t stride = panel_stride<T, B>(K);
+  const int64_t blocks = (K + B - 1) / B;
   [[maybe_unused]] Vec scale[P], offset[P];
   for (int64_t k = 0; k < K; ++k) {
     if constexpr (!std::is_same_v<T, float>) {
-      if (k % kBlock == 0) {
+      if (k % B == 0) {
 #pragma GCC unroll 16
         for (int p = 0; p < P; ++p) {
           const float* parameters = reinterpret_cast<const float*>(panel + p * stride + K * kStep<T>);
-          scale[p] = load(parameters + k / kBlock * kPanel);
-          if constexpr (std::is_same_v<T, Nibbles>) offset[p] = load(parameters + (blocks + k / kBlock) * kPanel);
+          scale[p] = load(parameters + k / B * kPanel);
+          if constexpr (std::is_same_v<T, Nibbles>) offset[p] = load(parameters + (blocks + k / B) * kPanel);
         }
       }
     }
@@ -192,22 +194,22 @@ template <typename T>
 using PanelsRows = void (*)(const float*, int64_t, const T*, float*, int64_t, int64_t);
 template <typename T>
 using ByPanels = std::array<PanelsRows<T>, kMostPanels + 1>;
-template <typename T, int R, int... Ps>
+template <typename T, int64_t B, int R, int... Ps>
 constexpr ByPanels<T> by_panels(std::integer_sequence<int, Ps...>) {
-  return {nullptr, panels_rows<T, R, Ps + 1>...};
+  return {nullptr, panels_rows<T, B, R, Ps + 1>...};
 }
-template <typename T, int... Rs>
+template <typename T, int64_t B, int... Rs>
 constexpr std::array<ByPanels<T>, kMaxRowGroup + 1> by_rows_panels(std::integer_sequence<int, Rs...>) {
-  return {ByPanels<T>{}, by_panels<T, Rs + 1>(std::make_integer_sequence<int, kPanelsFor[Rs + 1]>{})...};
+  return {ByPanels<T>{}, by_panels<T, B, Rs + 1>(std::make_integer_sequence<int, kPanelsFor[Rs + 1]>{})...};
 }
-template <typename T>
-constexpr auto kByRowsPanels = by_rows_panels<T>(std::make_integer_sequence<int, kMaxRowGroup>{});
+template <typename T, int64_t B>
+constexpr auto kByRowsPanels = by_rows_panels<T, B>(std::make_integer_sequence<int, kMaxRowGroup>{});
 
 // rows [M, K] times the `panels` of a weight of N columns (float panels from `pack`, int8 ones from
-// `pack_int8_exact`, 4-bit ones from `pack_4bit_exact`), into y [M, N]
-template <typename T>
+// `pack_int8_exact`, 4-bit ones from `pack_4bit_exact`; B their input indices per block), into y [M, N]
+template <typename T, int64_t B = kBlock>
 void run_panels(const float* xp, int64_t M, int64_t K, const T* wp, int64_t panels, int64_t N, float* yp) {
-  const int64_t stride = panel_stride<T>(K);
+  const int64_t stride = panel_stride<T, B>(K);
   // rows split into equal groups of at most kMaxRowGroup (16 rows on AVX2: 8 + 8, not 12 + 4); the panels
   // into chunks of the most panels a group's pass takes, one thread's unit of work
   const int64_t groups = (M + kMaxRowGroup - 1) / kMaxRowGroup;
@@ -221,7 +223,7 @@ void run_panels(const float* xp, int64_t M, int64_t K, const T* wp, int64_t pane
         for (int64_t p = first; p < end;) {
           const int64_t n = std::min<int64_t>(kPanelsFor[rows], end - p);
           const int64_t last_columns = std::min(kPanel, N - (p + n - 1) * kPanel);
-          kByRowsPanels<T>[rows][n](xp + start * K, K, wp + p * stride, yp + start * N + p * kPanel, N, last_columns);
+          kByRowsPanels<T, B>[rows][n](xp + start * K, K, wp + p * stride, yp + start * N + p * kPanel, N, last_columns);
           p += n;
         }
         start = stop;
@@ -262,19 +264,23 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& packed, in
   return y;
 }
 
-// The weight [N, K] as int8 values with one float scale per kBlock of a row's K (`panel_stride`), where that
-// holds it exactly: each block's scale its largest magnitude / 127 and every weight that scale times an int8
-// (true of a weight dequantised from GGUF's Q8_0, whose quantiser gives each block's largest weight +-127).
+// The weight [N, K] as int8 values with one float scale per `block` (kBlock or kSubBlock) of a row's K
+// (`panel_stride`), where that holds it exactly: each block's scale its largest magnitude over a count of
+// scales, and every weight that scale times an int8 (a weight dequantised from GGUF's Q8_0, Q5_0 or, per
+// kSubBlock, Q6_K: `d * q` with d a float16 or float16 times int8 scale, products exact in float32).
 // Else an empty tensor: the first block that does not come back exactly stops the search.
-// what a block's largest magnitude is divided by for the scale tried, in turn: Q8_0's 127, Q5_0's 16, then
-// every smaller count of scales (a block whose values a search quantised to fewer levels)
-constexpr float kInt8Divisors[] = {127, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1};
+// what a block's largest magnitude is divided by for the scale tried, in turn: Q8_0's 127, Q5_0's 16, every
+// smaller count of scales (a block whose values a search quantised to fewer levels), then Q6_K's 32 and the
+// counts below it (its sub-block scales are rounded to int8, so a sub-block's largest value may fall short)
+constexpr float kInt8Divisors[] = {127, 16, 15, 14, 13, 12, 11, 10, 9,  8,  7,  6,  5,  4,  3,  2, 1,
+                                   32,  31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17};
 
-torch::Tensor pack_int8_exact(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
-              "streamed_linear.pack_int8_exact takes a 2D float32 CPU weight");
-  const auto w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel, stride = panel_stride<int8_t>(K);
+namespace {
+
+template <int64_t B>
+torch::Tensor pack_int8_blocks(const torch::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel,
+                stride = panel_stride<int8_t, B>(K);
   auto out = torch::zeros({panels, stride}, w.options().dtype(torch::kInt8));
   const float* src = w.data_ptr<float>();
   int8_t* dst = out.data_ptr<int8_t>();
@@ -284,17 +290,17 @@ torch::Tensor pack_int8_exact(const torch::Tensor& weight) {
       float* panel_scales = reinterpret_cast<float*>(dst + p * stride + K * kPanel);
       for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j) {
         const float* row = src + (p * kPanel + j) * K;
-        for (int64_t b = 0; b * kBlock < K; ++b) {
-          const int64_t end = std::min(K, (b + 1) * kBlock);
+        for (int64_t b = 0; b * B < K; ++b) {
+          const int64_t end = std::min(K, (b + 1) * B);
           float largest = 0.0f;
-          for (int64_t k = b * kBlock; k < end; ++k) largest = std::max(largest, std::fabs(row[k]));
+          for (int64_t k = b * B; k < end; ++k) largest = std::max(largest, std::fabs(row[k]));
           // the block's largest magnitude is that many scales: Q8_0's quantiser maps it to 127, Q5_0's
-          // to 16 (its values q - 16, q of 5 bits), other searches to fewer
+          // to 16 (its values q - 16, q of 5 bits), Q6_K's to 32 (q - 32, q of 6 bits), other searches to fewer
           bool held = false;
           for (const float divisor : kInt8Divisors) {
             const float scale = largest > 0.0f ? largest / divisor : 1.0f;
             held = true;
-            for (int64_t k = b * kBlock; k < end && held; ++k) {
+            for (int64_t k = b * B; k < end && held; ++k) {
               const float q = std::nearbyint(row[k] / scale);
               held = std::fabs(q) <= 127.0f && q * scale == row[k];
               dst[p * stride + k * kPanel + j] = static_cast<int8_t>(q);
@@ -315,17 +321,35 @@ torch::Tensor pack_int8_exact(const torch::Tensor& weight) {
   return exact.load() ? out : torch::empty({0}, out.options());
 }
 
+}  // namespace
+
+torch::Tensor pack_int8_exact(const torch::Tensor& weight, int64_t block) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
+              "streamed_linear.pack_int8_exact takes a 2D float32 CPU weight");
+  TORCH_CHECK(block == kBlock || block == kSubBlock, "streamed_linear.pack_int8_exact: block is 32 or 16");
+  const auto w = weight.contiguous();
+  return block == kBlock ? pack_int8_blocks<kBlock>(w) : pack_int8_blocks<kSubBlock>(w);
+}
+
+// The block of an int8 copy by its size: per kBlock and per kSubBlock the parameters take different room,
+// except where K is one block of either, and then both read the same
 torch::Tensor linear_int8(const torch::Tensor& input, const torch::Tensor& packed, int64_t out_features) {
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == torch::kFloat32 && input.device().is_cpu(),
               "streamed_linear.linear_int8 takes 2D float32 CPU rows");
   const int64_t K = input.size(1), panels = (out_features + kPanel - 1) / kPanel;
+  const bool per_block = packed.dim() == 2 && packed.size(1) == panel_stride<int8_t, kBlock>(K);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kInt8 && packed.size(0) == panels &&
-                  packed.size(1) == panel_stride<int8_t>(K) && packed.is_contiguous(),
+                  (per_block || packed.size(1) == panel_stride<int8_t, kSubBlock>(K)) && packed.is_contiguous(),
               "streamed_linear.linear_int8: the packed weight does not match the input or out_features");
   const auto x = input.contiguous();
   auto y = torch::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return y;
-  run_panels(x.data_ptr<float>(), x.size(0), K, packed.data_ptr<int8_t>(), panels, out_features, y.data_ptr<float>());
+  if (per_block)
+    run_panels<int8_t, kBlock>(x.data_ptr<float>(), x.size(0), K, packed.data_ptr<int8_t>(), panels, out_features,
+                               y.data_ptr<float>());
+  else
+    run_panels<int8_t, kSubBlock>(x.data_ptr<float>(), x.size(0), K, packed.data_ptr<int8_t>(), panels,
+                                  out_features, y.data_ptr<float>());
   return y;
 }
 
@@ -456,7 +480,9 @@ pybind11::dict build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "weight [N, K] -> panels [ceil(N / kPanel), K, kPanel]");
   m.def("linear", &linear, "rows [M, K], panels, N -> rows @ weight.T [M, N]");
-  m.def("pack_int8_exact", &pack_int8_exact, "weight [N, K] -> int8 panels with block scales where exact, else empty");
+  m.def("pack_int8_exact", &pack_int8_exact,
+        "weight [N, K], block (32 or 16) -> int8 panels with a scale per block where exact, else empty",
+        pybind11::arg("weight"), pybind11::arg("block") = kBlock);
   m.def("linear_int8", &linear_int8, "rows [M, K], int8 panels, N -> rows @ weight.T [M, N]");
   m.def("pack_4bit_exact", &pack_4bit_exact,
         "weight [N, K] -> 4-bit panels with block scales and offsets where exact, else empty");
