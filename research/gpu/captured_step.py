@@ -107,29 +107,38 @@ def fresh(common: dict) -> dict:
     return common
 
 
+def run_environment(device: torch.device, tiny: bool) -> dict:
+    """What every row records of where it ran."""
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "tiny": tiny,
+    }
+
+
+def write_row(row: dict, env: dict, t0: float, output: str | None) -> None:
+    """One JSON line, on stdout and appended to `output`, as soon as its configuration finishes."""
+    line = json.dumps({**row, **env, "elapsed_s": round(time.time() - t0, 1)})
+    print(line, flush=True)
+    if output:
+        with open(output, "a") as f:
+            f.write(line + "\n")
+
+
 class Runner:
     def __init__(self, args) -> None:
         self.args, self.device = args, torch.device(args.device)
         self.clock, self.t0 = Clock(self.device), time.time()
         # a CPU's packed-linear kernels measure a plan per model first (seconds): not for a path check
         self.cpu_kwargs = {"packed_linear": False} if args.tiny else {}
-        self.env = {
-            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-            "tiny": args.tiny,
-        }
+        self.env = run_environment(self.device, args.tiny)
 
     def out_of_time(self) -> bool:
         return time.time() - self.t0 > self.args.budget_s
 
     def emit(self, row: dict) -> None:
-        row = {**row, **self.env, "elapsed_s": round(time.time() - self.t0, 1)}
-        line = json.dumps(row)
-        print(line, flush=True)
-        if self.args.output:
-            with open(self.args.output, "a") as f:
-                f.write(line + "\n")
+        write_row(row, self.env, self.t0, self.args.output)
 
     def cache_kwargs(self, model, length: int) -> dict:
         """`generate`'s cache arguments: one `StaticCache` of `length` + `--cache-margin` positions, reset before

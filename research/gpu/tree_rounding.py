@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import re
 import sys
 import time
@@ -41,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_bpd.tools.cost_model import random_llama
+from research.gpu.captured_step import run_environment, write_row
 
 SETTINGS = ("default", "repeat", "no_reduced_bf16", "cublaslt", "rowwise", "math_sdpa")
 CUDA_ONLY = ("no_reduced_bf16", "cublaslt")
@@ -152,21 +152,10 @@ def first_divergence(chain_calls, step_calls) -> list[str | None]:
 class Runner:
     def __init__(self, args) -> None:
         self.args, self.device, self.t0 = args, torch.device(args.device), time.time()
-        self.env = {
-            "part": "rounding",
-            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-            "tiny": args.tiny,
-        }
+        self.env = {"part": "rounding", **run_environment(self.device, args.tiny)}
 
     def emit(self, row: dict) -> None:
-        row = {**row, **self.env, "elapsed_s": round(time.time() - self.t0, 1)}
-        line = json.dumps(row)
-        print(line, flush=True)
-        if self.args.output:
-            with open(self.args.output, "a") as f:
-                f.write(line + "\n")
+        write_row(row, self.env, self.t0, self.args.output)
 
     def forward(self, model, cache, ids: torch.Tensor, start: int):
         positions = torch.arange(start, start + ids.shape[1], device=self.device)
