@@ -106,9 +106,10 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kSubBlock = 16;
 
 // The packed weight's formats, by the type of its elements: float panels [K, kPanel]; int8 panels [K, kPanel]
-// followed by their blocks' scales [ceil(K / B), kPanel] (float, B kBlock or kSubBlock); 4-bit panels [K, kPanel / 2] (bytes,
-// two columns each: `load_nibbles`) followed by their blocks' scales and then offsets, each [K / kBlock,
-// kPanel] (float), a weight being scale * value + offset (Q4_1's and Q4_K's dequantisation, exact in one FMA)
+// followed by their blocks' scales [ceil(K / B), kPanel] (float; B kBlock or kSubBlock); 4-bit panels
+// [K, kPanel / 2] (bytes, two columns each: `load_nibbles`) followed by their blocks' scales and then offsets,
+// each [K / kBlock, kPanel] (float), a weight being scale * value + offset (Q4_1's and Q4_K's dequantisation,
+// exact in one FMA)
 struct Nibbles {
   uint8_t byte;
 };
@@ -223,7 +224,8 @@ void run_panels(const float* xp, int64_t M, int64_t K, const T* wp, int64_t pane
         for (int64_t p = first; p < end;) {
           const int64_t n = std::min<int64_t>(kPanelsFor[rows], end - p);
           const int64_t last_columns = std::min(kPanel, N - (p + n - 1) * kPanel);
-          kByRowsPanels<T, B>[rows][n](xp + start * K, K, wp + p * stride, yp + start * N + p * kPanel, N, last_columns);
+          kByRowsPanels<T, B>[rows][n](xp + start * K, K, wp + p * stride, yp + start * N + p * kPanel, N,
+                                       last_columns);
           p += n;
         }
         start = stop;
