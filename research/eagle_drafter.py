@@ -2,12 +2,13 @@
 layer over [feature at t, embedding of token t+1], predicting the feature at t+1, then fed its own prediction)
 draft better than the shipped heads? Offline, on the model's own greedy answers to Spec-Bench dev: the accepted
 drafts of a chain (top-1 at each depth) and of full top-k trees, for the shipped heads (without their pointer,
-as the shipped drafter runs them) and for EAGLE drafters trained here, all on the same positions in one run.
+as the shipped drafter runs them), for heads of the same shape trained here on the same data (`--heads-control`)
+and for EAGLE drafters trained here, all on the same positions in one run.
 
-    python -m research.eagle_drafter --data training/data/distilled/distill2 --samples 2048 \\
-        --heads hf_bpd/assets/smollm2/heads --features-cache runs/eagle/features --train-depth 1 3 --epochs 3 \\
-        --lr 1e-3 --cls-weight 1.0 --start-as-identity \\
-        --output benchmarks/eagle/smollm2_eagle_2k.json
+    python -m research.eagle_drafter --data training/data/distilled/distill2 --samples 4096 \\
+        --heads hf_bpd/assets/smollm2/heads --features-cache runs/eagle/features --heads-control \\
+        --train-depth 1 3 --epochs 2 --lr 1e-3 --cls-weight 1.0 --start-as-identity \\
+        --output benchmarks/eagle/smollm2_eagle_4k.json
 
 What is compared. For every answer position t of every dev turn, the base model's token t+1 is the bonus token
 a step already has; the drafters draft tokens t+2 .. t+1+D (D = 5, the heads' depth). `accepted(k)`: how many
@@ -318,6 +319,56 @@ def summary(hits: dict[int, torch.Tensor]) -> dict:
     }
 
 
+def answer_features(items):
+    """`train_heads.Features` of the items' answer positions (the rows the heads are trained on): position t
+    from the last prompt token on, its targets tokens t+2 .. t+1+DEPTH."""
+    from hf_bpd.training.objective import head_targets
+    from hf_bpd.training.train_heads import Features
+
+    hidden, targets, next_token, sample = [], [], [], []
+    for i, (tokens, features, start) in enumerate(items):
+        first = max(start - 1, 0)
+        t = head_targets(tokens.tolist(), first, DEPTH)
+        hidden.append(features[first : first + t.shape[0]])
+        targets.append(t)
+        next_token.append(tokens[first + 1 : first + 1 + t.shape[0]])
+        sample.append(torch.full((t.shape[0],), i))
+    n = sum(t.shape[0] for t in targets)
+    return Features(
+        torch.cat(hidden),
+        torch.cat(targets),
+        torch.cat(next_token),
+        torch.cat(sample),
+        torch.zeros(n, dtype=torch.bool),
+    )
+
+
+def heads_control(model, draft_vocab: torch.Tensor, items, args):
+    """Heads of the shipped shape (DEPTH heads of one block, "previous" token input, the same draft
+    vocabulary) trained from scratch on the items' answer positions, `research.prefix_attention`'s loop with
+    the SmolLM2 recipe's objective (teacher weight 0.5, loss decay 0.8): the EAGLE drafter's control at equal
+    data and epochs."""
+    from hf_bpd.drafting.heads import BlockDraftHeads
+    from hf_bpd.training.train_heads import teacher_rows
+    from research.prefix_attention import sample_spans, train_arm
+
+    torch.manual_seed(args.seed)
+    heads = BlockDraftHeads.for_base_model(
+        model, num_heads=DEPTH, num_layers=1, draft_vocab=draft_vocab, token_input="previous"
+    )
+    feats = answer_features(items)
+    settings = argparse.Namespace(
+        seed=args.seed,
+        lr=args.heads_lr,
+        epochs=args.epochs,
+        batch_samples=args.batch_samples,
+        loss_decay=0.8,
+        teacher_weight=0.5,
+    )
+    curve = train_arm(heads, None, feats, sample_spans(feats), teacher_rows(feats, DEPTH), settings)
+    return heads, curve
+
+
 def dev_items(model, tokenizer, args) -> list:
     from hf_bpd.tools.bench import read_prompts
     from hf_bpd.tools.replay import answered_turns, read_answers
@@ -350,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--start-as-identity", action="store_true", help="fc passes the feature, attention and MLP outputs start at 0"
     )
+    parser.add_argument("--heads-control", action="store_true", help="also train heads of the shipped shape here")
+    parser.add_argument("--heads-lr", type=float, default=2e-3, help="the heads control's learning rate")
     parser.add_argument("--features-only", action="store_true")
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
@@ -383,6 +436,16 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {"heads (shipped, no pointer)": summary(heads_hits(heads, dev, args.top_k))}
     print("heads", json.dumps(results["heads (shipped, no pointer)"]["top1"]), flush=True)
+    if args.heads_control:
+        t0 = time.perf_counter()
+        control, curve = heads_control(model, heads.draft_vocab, train_items, args)
+        name = "heads of the shipped shape, trained here"
+        results[name] = {
+            **summary(heads_hits(control, dev, args.top_k)),
+            "loss_by_tenth": curve,
+            "train_seconds": time.perf_counter() - t0,
+        }
+        print(name, json.dumps(results[name]["top1"]), flush=True)
     for depth in args.train_depth:
         torch.manual_seed(args.seed)
         drafter = EagleDrafter(model, heads.draft_vocab, args.start_as_identity)
