@@ -697,6 +697,31 @@ def render_head_accuracy(report: dict) -> list[str]:
     return [*lines, "", f"Held-out positions: {positions:,}."]
 
 
+def render_drafter_acceptance(report: dict) -> list[str]:
+    """`research.eagle_drafter`: accepted drafts of drafters along the model's own answers, by top-k tree."""
+    results, ks = report["results"], report["args"]["top_k"]
+    depth = len(next(iter(results.values()))["top1"]["depth_hit_rate"])
+    lines = [
+        "| drafter | "
+        + " | ".join(f"accepted, top-{k} tree" for k in ks)
+        + " | "
+        + " | ".join(f"depth {d + 1} top-1" for d in range(depth))
+        + " |",
+        "| --- |" + " --- |" * (len(ks) + depth),
+    ]
+    for name, r in results.items():
+        accepted = " | ".join(f"{r[f'top{k}']['accepted']:.3f}" for k in ks)
+        hits = " | ".join(f"{x:.3f}" for x in r["top1"]["depth_hit_rate"])
+        lines.append(f"| {name} | {accepted} | {hits} |")
+    return [
+        *lines,
+        "",
+        "Accepted: the mean number of leading depths whose true token is in the drafter's top k (a tree expanding "
+        "each depth's top k, walked along the answer; top-1 is a chain). Depth d top-1: how often depth d's first "
+        "choice is the true token.",
+    ]
+
+
 def render_growing_cache(report: dict) -> list[str]:
     """`research.growing_cache`: a verification forward on a cache grown in place against one that concatenates."""
     lines = [
@@ -771,6 +796,7 @@ RENDERERS = {
     "int8_head": render_int8_head,
     "compact_weights": render_compact_weights,
     "head_accuracy": render_head_accuracy,
+    "drafter_acceptance": render_drafter_acceptance,
     "lm_head_sketch": render_lm_head_sketch,
     "perturbed_base": render_perturbed_base,
     "speed_budget": render_speed_budget,
