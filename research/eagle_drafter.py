@@ -257,11 +257,6 @@ def accepted(hits: torch.Tensor) -> torch.Tensor:
     return hits.long().cumprod(1).sum(1)
 
 
-def answer_rows(items) -> list[tuple[int, int]]:
-    """(item, t) of every answer position whose bonus token t+1 is in the answer and has a next token."""
-    return [(i, t) for i, (tok, _, a) in enumerate(items) for t in range(max(a - 1, 0), tok.shape[0] - 2)]
-
-
 def true_targets(tokens: torch.Tensor, t: int) -> torch.Tensor:
     """Tokens t+2 .. t+1+DEPTH, -1 past the end."""
     out = torch.full((DEPTH,), -1, dtype=torch.long)
