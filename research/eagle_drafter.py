@@ -267,7 +267,7 @@ def true_targets(tokens: torch.Tensor, t: int) -> torch.Tensor:
 
 @torch.no_grad()
 def heads_hits(heads, items, ks: list[int]) -> dict[int, torch.Tensor]:
-    """{k: [n, D] hits} of the heads at every answer row (`answer_rows` order)."""
+    """{k: [n, D] hits} of the heads at every answer position t whose tokens t+1 and t+2 exist, item by item."""
     ids = heads.draft_vocab
     out = {k: [] for k in ks}
     for tokens, features, start in items:
