@@ -49,28 +49,15 @@ DEPTH = 5
 def sequence_features(model, seqs: list[list[int]], batch_tokens: int = 4096) -> list[torch.Tensor]:
     """The base model's final hidden state (after its final norm: what its LM head reads) at every position of
     each token sequence, float16 `[len, hidden]`; length-sorted, right-padded batches."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    out: list[torch.Tensor | None] = [None] * len(seqs)
-    batch: list[int] = []
+    from hf_bpd.training.objective import length_sorted_batches, right_padded
 
-    def run(batch):
-        width = len(seqs[batch[-1]])
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, i in enumerate(batch):
-            ids[b, : len(seqs[i])] = torch.tensor(seqs[i])
-            mask[b, : len(seqs[i])] = 1
+    rows = [{"prompt_ids": s, "response_ids": []} for s in seqs]
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    for batch in length_sorted_batches(rows, batch_tokens):
+        _, ids, mask = right_padded([rows[i] for i in batch])
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
         for b, i in enumerate(batch):
             out[i] = hidden[b, : len(seqs[i])].half().clone()
-
-    for i in order:
-        if batch and len(seqs[i]) * (len(batch) + 1) > batch_tokens:
-            run(batch)
-            batch = []
-        batch.append(i)
-    if batch:
-        run(batch)
     return out  # type: ignore[return-value]
 
 
