@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         "export": "hf_bpd.io.export",
         "distill": "hf_bpd.training.distill",
         "train-heads": "hf_bpd.training.train_heads",
+        "train-eagle": "hf_bpd.training.train_eagle",
         "train-ngram": "hf_bpd.training.train_ngram",
         "train-rescorer": "hf_bpd.training.train_rescorer",
     }

@@ -1,0 +1,491 @@
+"""An EAGLE draft layer (Li et al., 2024): one decoder layer that drafts autoregressively on the base model's
+features, the drafter kind issue #59 measured drafting furthest ahead on SmolLM2 (RESULTS.md, "Better
+drafts").
+
+Row t of the layer reads fc([norm(embedding of token t+1), norm(feature t)]), where feature t is the base
+model's final hidden state at position t (what its LM head reads), attends causally over the rows before it,
+and predicts feature t+1; the base model's LM-head rows of a draft vocabulary turn a predicted feature into
+the next token's logits. The rows of the accepted context are exact (the base model computed their
+features); a draft of depth j > 1 reads the feature its parent predicted, never the base model's:
+
+    context rows 0 .. p      (feature t, token t+1) in the layer's own KV cache (`EagleContext`), one per
+                             accepted position; row p reads the last accepted feature and the root
+    depth-1 children         top-k of row p's prediction
+    a node at depth d        (its parent's predicted feature, its token) at position p + d, attending to the
+                             context rows and its ancestors' rows: its prediction gives its children
+
+`grow_tree` grows a step's `DraftTree` best-first on path probability from those predictions, in rounds (one
+layer call per round), as `expansion.expand_tree` grows "previous" heads' trees. The layer's block is a
+Llama-style decoder layer built from the base model's dimensions and initialised from its last layer
+(`for_base_model`); its rotary embedding is the default one with the base model's theta.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.activations import ACT2FN
+
+from .calibration import HEADS, AcceptanceCalibration, Arc
+from .expansion import round_size
+from .heads import RMSNorm, _output_embeddings, lm_head_identity, lm_head_mismatch
+from .lattice import host_lists
+from .tree import DraftTree
+
+
+class EagleDraftLayerConfig(PretrainedConfig):
+    model_type = "bpd_eagle_draft_layer"
+
+    def __init__(
+        self,
+        base_model_name: str = "",
+        base_model_type: str = "",
+        hidden_size: int = 0,
+        vocab_size: int = 0,
+        num_attention_heads: int = 0,
+        num_key_value_heads: int = 0,
+        head_dim: int = 0,
+        intermediate_size: int = 0,
+        hidden_act: str = "silu",
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        attention_bias: bool = False,
+        mlp_bias: bool = False,
+        draft_vocab_size: int = 0,
+        max_depth: int = 5,
+        base_lm_head_fingerprint: list[float] | None = None,
+        base_lm_head_sketch: dict | None = None,
+        **kwargs,
+    ) -> None:
+        self.base_model_name = base_model_name
+        self.base_model_type = base_model_type
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.attention_bias = attention_bias
+        self.mlp_bias = mlp_bias
+        self.draft_vocab_size = draft_vocab_size  # 0: the full vocabulary
+        self.max_depth = max_depth  # the deepest draft a tree holds
+        self.base_lm_head_fingerprint = base_lm_head_fingerprint
+        self.base_lm_head_sketch = base_lm_head_sketch
+        super().__init__(**kwargs)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = ACT2FN[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def norm_scale(norm: nn.Module | None) -> torch.Tensor | None:
+    """The per-channel scale an RMS norm multiplies by (Gemma's norms store it as weight - 1), or None."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    return weight.detach() + 1 if "Gemma" in type(norm).__name__ else weight.detach()
+
+
+def base_layer_parts(model) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """The base model's last decoder layer's attention and MLP, which a new draft layer starts as, and the layer
+    itself; ValueError where the model has no Llama-style layer (q/k/v/o projections and a gated MLP)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    last = layers[-1] if layers is not None and len(layers) else None
+    attention, mlp = getattr(last, "self_attn", None), getattr(last, "mlp", None)
+    names = [(attention, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    names += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+    if last is None or any(not isinstance(getattr(m, n, None), nn.Linear) for m, n in names):
+        raise ValueError(
+            f"an EAGLE draft layer starts from the base model's last decoder layer, which must be Llama-style "
+            f"(self_attn.q/k/v/o_proj, mlp.gate/up/down_proj linears); {type(model).__name__} has none"
+        )
+    return attention, mlp, last
+
+
+class EagleDraftLayer(PreTrainedModel):
+    """The draft layer (module docstring). `bind(base_model)` before use: it borrows the base model's token
+    embedding and LM-head rows."""
+
+    config_class = EagleDraftLayerConfig
+    base_model_prefix = "bpd_eagle_draft_layer"
+    main_input_name = "features"
+    _no_split_modules: list[str] = []
+
+    def __init__(self, config: EagleDraftLayerConfig) -> None:
+        super().__init__(config)
+        c = config
+        if min(c.hidden_size, c.vocab_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) <= 0:
+            raise ValueError("EagleDraftLayerConfig needs positive sizes (use EagleDraftLayer.for_base_model)")
+        if c.num_attention_heads % c.num_key_value_heads or c.head_dim % 2:
+            raise ValueError("attention heads must be a multiple of key-value heads, and head_dim even")
+        if not 0 <= c.draft_vocab_size <= c.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [0, vocab_size], got {c.draft_vocab_size}")
+        if c.max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {c.max_depth}")
+        hidden, eps = c.hidden_size, c.rms_norm_eps
+        # both inputs normalised: the final state's scale is not that of the residual stream the layer adds to
+        self.token_norm, self.feature_norm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
+        self.fc = nn.Linear(2 * hidden, hidden)
+        self.input_norm = RMSNorm(hidden, eps)
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=c.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=c.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=c.attention_bias)
+        self.post_norm = RMSNorm(hidden, eps)
+        self.mlp = GatedMLP(hidden, c.intermediate_size, c.hidden_act, c.mlp_bias)
+        self.out_norm = RMSNorm(hidden, eps)
+        size = c.draft_vocab_size or c.vocab_size
+        self.register_buffer("draft_vocab", torch.arange(size), persistent=c.draft_vocab_size > 0)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.__dict__["_lm_rows"] = None  # borrowed at `bind`, kept out of the state dict
+        self.__dict__["_embedding"] = None
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        pass  # every weight is set by `for_base_model` or loaded
+
+    @classmethod
+    def for_base_model(
+        cls, model, draft_vocab: torch.Tensor | None = None, max_depth: int = 5, start_as_identity: bool = True
+    ) -> EagleDraftLayer:
+        """An untrained draft layer for `model`, bound to it: its block a copy of the base model's last
+        decoder layer (`base_layer_parts` refuses models without a Llama-style one), its norms the base
+        `draft_vocab`: the token ids it may draft (default: all). `start_as_identity`: fc passes the feature
+        through and the attention and MLP outputs start at zero, so the first prediction is the feature
+        itself (what made training start well on SmolLM2)."""
+        attention, mlp, last = base_layer_parts(model)
+        cfg = model.config
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        lm_head = _output_embeddings(model)
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        rope = getattr(text, "rope_parameters", None) or {}
+        if "full_attention" in rope:  # per-layer-type parameters (Gemma-3): the global layers'
+            rope = rope["full_attention"]
+        theta = rope.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0
+        config = EagleDraftLayerConfig(
+            base_model_name=getattr(cfg, "_name_or_path", "") or "",
+            base_model_type=getattr(cfg, "model_type", "") or "",
+            hidden_size=lm_head.weight.shape[1],
+            vocab_size=lm_head.weight.shape[0],
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate_size=mlp.gate_proj.out_features,
+            hidden_act=getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu",
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            attention_bias=attention.q_proj.bias is not None,
+            mlp_bias=mlp.gate_proj.bias is not None,
+            draft_vocab_size=0 if draft_vocab is None else int(draft_vocab.numel()),
+            max_depth=max_depth,
+            **lm_head_identity(lm_head.weight),
+        )
+        with torch.random.fork_rng(devices=[]):  # fc's default initialisation must not move a user's stream
+            layer = cls(config)
+        if draft_vocab is not None:
+            ids = torch.as_tensor(draft_vocab, dtype=torch.long)
+            if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
+                raise ValueError("draft_vocab must hold distinct token ids inside the vocabulary")
+            layer.draft_vocab.copy_(ids)
+        with torch.no_grad():
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(layer, name).load_state_dict(getattr(attention, name).state_dict())
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, name).load_state_dict(getattr(mlp, name).state_dict())
+            # the norms around the block and the output norm start as the base model's (its final norm last)
+            norms = [
+                (layer.input_norm, getattr(last, "input_layernorm", None)),
+                (layer.post_norm, getattr(last, "post_attention_layernorm", None)),
+                (layer.out_norm, getattr(model.model, "norm", None)),
+            ]
+            for mine, theirs in norms:
+                scale = norm_scale(theirs)
+                if scale is not None and scale.shape == mine.weight.shape:
+                    mine.weight.copy_(scale)
+            if start_as_identity:
+                hidden = config.hidden_size
+                layer.fc.weight.zero_()
+                layer.fc.weight[:, hidden:].copy_(torch.eye(hidden))
+                layer.fc.bias.zero_()
+                layer.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+        layer = layer.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        return layer.bind(model)
+
+    @staticmethod
+    def saved_config(path, **kwargs) -> EagleDraftLayerConfig:
+        """The config saved in `path`; ValueError naming the folder where it is not an EAGLE draft layer's."""
+        try:
+            config_dict, _ = EagleDraftLayerConfig.get_config_dict(path, **kwargs)
+        except OSError as err:
+            raise ValueError(f"{path} holds no readable config.json: {err}") from err
+        if config_dict.get("model_type") != EagleDraftLayerConfig.model_type:
+            raise ValueError(
+                f"{path} is not an EAGLE draft layer (model_type {config_dict.get('model_type')!r}, expected "
+                f"{EagleDraftLayerConfig.model_type!r})"
+            )
+        return EagleDraftLayerConfig.from_dict(config_dict)
+
+    @classmethod
+    def from_pretrained(cls, path, *args, **kwargs) -> EagleDraftLayer:
+        """Load a saved draft layer; a folder that is not one, or a corrupt file, raises ValueError."""
+        cls.saved_config(path, **kwargs)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                layer = super().from_pretrained(path, *args, **kwargs)
+        except (OSError, RuntimeError, ValueError, SafetensorError) as err:
+            raise ValueError(f"could not load the EAGLE draft layer in {path}: {err}") from err
+        if not layer.config.draft_vocab_size:
+            layer.draft_vocab = torch.arange(layer.config.vocab_size, device=layer.draft_vocab.device)
+        inv = 1.0 / (layer.config.rope_theta ** (torch.arange(0, layer.config.head_dim, 2).float() / layer.config.head_dim))
+        layer.inv_freq = inv.to(layer.draft_vocab.device)  # not saved: recomputed in float32
+        return layer
+
+    def check_compatible(self, model) -> None:
+        """ValueError where this layer was made for another base model."""
+        lm_head = _output_embeddings(model)
+        vocab, hidden = lm_head.weight.shape
+        cfg = self.config
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        where = f"the EAGLE draft layer for `{cfg.base_model_name or 'unknown'}`"
+        if (vocab, hidden) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(
+                f"{where} expects vocabulary x hidden {cfg.vocab_size} x {cfg.hidden_size}, but base model "
+                f"`{name}` has {vocab} x {hidden}"
+            )
+        why = lm_head_mismatch(lm_head.weight, cfg.base_lm_head_sketch, cfg.base_lm_head_fingerprint)
+        if why:
+            raise ValueError(f"{where} was trained on another base model than `{name}` ({why}): train one for it")
+
+    def bind(self, model) -> EagleDraftLayer:
+        """Check that the layer fits `model` and borrow its token embedding and LM-head rows. Returns self."""
+        self.check_compatible(model)
+        weight = _output_embeddings(model).weight.detach()
+        self.__dict__["_lm_rows"] = weight[self.draft_vocab.to(weight.device)] if self.config.draft_vocab_size else weight
+        embedding = model.get_input_embeddings()
+        if embedding is None or embedding.weight.shape[1] != self.config.hidden_size:
+            raise ValueError("an EAGLE draft layer reads the base model's token embeddings: it has none of its width")
+        self.__dict__["_embedding"] = embedding.weight.detach().to(weight.device)
+        return self
+
+    def _bound(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, embedding = self.__dict__["_lm_rows"], self.__dict__["_embedding"]
+        if rows is None:
+            raise RuntimeError("bind the EAGLE draft layer to its base model first: layer.bind(model)")
+        return rows, embedding
+
+    # the drafter's view of its drafting module (what `BlockDrafter` reads of heads)
+    @property
+    def num_heads(self) -> int:
+        return self.config.max_depth
+
+    conditions_on_draft = False
+    chained = False
+    context_copy = None
+
+    def logits(self, feature: torch.Tensor) -> torch.Tensor:
+        """Predicted features `[..., H]` -> logits over the draft vocabulary."""
+        rows, _ = self._bound()
+        return feature @ rows.to(feature.dtype).T
+
+    def top_tokens(self, feature: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Predicted features `[n, H]` -> top-k token ids and log-probabilities `[n, k]`."""
+        logits = self.logits(feature).float()
+        values, index = logits.topk(top_k, dim=-1)
+        return self.draft_vocab[index], values - logits.logsumexp(-1, keepdim=True)
+
+    def step(
+        self,
+        feature: torch.Tensor,
+        token: torch.Tensor,
+        position: torch.Tensor,
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows `[B, R]`: features `[B, R, H]` and tokens `[B, R]` at `position [R]`, attending over `keys` and
+        `values` (`[B, kv, C, d]`, or None) and the rows' own new keys, as `mask [R, C + R]` (True: attend)
+        allows. Returns (predicted features `[B, R, H]`, keys and values with the rows' appended)."""
+        _, embedding = self._bound()
+        c = self.config
+        b, r, _ = feature.shape
+        x = self.fc(torch.cat([self.token_norm(embedding[token]), self.feature_norm(feature)], -1))
+        h = self.input_norm(x)
+        q = self.q_proj(h).view(b, r, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, r, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, r, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        angles = position.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None]
+        angles = torch.cat([angles, angles], -1)
+        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        keys = k if keys is None else torch.cat([keys, k], 2)
+        values = v if values is None else torch.cat([values, v], 2)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        x = x + self.o_proj(attended.transpose(1, 2).reshape(b, r, -1))
+        x = x + self.mlp(self.post_norm(x))
+        return self.out_norm(x), keys, values
+
+    def unroll(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """Training-time drafting (teacher-forced tokens, own features) over right-padded sequences: for rows
+        t = 0 .. L-2 of `features [B, L, H]` and `tokens [B, L]`, depth 1 reads (feature t, token t+1) with
+        causal attention over depth 1's rows <= t; depth j reads (its own depth j-1 prediction, token t+j) and
+        attends to depth 1's rows <= t and row t of depths 2..j. Returns each depth's predictions
+        `[B, L-1, H]` (depth j's row t predicts the feature at t+j)."""
+        r = features.shape[1] - 1
+        rows = torch.arange(r, device=features.device)
+        causal = rows[None, :] <= rows[:, None]
+        own = torch.eye(r, dtype=torch.bool, device=features.device)
+        padded_tokens = F.pad(tokens, (0, depth))  # token t+j past the end: padding (its rows have no target)
+        predicted, keys, values = [], None, None
+        feature = features[:, :-1]
+        for j in range(1, depth + 1):
+            mask = torch.cat([causal] + [own] * (j - 1), 1)
+            feature, keys, values = self.step(feature, padded_tokens[:, j : j + r], rows + j - 1, keys, values, mask)
+            predicted.append(feature)
+        return predicted
+
+
+@dataclass
+class EagleContext:
+    """The draft layer's KV cache over one sequence's context rows (row t: feature t, token t+1), and the
+    prediction of its last row (the root's children's feature). `rows` is the number of rows cached: the
+    context's length minus one."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    rows: int = 0
+    prediction: torch.Tensor | None = None  # [1, H]
+
+    def extend(self, layer: EagleDraftLayer, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Append the rows of newly accepted positions: their base-model features `[n, H]` and the token after
+        each `[n]` (the last one: the step's root)."""
+        n = features.shape[0]
+        if n < 1 or next_tokens.shape != (n,):
+            raise ValueError(f"extend needs n >= 1 features and n next tokens, got {n} and {tuple(next_tokens.shape)}")
+        device = layer.draft_vocab.device
+        position = torch.arange(self.rows, self.rows + n, device=device)
+        mask = torch.ones(n, self.rows + n, dtype=torch.bool, device=device)
+        mask[:, self.rows :] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        with torch.no_grad():
+            out, self.keys, self.values = layer.step(
+                features[None].to(device, layer.dtype), next_tokens[None].to(device), position, self.keys, self.values, mask
+            )
+        self.rows += n
+        self.prediction = out[0, -1:]
+
+
+def grow_tree(
+    layer: EagleDraftLayer,
+    context: EagleContext,
+    root: int,
+    top_k: int,
+    budget: int,
+    max_depth: int | None = None,
+    calibration: AcceptanceCalibration | None = None,
+) -> tuple[DraftTree, list[Arc]]:
+    """A step's tree of at most `budget` nodes, grown best-first on (calibrated) path probability from the
+    layer's predictions: the root's children from the context's last prediction, then rounds of the best
+    candidates (`expansion.round_size`), each round's nodes run through the layer together (each attending
+    to the context and its own ancestors) to give their children. Returns the tree and every node's arc."""
+    tree, arcs = DraftTree.root_only(root), [Arc(0.0, HEADS)]
+    depth_limit = min(layer.config.max_depth, max_depth if max_depth is not None else layer.config.max_depth)
+    if budget < 2 or depth_limit < 1 or context.prediction is None:
+        return tree, arcs
+    device = layer.draft_vocab.device
+    p = context.rows - 1  # the last context row's position: a node at depth d sits at p + d
+    path_logprob = {0: 0.0}
+    features = {0: context.prediction}  # node -> the feature it predicts for its children [1, H]
+    node_keys: list[torch.Tensor] = []  # [1, kv, 1, d] of each expanded node, in expansion order
+    node_values: list[torch.Tensor] = []
+    expanded_index: dict[int, int] = {}  # tree node -> its index among the expanded rows
+    heap: list[tuple[float, int, int, int, float]] = []
+    counter = 0
+
+    def log_scale(depth: int) -> float:
+        return 0.0 if calibration is None else math.log(calibration.scale(HEADS, depth))
+
+    def push_children(nodes: list[int], ids: list[list[int]], lps: list[list[float]]) -> None:
+        nonlocal counter
+        room = budget - len(tree)
+        for node, node_ids, node_lps in zip(nodes, ids, lps):
+            if tree.depths[node] >= depth_limit:
+                continue
+            scale = log_scale(tree.depths[node] + 1)
+            for token, lp in zip(node_ids[:room], node_lps[:room]):
+                key = path_logprob[node] + min(0.0, lp + scale)
+                heapq.heappush(heap, (-key, counter, node, token, lp))
+                counter += 1
+
+    with torch.no_grad():
+        ids, lps = host_lists(*layer.top_tokens(context.prediction, top_k))
+    push_children([0], ids, lps)
+    per_round = round_size(budget)
+    while heap and len(tree) < budget:
+        added = []
+        while heap and len(added) < per_round and len(tree) < budget:
+            neg, _, parent, token, lp = heapq.heappop(heap)
+            node = tree.add_child(parent, token)
+            path_logprob[node] = -neg
+            arcs.append(Arc(lp, HEADS))
+            added.append(node)
+        expand = [n for n in added if tree.depths[n] < depth_limit]
+        if not expand or len(tree) >= budget:
+            break
+        # each node reads its parent's predicted feature and its own token at position p + depth, and
+        # attends to the context and the rows of its expanded ancestors (and itself)
+        parent_features = torch.cat([features[tree.parents[n]] for n in expand])[None]
+        tokens = torch.tensor([[tree.tokens[n] for n in expand]], device=device)
+        position = torch.tensor([p + tree.depths[n] for n in expand], device=device)
+        ancestors = torch.zeros(len(expand), len(node_keys), dtype=torch.bool, device=device)
+        for i, n in enumerate(expand):
+            a = tree.parents[n]
+            while a > 0:
+                ancestors[i, expanded_index[a]] = True
+                a = tree.parents[a]
+        mask = torch.cat(
+            [
+                torch.ones(len(expand), context.rows, dtype=torch.bool, device=device),
+                ancestors,
+                torch.eye(len(expand), dtype=torch.bool, device=device),
+            ],
+            1,
+        )
+        keys = context.keys if not node_keys else torch.cat([context.keys, *node_keys], 2)
+        values = context.values if not node_values else torch.cat([context.values, *node_values], 2)
+        with torch.no_grad():
+            out, keys, values = layer.step(parent_features, tokens, position, keys, values, mask)
+            ids, lps = host_lists(*layer.top_tokens(out[0], top_k))
+        for i, n in enumerate(expand):
+            expanded_index[n] = len(node_keys)
+            node_keys.append(keys[:, :, -len(expand) + i][:, :, None])
+            node_values.append(values[:, :, -len(expand) + i][:, :, None])
+            features[n] = out[0, i : i + 1]
+        push_children(expand, ids, lps)
+    return tree, arcs

@@ -1,0 +1,206 @@
+"""`hf-bpd train-eagle`: train an EAGLE draft layer (`drafting/eagle.py`) on distilled answers.
+
+    hf-bpd train-eagle --data training/data/distilled/distill2 --samples 4096 --heads hf_bpd/assets/smollm2/heads \\
+        --features-cache runs/eagle/features --depth 3 --epochs 3 --output runs/eagle/layer
+
+The base model's final hidden states over whole sequences (prompt and answer) are computed once and cached in
+float16 chunks (`--features-cache`, resumable). The layer is trained with EAGLE's losses at every row with a
+target: smooth L1 from its predicted feature to the base model's next one, plus `--cls-weight` times the
+cross-entropy to the base model's next-token distribution over the draft vocabulary; `--depth` > 1 unrolls
+it on its own predictions (EAGLE-3's training-time test), the losses of every depth summed. The draft
+vocabulary is the `--heads`' (the heads shipped for the same model). The layer is saved to `--output` after
+every epoch, with the run's settings and loss curve in `training_log.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from ..drafting.eagle import EagleDraftLayer
+
+
+@torch.no_grad()
+def sequence_features(model, seqs: list[list[int]], batch_tokens: int = 4096) -> list[torch.Tensor]:
+    """The base model's final hidden state (after its final norm: what its LM head reads) at every position of
+    each token sequence, float16 `[len, hidden]`; length-sorted, right-padded batches."""
+    from .objective import length_sorted_batches, right_padded
+
+    rows = [{"prompt_ids": s, "response_ids": []} for s in seqs]
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    for batch in length_sorted_batches(rows, batch_tokens):
+        _, ids, mask = right_padded([rows[i] for i in batch])
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        for b, i in enumerate(batch):
+            out[i] = hidden[b, : len(seqs[i])].half().clone()
+    return out  # type: ignore[return-value]
+
+
+def cached_sequences(model, name: str, seqs: list[list[int]], starts: list[int], cache: Path, chunk: int = 256):
+    """[(tokens [L], features [L, H] float16, answer start)] for `seqs`, computed in chunks of `chunk` sequences
+    cached under `cache/<name>-<first>-<end>.pt` (a rerun resumes at the first missing chunk; a chunk is
+    named by its sequences' indices, so one cache serves one list of sequences and its extensions)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    items = []
+    for first in range(0, len(seqs), chunk):
+        end = min(first + chunk, len(seqs))
+        path = cache / f"{name}-{first:06d}-{end:06d}.pt"
+        if path.exists():
+            part = torch.load(path)
+        else:
+            t0 = time.perf_counter()
+            part = sequence_features(model, seqs[first:end])
+            torch.save(part, path)
+            tokens = sum(len(s) for s in seqs[first:end])
+            print(f"{name} features {first}-{end}: {tokens} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
+        if any(f.shape[0] != len(s) for s, f in zip(seqs[first:end], part)):
+            raise ValueError(f"{path} holds features of other sequences: delete it or use another --features-cache")
+        items += [(torch.tensor(s), f, a) for s, f, a in zip(seqs[first:end], part, starts[first:end])]
+    return items
+
+
+def padded_batch(items) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """features [B, L, H] float32, tokens [B, L], lengths [B] of (tokens, features, start) items."""
+    width = max(t.shape[0] for t, _, _ in items)
+    hidden = items[0][1].shape[1]
+    features = torch.zeros(len(items), width, hidden)
+    tokens = torch.zeros(len(items), width, dtype=torch.long)
+    for i, (t, f, _) in enumerate(items):
+        features[i, : t.shape[0]] = f.float()
+        tokens[i, : t.shape[0]] = t
+    return features, tokens, torch.tensor([t.shape[0] for t, _, _ in items])
+
+
+def eagle_loss(layer: EagleDraftLayer, items, depth: int, cls_weight: float) -> torch.Tensor:
+    """EAGLE's loss summed over depths: smooth L1 to the base's next feature plus `cls_weight` x cross-entropy
+    to the base's next-token distribution over the draft vocabulary, over every row with a target."""
+    features, tokens, lengths = padded_batch(items)
+    predicted = layer.unroll(features, tokens, depth)
+    r = features.shape[1] - 1
+    total = features.new_zeros(())
+    for j, guess in enumerate(predicted, start=1):
+        target_rows = torch.arange(r) + j
+        valid = target_rows[None, :] < lengths[:, None]  # [B, R]
+        target = features[:, target_rows.clamp(max=features.shape[1] - 1)]
+        regression = F.smooth_l1_loss(guess[valid], target[valid])
+        with torch.no_grad():
+            teacher = F.softmax(layer.logits(target[valid]), -1)
+        cross_entropy = -(teacher * F.log_softmax(layer.logits(guess[valid]), -1)).sum(-1).mean()
+        total = total + regression + cls_weight * cross_entropy
+    return total
+
+
+def train(layer: EagleDraftLayer, items, args, after_epoch=None) -> list[float]:
+    """AdamW with warm-up and cosine decay, `args.batch_samples` sequences of similar length a step, batches
+    in a seeded shuffled order; `after_epoch(epoch, losses)` after each epoch. Returns every step's loss."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    by_length = sorted(order, key=lambda i: items[i][0].shape[0])
+    batches = [by_length[s : s + args.batch_samples] for s in range(0, len(by_length), args.batch_samples)]
+    steps = len(batches) * args.epochs
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))
+    )
+    losses: list[float] = []
+    layer.train()
+    t0 = time.perf_counter()
+    for epoch in range(args.epochs):
+        shuffled = torch.randperm(len(batches), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        for i in shuffled:
+            loss = eagle_loss(layer, [items[j] for j in batches[i]], args.depth, args.cls_weight)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+            if len(losses) % 50 == 0:
+                mean = sum(losses[-50:]) / 50
+                print(f"step {len(losses)}/{steps} loss {mean:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if after_epoch is not None:
+            layer.eval()
+            after_epoch(epoch, losses)
+            layer.train()
+    layer.eval()
+    return losses
+
+
+def training_items(model, args) -> list:
+    """The `--samples` first distilled sequences with their cached features."""
+    from .distill import load_distilled
+
+    data = load_distilled(args.data)
+    if args.samples > len(data):
+        raise SystemExit(f"--samples {args.samples}: the distilled folders hold {len(data)} samples")
+    rows = data.select(range(args.samples))
+    return cached_sequences(
+        model,
+        "train",
+        [r["prompt_ids"] + r["response_ids"] for r in rows],
+        [len(r["prompt_ids"]) for r in rows],
+        Path(args.features_cache),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-bpd train-eagle", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="packaged")
+    parser.add_argument("--data", nargs="+", required=True, help="distilled folders, in order")
+    parser.add_argument("--samples", type=int, required=True, help="the first N distilled sequences")
+    parser.add_argument("--heads", required=True, help="heads of the same model: their draft vocabulary is used")
+    parser.add_argument("--features-cache", required=True)
+    parser.add_argument("--depth", type=int, default=3, help="unrolled depths in training (1: teacher-forced)")
+    parser.add_argument("--max-depth", type=int, default=5, help="the deepest draft of a tree in decoding")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch-samples", type=int, default=4)
+    parser.add_argument("--cls-weight", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", required=True, help="folder the layer is saved to after each epoch")
+    args = parser.parse_args(argv)
+    for name in ("samples", "depth", "max_depth", "epochs", "batch_samples"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+
+    from ..drafting.heads import BlockDraftHeads
+    from ..io.models import load_model
+    from ..tools.bench import environment
+
+    model, _ = load_model(args.model, device="cpu")
+    model.requires_grad_(False)
+    heads = BlockDraftHeads.from_pretrained(args.heads).bind(model)  # checks the heads fit the model
+    torch.manual_seed(args.seed)
+    layer = EagleDraftLayer.for_base_model(model, heads.draft_vocab, args.max_depth)
+    layer.requires_grad_(True)
+    items = training_items(model, args)
+    print(f"{len(items)} training sequences, {sum(t.shape[0] for t, _, _ in items)} tokens", flush=True)
+    output = Path(args.output)
+    env = environment("cpu", "float32")
+    t0 = time.perf_counter()
+
+    def save(epoch: int, losses: list[float]) -> None:
+        layer.save_pretrained(output)
+        log = {
+            "environment": env,
+            "args": vars(args),
+            "epochs_done": epoch + 1,
+            "steps": len(losses),
+            "seconds": time.perf_counter() - t0,
+            "loss_by_50_steps": [sum(losses[i : i + 50]) / len(losses[i : i + 50]) for i in range(0, len(losses), 50)],
+        }
+        (output / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
+        print(f"epoch {epoch + 1} saved to {output}", flush=True)
+
+    train(layer, items, args, save)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
