@@ -180,6 +180,48 @@ def data_recipe(manifest: dict | None) -> str:
     return sentences[0] if len(sentences) == 1 else "\n".join(f"- {x}" for x in sentences)
 
 
+def heads_description(cfg) -> str:
+    """The card's opening of draft heads of config `cfg`: what they are and read, up to "drafts are verified"."""
+    softmax = "tied to the base LM head" if cfg.tie_lm_head else "of its own"
+    if cfg.draft_vocab_size:
+        softmax += f", over a {cfg.draft_vocab_size}-token draft vocabulary"
+    inputs = {
+        "": "the base model's last hidden state",
+        "next": "the base model's last hidden state and the embedding of its own next token (the draft tree's root)",
+        "previous": "the base model's last hidden state and the embedding of the token right before the head's "
+        "target (head 1: the base model's own next token; head i: the drafted token at depth i-1, so each "
+        "tree branch is drafted from its own tokens)",
+    }[cfg.token_input]
+    chain = getattr(cfg, "chain", "")
+    if chain:
+        where = "in place of the hidden state" if chain == "state" else "beside the hidden state"
+        inputs += f"; head i > 1 reads head i-1's state {where}, so each node has read its whole branch"
+    if getattr(cfg, "copy_dim", 0):
+        inputs += (
+            f"; each head also points into the context (prompt and answer so far: a {cfg.copy_dim}-wide "
+            "attention from the bigram it continues to every earlier bigram) and mixes the token that followed "
+            "there into its own distribution, so it can copy names, numbers and phrases from the prompt"
+        )
+    return (
+        f"{cfg.num_heads} draft heads ({cfg.num_layers} residual layer(s) each, softmax {softmax}) for lossless "
+        "blockwise\nparallel decoding with [hf_bpd](https://pypi.org/project/hf-bpd/) (Kim et al., NeurIPS 2024, "
+        f"arXiv 2404.09221).\nEach head reads {inputs}.\nHead i predicts the token i+1 positions after the base "
+        "model's own next token;"
+    )
+
+
+def eagle_description(cfg) -> str:
+    """The card's opening of an EAGLE draft layer of config `cfg`, up to "drafts are verified"."""
+    return (
+        "An EAGLE draft layer (one decoder layer drafting on the base model's own features; Li et al., 2024) for\n"
+        "lossless speculative decoding with [hf_bpd](https://pypi.org/project/hf-bpd/). Each position's row reads "
+        "the\nbase model's final hidden state there and the token after it and predicts the next position's state; "
+        "a\ndraft of depth d > 1 reads the state its parent predicted, so each tree branch is drafted from its own "
+        f"tokens,\n{cfg.max_depth} deep at most, over a {cfg.draft_vocab_size or cfg.vocab_size}-token draft "
+        "vocabulary;"
+    )
+
+
 def render_card(
     heads: PreTrainedModel | PretrainedConfig,
     repo_id: str = "<repo_id>",
@@ -202,26 +244,10 @@ def render_card(
     from huggingface_hub import ModelCard, ModelCardData
 
     cfg = getattr(heads, "config", heads)
-    softmax = "tied to the base LM head" if cfg.tie_lm_head else "of its own"
-    if cfg.draft_vocab_size:
-        softmax += f", over a {cfg.draft_vocab_size}-token draft vocabulary"
-    inputs = {
-        "": "the base model's last hidden state",
-        "next": "the base model's last hidden state and the embedding of its own next token (the draft tree's root)",
-        "previous": "the base model's last hidden state and the embedding of the token right before the head's "
-        "target (head 1: the base model's own next token; head i: the drafted token at depth i-1, so each "
-        "tree branch is drafted from its own tokens)",
-    }[cfg.token_input]
-    chain = getattr(cfg, "chain", "")
-    if chain:
-        where = "in place of the hidden state" if chain == "state" else "beside the hidden state"
-        inputs += f"; head i > 1 reads head i-1's state {where}, so each node has read its whole branch"
-    if getattr(cfg, "copy_dim", 0):
-        inputs += (
-            f"; each head also points into the context (prompt and answer so far: a {cfg.copy_dim}-wide "
-            "attention from the bigram it continues to every earlier bigram) and mixes the token that followed "
-            "there into its own distribution, so it can copy names, numbers and phrases from the prompt"
-        )
+    if getattr(cfg, "model_type", "") == "bpd_eagle_draft_layer":
+        title, description = "EAGLE draft layer", eagle_description(cfg)
+    else:
+        title, description = "Block draft heads", heads_description(cfg)
     hub_call = (
         "\nThis repository is a whole drafter (heads, settings in `drafter.json`, `custom_generate/`), so it also "
         "decodes with no drafter object:\n\n```python\nout = model.generate(**inputs, max_new_tokens=128, "
@@ -263,10 +289,8 @@ def render_card(
         prompt=prompt,
         self_loading=hub_call if self_loading else "",
         base_model=base_model,
-        num_heads=cfg.num_heads,
-        num_layers=cfg.num_layers,
-        softmax=softmax,
-        inputs=inputs,
+        title=title,
+        description=description,
         data_recipe=data_recipe(manifest),
         accuracy_table=accuracy_table(training_log),
         tau_table=tau_table(bench),

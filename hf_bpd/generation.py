@@ -78,7 +78,7 @@ def generate(
         raise ValueError("lossy_typical_acceptance changes how sampled tokens are accepted: it needs do_sample=True")
     check_model_supported(model)
     windows = check_call_supported(model, input_ids, generation_config, model_kwargs, assistant.tree_budget)
-    check_features_supported(model, assistant, generation_config, model_kwargs)
+    check_features_supported(model, assistant, generation_config, model_kwargs, input_ids.shape[0])
     batched = input_ids.shape[0] > 1
     check_captured_setting(captured_step, batched, has_recurrent_state(model))
     if batched:

@@ -97,6 +97,7 @@ class Prefill:
     first: torch.Tensor  # [B]: each row's first new token
     sequences: list[torch.Tensor]  # each row's ids [1, P + 1], ending with its first token
     finished: list[bool]  # whether the first token already stopped the row
+    hidden_prompt: torch.Tensor | None = None  # [B, P, H]: every prompt position's (an EAGLE layer's context)
 
     def state(self) -> tuple:
         """What a loop carries from step to step: (past_mask, cache, hidden_last, sequences, finished)."""
@@ -193,7 +194,7 @@ class DecodeCall:
         """The prompt through the model exactly as `generate` runs it, and every row's first token."""
         with self.clock.phase("prefill"):
             past_mask = prompt_mask(input_ids, model_kwargs)
-            logits, hidden_last, cache = prefill(self.model, input_ids, model_kwargs)
+            logits, hidden, cache = prefill(self.model, input_ids, model_kwargs)
             scores = self.processors(input_ids, logits)
             first = choose_tokens(scores, self.do_sample)
             rows = range(input_ids.shape[0])
@@ -206,7 +207,7 @@ class DecodeCall:
         self.logits.append(logits)
         if self.streamer is not None:
             self.streamer.put(first.cpu())
-        return Prefill(past_mask, cache, hidden_last, first, sequences, finished)
+        return Prefill(past_mask, cache, hidden[:, -1], first, sequences, finished, hidden)
 
     def max_depth(self, longest: int) -> int | None:
         """The deepest a tree may be drafted after `longest` cached tokens: its positions stay within the
@@ -260,7 +261,7 @@ def prompt_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
 
 def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, DynamicCache]:
     """Run the prompt exactly as `generate` does. Returns (raw next-token logits [B, V] float32, last
-    hidden state [B, H], cache)."""
+    hidden states [B, P, H] (with heads reading several layers, only the last position's is theirs), cache)."""
     keep_every_key(model_kwargs)
     if not compiled_forward(model):  # a compiled forward lays each layer out its own way (`contiguous_kv`)
         grow_in_place(model_kwargs)
@@ -282,7 +283,7 @@ def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.T
             "hidden]: draft heads cannot read them"
         )
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
-    return logits, hidden[:, -1], cache
+    return logits, hidden, cache
 
 
 def _takes_first_iteration(model) -> bool:

@@ -828,6 +828,8 @@ def captured_refusal(call, input_ids: torch.Tensor, model_kwargs: dict) -> str |
         return "its tree is the heads' alone: the drafter has a rescorer"
     if drafter.heads.context_copy is not None:
         return "its heads have no context-copy pointer"
+    if drafter.reads_context:
+        return "its trees are grown by heads on the device, not by an EAGLE draft layer"
     if drafter.corpus is not None:
         return "its tree has no retrieval chains: the drafter has a corpus"
     return None

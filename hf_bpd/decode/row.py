@@ -139,6 +139,8 @@ def decode(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: dict):
     past_mask, cache, hidden_last, sequences, finished = start.state()
     input_ids, finished = sequences[0], finished[0]
     sequence = input_ids[0].tolist()  # the row on the host, kept in step with input_ids (no copy back)
+    if drafter.reads_context:  # an EAGLE layer: every prompt position's feature and the token after it
+        drafter.start_context(start.hidden_prompt[0], sequence[1:])
     device = input_ids.device
     capacity = static_capacity(cache)  # a static cache: trees fit its free slots (`static_cache.py`)
     static_call = None if capacity is None else compiled_static_call(model, call.config, model_kwargs)
@@ -199,6 +201,8 @@ def decode(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: dict):
                 compact_cache(cache, batch.input_ids.shape[1], keep)
             past_mask = torch.cat([past_mask, past_mask.new_ones(1, keep.numel())], dim=-1)
             hidden_last = out.hidden_states[-1][:, result.nodes[-1]]
+            if drafter.reads_context:
+                drafter.extend_context(out.hidden_states[-1][0, result.nodes], result.tokens)
             input_ids = torch.cat([input_ids, input_ids.new_tensor([result.tokens])], dim=-1)
         if chooser is not None:  # the whole step: a drafted step's compaction is part of what it costs
             chooser.observe(drafting, len(result.tokens), clock.step_seconds(), expected)

@@ -623,10 +623,20 @@ def check_recurrent_supported(model) -> None:
         )
 
 
-def check_features_supported(model, drafter, generation_config: GenerationConfig, model_kwargs: dict):
-    """Heads reading several layers (`feature_layers`) capture them with hooks around the model's eager
+def check_features_supported(
+    model, drafter, generation_config: GenerationConfig, model_kwargs: dict, batch_size: int = 1
+) -> None:
+    """The features the drafter reads. An EAGLE draft layer reads every accepted position's, which the
+    one-row loop (`row.py`) hands over: refuse a batch and a model with recurrent state (their loops do
+    not). Heads reading several layers (`feature_layers`) capture them with hooks around the model's eager
     forward: refuse a compiled forward (its graph would not run the hooks as the tree forward needs them)
     and a static cache (decoded through a compiled call)."""
+    if drafter.reads_context and (batch_size > 1 or has_recurrent_state(model)):
+        what = f"a batch of {batch_size}" if batch_size > 1 else f"{type(model).__name__}, which keeps recurrent state"
+        raise ValueError(
+            f"a drafter with an EAGLE draft layer decodes one row of a model without recurrent state, got {what}: "
+            "decode rows one at a time, or use draft heads"
+        )
     layers = getattr(getattr(drafter.heads, "config", None), "feature_layers", None)
     if not layers:
         return

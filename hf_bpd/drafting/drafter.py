@@ -35,6 +35,7 @@ from .assembly import (
 )
 from .calibration import GREEDY, HEADS, SAMPLED, AcceptanceCalibration, Arc, SamplingWarp
 from .corpus import CorpusIndex, corpus_source
+from .eagle import EagleContext, EagleDraftLayer, grow_tree
 from .expansion import GrownTree, chain_lattice, expand_tree, grow_on_device
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
@@ -73,7 +74,11 @@ class DraftingTimes:
 
 
 class BlockDrafter:
-    """Drafts a tree per step from block draft heads.
+    """Drafts a tree per step from block draft heads, or from an EAGLE draft layer (`eagle.py`).
+
+    heads:           the drafting module: `BlockDraftHeads`, or an `EagleDraftLayer`, which reads the features
+                     of every accepted position (`reads_context`: the decoding loop hands them over with
+                     `start_context` and `extend_context`) and grows its trees best-first (`eagle.grow_tree`).
 
     top_k:           tokens kept per head (lattice width), >= 1.
     max_tree_tokens: tokens verified per step, root included, >= 1 (1 = plain greedy decoding), or "auto":
@@ -144,6 +149,8 @@ class BlockDrafter:
             raise ValueError(f"corpus_nodes must be an integer >= 1, got {corpus_nodes!r}")
         if packed_linear not in (None, True, False):
             raise ValueError(f"packed_linear must be True, False or None (auto), got {packed_linear!r}")
+        if rescorer is not None and isinstance(heads, EagleDraftLayer):
+            raise ValueError("a rescorer re-ranks the heads' lattice, and an EAGLE draft layer has none: rescorer=None")
         if rescorer is not None and not isinstance(rescorer, Rescorer):
             raise TypeError(f"rescorer must be callable as rescorer(lattice, context), got {type(rescorer).__name__}")
         self.heads = heads
@@ -174,6 +181,9 @@ class BlockDrafter:
         # and the host walk makes fewer draws. True or False forces it (a test's or measurement's setting)
         self.fused_sampling: bool | None = None
         self._recent_sizes: deque[int] = deque(maxlen=RECENT_STEPS)  # sizes of the last sized trees
+        # an EAGLE layer's context: its KV cache, and the accepted positions' features not yet run through it
+        self._context = EagleContext()
+        self._pending: list[tuple[torch.Tensor, list[int]]] = []
         self._in_use = threading.Lock()
 
     @classmethod
@@ -209,6 +219,48 @@ class BlockDrafter:
     @property
     def num_heads(self) -> int:
         return self.heads.num_heads
+
+    @property
+    def reads_context(self) -> bool:
+        """Whether the drafter reads the features of every accepted position (an EAGLE draft layer), which the
+        loop hands over: the prompt's with `start_context`, each step's accepted nodes' with
+        `extend_context`."""
+        return isinstance(self.heads, EagleDraftLayer)
+
+    def start_context(self, features: torch.Tensor, next_tokens: Sequence[int]) -> None:
+        """A new sequence's context: the base model's final hidden states of its prompt `[P, H]` and the token
+        after each position (the prompt's own, then the first new token). Nothing for heads."""
+        self._context = EagleContext()
+        self._pending = []
+        self.extend_context(features, next_tokens)
+
+    def extend_context(self, features: torch.Tensor, next_tokens: Sequence[int]) -> None:
+        """The accepted positions' features `[n, H]` (a step's accepted nodes, root first) and the token after
+        each (the step's new tokens), run through the layer at the next draft. Nothing for heads."""
+        if not self.reads_context:
+            return
+        if features.dim() != 2 or features.shape[0] != len(next_tokens):
+            raise ValueError(
+                f"extend_context needs features [n, hidden] and n next tokens, got {tuple(features.shape)} and "
+                f"{len(next_tokens)}"
+            )
+        self._pending.append((features, list(next_tokens)))
+
+    def _context_prediction(self, context_length: int) -> EagleContext:
+        """The layer's context with every pending row run, checked to cover a context of `context_length`
+        tokens (one row per position but the last, the root): a loop that skipped a step's features would
+        otherwise draft from a wrong context without a word."""
+        if self._pending:
+            features = torch.cat([f for f, _ in self._pending]).to(self.heads.device, self.heads.dtype)
+            tokens = torch.tensor([t for _, ts in self._pending for t in ts], device=self.heads.device)
+            self._pending = []
+            self._context.extend(self.heads, features, tokens)
+        if self._context.rows != context_length - 1:
+            raise RuntimeError(
+                f"the EAGLE layer holds {self._context.rows} context rows for a context of {context_length} tokens: "
+                "the decoding loop must hand every accepted position's features over (start_context, extend_context)"
+            )
+        return self._context
 
     @contextlib.contextmanager
     def exclusive(self):
@@ -335,7 +387,9 @@ class BlockDrafter:
         (`grow`, read by the host) and its arcs."""
         if self.heads.conditions_on_draft and hidden_last is None and grown is None:
             raise ValueError("heads that read the drafted token grow trees from the hidden state: pass hidden_last")
-        if lattice is None and not self.heads.conditions_on_draft:
+        if self.reads_context and context.shape[0] != 1:
+            raise ValueError("an EAGLE draft layer drafts one row at a time")
+        if lattice is None and not self.heads.conditions_on_draft and not self.reads_context:
             raise ValueError("these heads draft from their lattice: pass it")
         budget = self.tree_budget if max_tokens is None else max(1, min(self.tree_budget, max_tokens))
         sized = self.forward_cost is not None
@@ -359,6 +413,11 @@ class BlockDrafter:
             estimates = add_rescored(tree, rescored[b] if rescored is not None else [], budget, max_depth)
             if self.heads.conditions_on_draft and grown is not None:
                 tree, arcs = grown[b]  # grown on the device during the last step, read with its tokens
+            elif self.reads_context:
+                t0 = time.perf_counter()
+                layer_context = self._context_prediction(context.shape[1])
+                tree, arcs = grow_tree(self.heads, layer_context, root, self.top_k, growth, max_depth, self.calibration)
+                self.stats.time_heads += time.perf_counter() - t0
             elif self.heads.conditions_on_draft:
                 t0 = time.perf_counter()
                 hidden = hidden_last[b : b + 1].to(self.heads.device, self.heads.dtype)
@@ -501,7 +560,7 @@ class BlockDrafter:
             self.calibration.regime = GREEDY if warp is None else SAMPLED
         # "previous" heads draft the tree node by node; their chain lattice only serves a rescorer
         needs_lattice = self.rescorer is not None or not self.heads.conditions_on_draft
-        needs_lattice = needs_lattice and grown is None
+        needs_lattice = needs_lattice and grown is None and not self.reads_context
         lattice_warp = None if self.heads.conditions_on_draft else warp
         with self.heads_context:
             lattice = self.lattice(hidden_last, context[:, -1], context, lattice_warp) if needs_lattice else None

@@ -96,6 +96,11 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+def rotary_frequencies(config: EagleDraftLayerConfig) -> torch.Tensor:
+    """The default rotary embedding's inverse frequencies `[head_dim / 2]`, float32."""
+    return 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -161,8 +166,7 @@ class EagleDraftLayer(PreTrainedModel):
         self.out_norm = RMSNorm(hidden, eps)
         size = c.draft_vocab_size or c.vocab_size
         self.register_buffer("draft_vocab", torch.arange(size), persistent=c.draft_vocab_size > 0)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rotary_frequencies(c), persistent=False)
         self.__dict__["_lm_rows"] = None  # borrowed at `bind`, kept out of the state dict
         self.__dict__["_embedding"] = None
         self.post_init()
@@ -264,8 +268,8 @@ class EagleDraftLayer(PreTrainedModel):
             raise ValueError(f"could not load the EAGLE draft layer in {path}: {err}") from err
         if not layer.config.draft_vocab_size:
             layer.draft_vocab = torch.arange(layer.config.vocab_size, device=layer.draft_vocab.device)
-        inv = 1.0 / (layer.config.rope_theta ** (torch.arange(0, layer.config.head_dim, 2).float() / layer.config.head_dim))
-        layer.inv_freq = inv.to(layer.draft_vocab.device)  # not saved: recomputed in float32
+        # not saved, and loading leaves it uninitialised: recomputed in float32
+        layer.inv_freq = rotary_frequencies(layer.config).to(layer.draft_vocab.device)
         return layer
 
     def check_compatible(self, model) -> None:
@@ -288,7 +292,8 @@ class EagleDraftLayer(PreTrainedModel):
         """Check that the layer fits `model` and borrow its token embedding and LM-head rows. Returns self."""
         self.check_compatible(model)
         weight = _output_embeddings(model).weight.detach()
-        self.__dict__["_lm_rows"] = weight[self.draft_vocab.to(weight.device)] if self.config.draft_vocab_size else weight
+        rows = weight[self.draft_vocab.to(weight.device)] if self.config.draft_vocab_size else weight
+        self.__dict__["_lm_rows"] = rows
         embedding = model.get_input_embeddings()
         if embedding is None or embedding.weight.shape[1] != self.config.hidden_size:
             raise ValueError("an EAGLE draft layer reads the base model's token embeddings: it has none of its width")
@@ -394,9 +399,8 @@ class EagleContext:
         mask = torch.ones(n, self.rows + n, dtype=torch.bool, device=device)
         mask[:, self.rows :] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
         with torch.no_grad():
-            out, self.keys, self.values = layer.step(
-                features[None].to(device, layer.dtype), next_tokens[None].to(device), position, self.keys, self.values, mask
-            )
+            features, next_tokens = features[None].to(device, layer.dtype), next_tokens[None].to(device)
+            out, self.keys, self.values = layer.step(features, next_tokens, position, self.keys, self.values, mask)
         self.rows += n
         self.prediction = out[0, -1:]
 

@@ -15,6 +15,7 @@ from .heads import BlockDraftHeads
 
 if TYPE_CHECKING:
     from .drafter import BlockDrafter
+    from .eagle import EagleDraftLayer
 
 DRAFTER_SETTINGS = "drafter.json"
 CORPUS_FILE = "corpus.npz"  # a retrieval corpus (`corpus.py`), where the drafter has one
@@ -47,13 +48,27 @@ def load_drafter(cls: type[BlockDrafter], path: str | Path, base_tokenizer=None,
     from .rescoring.composed import build_rescorer
 
     hub = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
-    heads = BlockDraftHeads.from_pretrained(path, **hub)
+    heads = drafting_module(path, **hub)
     folder, settings = read_settings(path, hub)
     settings = with_corpus(settings, folder)  # a corpus given here replaces it, unread
     spec = settings.pop("rescorer", None)
     if spec is not None and "rescorer" not in kwargs:
         kwargs["rescorer"] = build_rescorer(spec, folder, base_tokenizer)
     return cls(heads, **{**settings, **kwargs})
+
+
+def drafting_module(path: str | Path, **hub) -> BlockDraftHeads | EagleDraftLayer:
+    """The drafting module saved at `path`: an EAGLE draft layer where its config says so, else draft heads
+    (whose loader names a folder that is neither)."""
+    from .eagle import EagleDraftLayer, EagleDraftLayerConfig
+
+    try:
+        config, _ = EagleDraftLayerConfig.get_config_dict(path, **hub)
+    except OSError:
+        config = {}
+    if config.get("model_type") == EagleDraftLayerConfig.model_type:
+        return EagleDraftLayer.from_pretrained(path, **hub)
+    return BlockDraftHeads.from_pretrained(path, **hub)
 
 
 def save_drafter(drafter: BlockDrafter, path: str | Path, repo_id: str = "<repo_id>", **card_kwargs) -> Path:

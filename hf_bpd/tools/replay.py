@@ -95,12 +95,16 @@ def replay_turn(
     context = getattr(model.config, "max_position_embeddings", None)
     result = ReplayResult(tokens=len(answer), forwards=1)
     t = 1  # the prefill emitted answer[0]
+    if drafter.reads_context:  # position i's feature and the token after it, as `row.decode` hands them over
+        drafter.start_context(hidden[:p], prompt_ids[0, 1:].tolist() + answer[:1])
     while t < len(answer):
         sequence = torch.cat([prompt_ids, prompt_ids.new_tensor([answer[:t]])], dim=-1)
         max_depth = None if context is None else max(context - (p + t - 1) - 1, 0)  # as `row.decode`
         tree = drafter.draft(hidden[p + t - 2][None], sequence, max_depth, step_cost=step_cost)[0]
         nodes, finished = accept_along(tree, answer, t)
         drafter.observe([nodes], [finished])
+        if drafter.reads_context and t + len(nodes) < len(answer):
+            drafter.extend_context(hidden[p + t - 1 : p + t - 1 + len(nodes)], answer[t : t + len(nodes)])
         t += len(nodes)
         result.forwards += 1
         result.accepted_lengths.append(len(nodes))

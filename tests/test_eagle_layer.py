@@ -1,0 +1,223 @@
+"""The EAGLE draft layer (`drafting/eagle.py`): its block is a Llama decoder layer, its incremental context and
+tree drafting compute exactly what the training-time unroll computes along each node's path, it saves and
+loads, decoding with it gives plain greedy's and seeded sampling's tokens, replay matches the loop, and what it
+cannot serve is refused before any forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_bpd
+from hf_bpd import BlockDrafter
+from hf_bpd.drafting.eagle import EagleContext, EagleDraftLayer, grow_tree
+from hf_bpd.drafting.files import drafting_module
+from hf_bpd.tools.replay import replay_turn
+from hf_bpd.training.train_eagle import eagle_loss, padded_batch
+from tests.conftest import random_heads, tiny_model
+
+
+def random_layer(model, seed: int = 0, std: float = 0.3) -> EagleDraftLayer:
+    """A layer with random weights (its drafts depend on the token and the context), norms kept at 1."""
+    layer = EagleDraftLayer.for_base_model(model, start_as_identity=False)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return layer.eval()
+
+
+def sequence(length: int, model, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, model.config.vocab_size, (length,), generator=g)
+    return tokens, torch.randn(length, model.config.hidden_size, generator=g)
+
+
+def test_depth_one_is_a_llama_decoder_layer_then_the_final_norm():
+    model = tiny_model()
+    layer = EagleDraftLayer.for_base_model(model, start_as_identity=False)
+    tokens, features = sequence(9, model, 0)
+    with torch.no_grad():
+        ours = layer.unroll(features[None], tokens[None], 1)[0]
+        _, embedding = layer._bound()
+        x = layer.fc(torch.cat([layer.token_norm(embedding[tokens[1:]]), layer.feature_norm(features[:-1])], -1))[None]
+        positions = torch.arange(8)[None]
+        mask = torch.full((8, 8), float("-inf")).triu(1)[None, None]
+        block = model.model.layers[-1]
+        embeddings = model.model.rotary_emb(x, positions)
+        out = block(x, attention_mask=mask, position_ids=positions, position_embeddings=embeddings)
+        theirs = model.model.norm(out[0] if isinstance(out, tuple) else out)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_reads_no_later_position_and_padding_changes_nothing():
+    model = tiny_model()
+    layer = random_layer(model)
+    depth = 3
+    long, short = (*sequence(12, model, 1), 2), (*sequence(7, model, 2), 2)
+    long, short = (long[0], long[1].half(), 2), (short[0], short[1].half(), 2)
+    with torch.no_grad():
+        together = layer.unroll(*padded_batch([long, short])[:2], depth)
+        alone = layer.unroll(*padded_batch([short])[:2], depth)
+        for j in range(depth):
+            torch.testing.assert_close(together[j][1, :6], alone[j][0], rtol=1e-5, atol=1e-5)
+        t = 4  # row t at depth j reads features <= t and tokens <= t + j: change everything after them
+        tokens, features, start = long
+        tokens2, features2 = tokens.clone(), features.clone()
+        features2[t + 1 :] += 1.0
+        tokens2[t + depth + 1 :] = (tokens2[t + depth + 1 :] + 1) % model.config.vocab_size
+        moved = layer.unroll(*padded_batch([(tokens2, features2, start)])[:2], depth)
+        before = layer.unroll(*padded_batch([long])[:2], depth)
+    for j in range(depth):
+        torch.testing.assert_close(moved[j][0, : t + 1], before[j][0, : t + 1], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(moved[j][0, t + 1 :], before[j][0, t + 1 :])
+
+
+def test_the_context_extended_in_pieces_is_the_unrolled_first_depth():
+    model = tiny_model()
+    layer = random_layer(model)
+    tokens, features = sequence(12, model, 1)
+    context = EagleContext()
+    context.extend(layer, features[:5], tokens[1:6])
+    context.extend(layer, features[5:11], tokens[6:12])
+    with torch.no_grad():
+        unrolled = layer.unroll(features[None], tokens[None], 1)[0]
+    assert context.rows == 11
+    torch.testing.assert_close(context.prediction, unrolled[0, 10:11], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_tree_node_drafts_what_the_unroll_drafts_along_its_path(seed):
+    """Tree attention: a node's children are the top-k of the prediction the training-time unroll makes on the
+    node's own path (context rows, its ancestors, itself), with the same log-probabilities."""
+    model = tiny_model()
+    layer = random_layer(model, seed)
+    n = 10
+    tokens, features = sequence(n + 1, model, seed + 5)  # context tokens 0..n, the root is token n
+    context = EagleContext()
+    context.extend(layer, features[:n], tokens[1 : n + 1])
+    tree, arcs = grow_tree(layer, context, int(tokens[n]), top_k=3, budget=24)
+    assert len(tree) == 24 and max(tree.depths) >= 3  # a real tree, several levels deep
+    paths = tree.node_paths()
+    for node in range(len(tree)):
+        children = [c for c in range(1, len(tree)) if tree.parents[c] == node]
+        if not children:
+            continue
+        depth = tree.depths[node] + 1
+        path_tokens = torch.cat([tokens, torch.tensor(paths[node], dtype=torch.long)])
+        with torch.no_grad():  # row n-1 at depth d reads the token at n-1+d: the root, then the path's
+            predicted = layer.unroll(features[None, : n + 1], path_tokens[None], depth)[depth - 1][0, n - 1]
+            ids, logprobs = layer.top_tokens(predicted[None], 3)
+        for child in children:
+            assert tree.tokens[child] in ids[0].tolist()
+            expected = logprobs[0, ids[0].tolist().index(tree.tokens[child])]
+            assert arcs[child].logprob == pytest.approx(float(expected), abs=1e-4)
+
+
+def test_saved_layer_loads_with_its_outputs_and_as_a_drafter(tmp_path):
+    model = tiny_model()
+    layer = random_layer(model)
+    layer.save_pretrained(tmp_path / "layer")
+    loaded = EagleDraftLayer.from_pretrained(tmp_path / "layer").bind(model)
+    tokens, features = sequence(8, model, 2)
+    with torch.no_grad():
+        for a, b in zip(layer.unroll(features[None], tokens[None], 3), loaded.unroll(features[None], tokens[None], 3)):
+            torch.testing.assert_close(a, b)
+    BlockDrafter(layer, top_k=4, max_tree_tokens=8).save_pretrained(tmp_path / "drafter")
+    drafter = BlockDrafter.from_pretrained(tmp_path / "drafter")
+    assert drafter.reads_context and (drafter.top_k, drafter.max_tree_tokens) == (4, 8)
+    heads = random_heads(model)
+    heads.save_pretrained(tmp_path / "heads")
+    assert not isinstance(drafting_module(tmp_path / "heads"), EagleDraftLayer)
+    with pytest.raises(ValueError, match="not an EAGLE draft layer"):
+        EagleDraftLayer.from_pretrained(tmp_path / "heads")
+
+
+def test_training_loss_falls_and_reaches_every_trained_weight():
+    model = tiny_model()
+    layer = EagleDraftLayer.for_base_model(model).train()
+    layer.requires_grad_(True)
+    items = [(*sequence(10 + i, model, i), 3) for i in range(4)]
+    items = [(t, f.half(), s) for t, f, s in items]
+    start = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss = eagle_loss(layer, items, depth=3, cls_weight=1.0)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.85 * losses[0]
+    # the block starts as the identity (zero output projections): its inner weights learn once those move
+    assert [name for name, p in layer.named_parameters() if torch.equal(p, start[name])] == []
+    features, tokens, lengths = padded_batch(items)
+    assert features.shape == (4, 13, model.config.hidden_size) and lengths.tolist() == [10, 11, 12, 13]
+
+
+def greedy(model, ids, n, **kw):
+    return model.generate(ids, do_sample=False, max_new_tokens=n, **kw)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_decoding_with_the_layer_gives_greedy_s_tokens(cache):
+    model = tiny_model(eos_token_id=None)
+    layer = random_layer(model, std=0.1)
+    g = torch.Generator().manual_seed(3)
+    extra = {} if cache == "dynamic" else {"cache_implementation": "static"}
+    drafted = 0
+    for trial in range(4):
+        ids = torch.randint(3, 97, (1, int(torch.randint(2, 10, (1,), generator=g))), generator=g)
+        drafter = BlockDrafter(layer, top_k=3, max_tree_tokens=10)
+        ours = greedy(model, ids, 30, custom_generate=hf_bpd.generate, assistant=drafter, **extra)
+        assert torch.equal(ours, greedy(model, ids, 30, **extra)), trial
+        assert set(drafter.stats.tree_sizes) != {1}
+        drafted += sum(n - 1 for n in drafter.stats.accepted_lengths)
+    assert drafted > 0  # some drafts were accepted, not only bonus tokens
+
+
+def test_seeded_sampling_with_the_layer_gives_plain_sampling_s_tokens():
+    model = tiny_model(eos_token_id=None)
+    layer = random_layer(model, std=0.1)
+    ids = torch.tensor([[5, 9, 11, 4]])
+    kw = dict(do_sample=True, temperature=0.7, top_k=20, max_new_tokens=25)
+    torch.manual_seed(7)
+    plain = model.generate(ids, **kw)
+    torch.manual_seed(7)
+    ours = model.generate(ids, custom_generate=hf_bpd.generate, assistant=BlockDrafter(layer, top_k=3), **kw)
+    assert torch.equal(plain, ours)
+
+
+def test_replay_matches_the_decoding_loop_with_the_layer():
+    model = tiny_model(eos_token_id=None)
+    layer = random_layer(model, std=0.1)
+    g = torch.Generator().manual_seed(4)
+    for trial in range(3):
+        ids = torch.randint(3, 97, (1, int(torch.randint(2, 12, (1,), generator=g))), generator=g)
+        decoding = BlockDrafter(layer, top_k=3, max_tree_tokens=12)
+        out = greedy(model, ids, 40, custom_generate=hf_bpd.generate, assistant=decoding)
+        answer = out[0, ids.shape[1] :].tolist()
+        replayed = replay_turn(model, BlockDrafter(layer, top_k=3, max_tree_tokens=12), ids, answer)
+        assert replayed.accepted_lengths == decoding.stats.accepted_lengths, trial
+        assert replayed.tree_sizes == decoding.stats.tree_sizes
+
+
+def test_what_the_layer_cannot_serve_is_refused_up_front():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = tiny_model()
+    layer = random_layer(model)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=4)).eval()
+    with pytest.raises(ValueError, match="Llama-style"):
+        EagleDraftLayer.for_base_model(gpt2)
+    with pytest.raises(ValueError, match="another base model"):
+        layer.bind(tiny_model(seed=1))
+    with pytest.raises(ValueError, match="EAGLE draft layer has none"):
+        BlockDrafter(layer, rescorer=lambda lattice, context: [])
+    batch = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with pytest.raises(ValueError, match="one row"):
+        greedy(model, batch, 5, custom_generate=hf_bpd.generate, assistant=BlockDrafter(layer))
+    drafter = BlockDrafter(layer, calibrate=False)
+    with pytest.raises(RuntimeError, match="context rows"):  # drafting without the context's features
+        drafter.draft(torch.zeros(1, 32), torch.tensor([[5, 6, 7]]))
