@@ -34,7 +34,6 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 
 from .calibration import HEADS, AcceptanceCalibration, Arc
-from .expansion import round_size
 from .heads import RMSNorm, _output_embeddings, lm_head_identity, lm_head_mismatch
 from .lattice import host_lists
 from .tree import DraftTree
@@ -405,6 +404,13 @@ class EagleContext:
         self.prediction = out[0, -1:]
 
 
+def round_size(budget: int, depth_limit: int) -> int:
+    """Candidates a round of `grow_tree` adds to a tree of `budget` nodes: as many rounds as the tree may be
+    deep, so a chain the layer drafts well can reach the deepest depth (EAGLE-2 expands one depth a call).
+    Heads' trees take fewer, larger rounds (`expansion.round_size`): their later depths are rarely accepted."""
+    return max(1, math.ceil((budget - 1) / max(depth_limit, 1)))
+
+
 def grow_tree(
     layer: EagleDraftLayer,
     context: EagleContext,
@@ -416,7 +422,7 @@ def grow_tree(
 ) -> tuple[DraftTree, list[Arc]]:
     """A step's tree of at most `budget` nodes, grown best-first on (calibrated) path probability from the
     layer's predictions: the root's children from the context's last prediction, then rounds of the best
-    candidates (`expansion.round_size`), each round's nodes run through the layer together (each attending
+    candidates (`round_size`), each round's nodes run through the layer together (each attending
     to the context and its own ancestors) to give their children. Returns the tree and every node's arc."""
     tree, arcs = DraftTree.root_only(root), [Arc(0.0, HEADS)]
     depth_limit = min(layer.config.max_depth, max_depth if max_depth is not None else layer.config.max_depth)
@@ -450,7 +456,7 @@ def grow_tree(
     with torch.no_grad():
         ids, lps = host_lists(*layer.top_tokens(context.prediction, top_k))
     push_children([0], ids, lps)
-    per_round = round_size(budget)
+    per_round = round_size(budget, depth_limit)
     while heap and len(tree) < budget:
         added = []
         while heap and len(added) < per_round and len(tree) < budget:
