@@ -130,7 +130,7 @@ def test_saved_layer_loads_with_its_outputs_and_as_a_drafter(tmp_path):
     heads = random_heads(model)
     heads.save_pretrained(tmp_path / "heads")
     assert not isinstance(drafting_module(tmp_path / "heads"), EagleDraftLayer)
-    with pytest.raises(ValueError, match="not an EAGLE draft layer"):
+    with pytest.raises(ValueError, match="not a draft-layer checkpoint"):
         EagleDraftLayer.from_pretrained(tmp_path / "heads")
 
 

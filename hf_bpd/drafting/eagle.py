@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.activations import ACT2FN
@@ -36,6 +35,7 @@ from transformers.activations import ACT2FN
 from .calibration import HEADS, AcceptanceCalibration, Arc
 from .heads import RMSNorm, _output_embeddings, lm_head_identity, lm_head_mismatch
 from .lattice import host_lists
+from .saved import load_saved, saved_config
 from .tree import DraftTree
 
 
@@ -245,28 +245,12 @@ class EagleDraftLayer(PreTrainedModel):
     @staticmethod
     def saved_config(path, **kwargs) -> EagleDraftLayerConfig:
         """The config saved in `path`; ValueError naming the folder where it is not an EAGLE draft layer's."""
-        try:
-            config_dict, _ = EagleDraftLayerConfig.get_config_dict(path, **kwargs)
-        except OSError as err:
-            raise ValueError(f"{path} holds no readable config.json: {err}") from err
-        if config_dict.get("model_type") != EagleDraftLayerConfig.model_type:
-            raise ValueError(
-                f"{path} is not an EAGLE draft layer (model_type {config_dict.get('model_type')!r}, expected "
-                f"{EagleDraftLayerConfig.model_type!r})"
-            )
-        return EagleDraftLayerConfig.from_dict(config_dict)
+        return saved_config(EagleDraftLayerConfig, path, "draft-layer", **kwargs)
 
     @classmethod
     def from_pretrained(cls, path, *args, **kwargs) -> EagleDraftLayer:
         """Load a saved draft layer; a folder that is not one, or a corrupt file, raises ValueError."""
-        cls.saved_config(path, **kwargs)
-        try:
-            with torch.random.fork_rng(devices=[]):
-                layer = super().from_pretrained(path, *args, **kwargs)
-        except (OSError, RuntimeError, ValueError, SafetensorError) as err:
-            raise ValueError(f"could not load the EAGLE draft layer in {path}: {err}") from err
-        if not layer.config.draft_vocab_size:
-            layer.draft_vocab = torch.arange(layer.config.vocab_size, device=layer.draft_vocab.device)
+        layer = load_saved(super().from_pretrained, EagleDraftLayerConfig, path, "draft-layer", *args, **kwargs)
         # not saved, and loading leaves it uninitialised: recomputed in float32
         layer.inv_freq = rotary_frequencies(layer.config).to(layer.draft_vocab.device)
         return layer

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -76,6 +75,7 @@ from .context_copy import (
     mixture_top_k,
     target_logprob,
 )
+from .saved import load_saved, saved_config
 
 MAX_HEADS = 32
 TOKEN_INPUTS = ("", "next", "previous")
@@ -420,31 +420,13 @@ class BlockDraftHeads(PreTrainedModel):
     def saved_config(path, **kwargs) -> BlockDraftHeadsConfig:
         """The config of the heads saved in `path`, without their weights; a folder that is not draft heads
         raises ValueError naming the folder."""
-        try:
-            config_dict, _ = BlockDraftHeadsConfig.get_config_dict(path, **kwargs)
-        except OSError as err:
-            raise ValueError(f"{path} holds no readable draft-heads config.json: {err}") from err
-        if config_dict.get("model_type") != BlockDraftHeadsConfig.model_type:
-            raise ValueError(
-                f"{path} is not a draft-heads checkpoint (model_type {config_dict.get('model_type')!r}, expected "
-                f"{BlockDraftHeadsConfig.model_type!r})"
-            )
-        return BlockDraftHeadsConfig.from_dict(config_dict)
+        return saved_config(BlockDraftHeadsConfig, path, "draft-heads", **kwargs)
 
     @classmethod
     def from_pretrained(cls, path, *args, **kwargs) -> BlockDraftHeads:
         """Load saved heads; a folder that is not draft heads, or a corrupt file, raises ValueError
         naming the folder."""
-        cls.saved_config(path, **kwargs)
-        try:
-            # the weights are loaded, not drawn: module initialisation must not move a user's seeded stream
-            with torch.random.fork_rng(devices=[]):
-                heads = super().from_pretrained(path, *args, **kwargs)
-        except (OSError, RuntimeError, ValueError, SafetensorError) as err:
-            raise ValueError(f"could not load the draft heads in {path} (corrupt or incomplete file?): {err}") from err
-        if not heads.config.draft_vocab_size:  # not saved (identity), and transformers leaves it uninitialised
-            heads.draft_vocab = torch.arange(heads.config.vocab_size, device=heads.draft_vocab.device)
-        return heads
+        return load_saved(super().from_pretrained, BlockDraftHeadsConfig, path, "draft-heads", *args, **kwargs)
 
     @classmethod
     def for_base_model(

@@ -1,0 +1,42 @@
+"""Loading a saved drafting module (draft heads, an EAGLE draft layer): its config checked first, so a folder of
+something else is refused by name before any weight is read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from safetensors import SafetensorError
+
+
+def saved_config(config_class, path, kind: str, **kwargs):
+    """The `config_class` config saved in `path`, without the weights; ValueError naming the folder where it holds
+    no readable config.json or another kind of module (`kind`: what the errors call this one)."""
+    try:
+        config_dict, _ = config_class.get_config_dict(path, **kwargs)
+    except OSError as err:
+        raise ValueError(f"{path} holds no readable {kind} config.json: {err}") from err
+    if config_dict.get("model_type") != config_class.model_type:
+        raise ValueError(
+            f"{path} is not a {kind} checkpoint (model_type {config_dict.get('model_type')!r}, expected "
+            f"{config_class.model_type!r})"
+        )
+    return config_class.from_dict(config_dict)
+
+
+def load_saved(from_pretrained: Callable, config_class, path, kind: str, *args, **kwargs):
+    """`from_pretrained(path, ...)` (a module class's `PreTrainedModel.from_pretrained`) after `saved_config`'s
+    check; a corrupt or incomplete file raises ValueError naming the folder. Its draft vocabulary is the identity
+    where none was saved (transformers leaves that buffer uninitialised)."""
+    saved_config(config_class, path, kind, **kwargs)
+    try:
+        # the weights are loaded, not drawn: module initialisation must not move a user's seeded stream
+        with torch.random.fork_rng(devices=[]):
+            module = from_pretrained(path, *args, **kwargs)
+    except (OSError, RuntimeError, ValueError, SafetensorError) as err:
+        raise ValueError(
+            f"could not load the {kind} checkpoint in {path} (corrupt or incomplete file?): {err}"
+        ) from err
+    if not module.config.draft_vocab_size:
+        module.draft_vocab = torch.arange(module.config.vocab_size, device=module.draft_vocab.device)
+    return module
