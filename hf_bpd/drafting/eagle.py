@@ -457,16 +457,16 @@ def grow_tree(
         parent_features = torch.cat([features[tree.parents[n]] for n in expand])[None]
         tokens = torch.tensor([[tree.tokens[n] for n in expand]], device=device)
         position = torch.tensor([p + tree.depths[n] for n in expand], device=device)
-        ancestors = torch.zeros(len(expand), len(node_keys), dtype=torch.bool, device=device)
-        for i, n in enumerate(expand):
+        ancestors = [[False] * len(node_keys) for _ in expand]  # built on the host, copied once
+        for row, n in zip(ancestors, expand):
             a = tree.parents[n]
             while a > 0:
-                ancestors[i, expanded_index[a]] = True
+                row[expanded_index[a]] = True
                 a = tree.parents[a]
         mask = torch.cat(
             [
                 torch.ones(len(expand), context.rows, dtype=torch.bool, device=device),
-                ancestors,
+                torch.tensor(ancestors, dtype=torch.bool, device=device).view(len(expand), len(node_keys)),
                 torch.eye(len(expand), dtype=torch.bool, device=device),
             ],
             1,
