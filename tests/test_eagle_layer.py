@@ -156,6 +156,47 @@ def test_training_loss_falls_and_reaches_every_trained_weight():
     assert features.shape == (4, 13, model.config.hidden_size) and lengths.tolist() == [10, 11, 12, 13]
 
 
+def test_training_resumed_after_an_epoch_takes_the_same_steps():
+    import argparse
+    import copy
+
+    from hf_bpd.training.train_eagle import train
+
+    model = tiny_model()
+    items = [(t, f.half(), 3) for t, f in (sequence(8 + i, model, i) for i in range(6))]
+    args = argparse.Namespace(lr=1e-2, seed=0, batch_samples=2, epochs=2, depth=2, cls_weight=1.0)
+    saved = {}
+
+    def keep(epoch, losses, optimizer, schedule):
+        if epoch == 0:
+            saved.update(
+                weights=copy.deepcopy(straight.state_dict()),
+                state={"epochs_done": 1, "losses": list(losses), "optimizer": copy.deepcopy(optimizer.state_dict())}
+                | {"schedule": schedule.state_dict()},
+            )
+
+    straight = EagleDraftLayer.for_base_model(model).requires_grad_(True)
+    losses = train(straight, items, args, keep)
+    resumed = EagleDraftLayer.for_base_model(model).requires_grad_(True)
+    resumed.load_state_dict(saved["weights"])
+    assert train(resumed, items, args, resume=saved["state"]) == losses
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_train_eagle_refuses_to_overwrite_a_run_or_resume_it_with_other_settings(tmp_path):
+    from hf_bpd.training import train_eagle
+
+    argv = ["--data", "d", "--samples", "4", "--heads", "h", "--features-cache", "c", "--output", str(tmp_path)]
+    torch.save({"settings": {}}, tmp_path / train_eagle.CHECKPOINT)
+    with pytest.raises(SystemExit, match="pass --resume"):
+        train_eagle.main(argv)
+    with pytest.raises(SystemExit, match="other settings"):
+        train_eagle.main([*argv, "--resume"])
+    with pytest.raises(SystemExit, match="--depth must be at least 1"):
+        train_eagle.main([*argv, "--depth", "0"])
+
+
 def greedy(model, ids, n, **kw):
     return model.generate(ids, do_sample=False, max_new_tokens=n, **kw)
 

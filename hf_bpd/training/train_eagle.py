@@ -9,7 +9,8 @@ target: smooth L1 from its predicted feature to the base model's next one, plus 
 cross-entropy to the base model's next-token distribution over the draft vocabulary; `--depth` > 1 unrolls
 it on its own predictions (EAGLE-3's training-time test), the losses of every depth summed. The draft
 vocabulary is the `--heads`' (the heads shipped for the same model). The layer is saved to `--output` after
-every epoch, with the run's settings and loss curve in `training_log.json`.
+every epoch, with the run's settings and loss curve in `training_log.json` and what `--resume` continues from
+(the same steps as an uninterrupted run) in `checkpoint.pt`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch
 from torch.nn import functional as F
 
 from ..drafting.eagle import EagleDraftLayer
+
+CHECKPOINT = "checkpoint.pt"  # beside the saved layer: the optimizer's and schedule's state, for --resume
 
 
 @torch.no_grad()
@@ -96,9 +99,12 @@ def eagle_loss(layer: EagleDraftLayer, items, depth: int, cls_weight: float) -> 
     return total
 
 
-def train(layer: EagleDraftLayer, items, args, after_epoch=None) -> list[float]:
+def train(layer: EagleDraftLayer, items, args, after_epoch=None, resume: dict | None = None) -> list[float]:
     """AdamW with warm-up and cosine decay, `args.batch_samples` sequences of similar length a step, batches
-    in a seeded shuffled order; `after_epoch(epoch, losses)` after each epoch. Returns every step's loss."""
+    in a seeded shuffled order. `after_epoch(epoch, losses, optimizer, schedule)` after each epoch; `resume`: a
+    state it saved (`epochs_done`, `losses`, `optimizer`, `schedule`), with the layer's weights of that epoch
+    already loaded, continues where it stopped (the same steps as an uninterrupted run). Returns every step's
+    loss."""
     params = [p for p in layer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     order = torch.randperm(len(items), generator=torch.Generator().manual_seed(args.seed)).tolist()
@@ -109,9 +115,14 @@ def train(layer: EagleDraftLayer, items, args, after_epoch=None) -> list[float]:
         optimizer, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))
     )
     losses: list[float] = []
+    first = 0
+    if resume is not None:
+        optimizer.load_state_dict(resume["optimizer"])
+        schedule.load_state_dict(resume["schedule"])
+        losses, first = list(resume["losses"]), resume["epochs_done"]
     layer.train()
     t0 = time.perf_counter()
-    for epoch in range(args.epochs):
+    for epoch in range(first, args.epochs):
         shuffled = torch.randperm(len(batches), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
         for i in shuffled:
             loss = eagle_loss(layer, [items[j] for j in batches[i]], args.depth, args.cls_weight)
@@ -126,7 +137,7 @@ def train(layer: EagleDraftLayer, items, args, after_epoch=None) -> list[float]:
                 print(f"step {len(losses)}/{steps} loss {mean:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if after_epoch is not None:
             layer.eval()
-            after_epoch(epoch, losses)
+            after_epoch(epoch, losses, optimizer, schedule)
             layer.train()
     layer.eval()
     return losses
@@ -164,10 +175,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cls-weight", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", required=True, help="folder the layer is saved to after each epoch")
+    parser.add_argument("--resume", action="store_true", help="continue the run saved in --output")
     args = parser.parse_args(argv)
     for name in ("samples", "depth", "max_depth", "epochs", "batch_samples"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+
+    output = Path(args.output)
+    settings = {k: v for k, v in vars(args).items() if k not in ("output", "resume")}
+    state = None  # before any expensive work: a run to continue, or one not to overwrite
+    if (output / CHECKPOINT).is_file():
+        if not args.resume:
+            raise SystemExit(f"{output} holds a run already: pass --resume to continue it, or another --output")
+        state = torch.load(output / CHECKPOINT, weights_only=False)
+        if state["settings"] != settings:
+            changed = sorted(k for k in settings if state["settings"].get(k) != settings[k])
+            raise SystemExit(f"--resume: {output} was trained with other settings ({', '.join(changed)})")
 
     from ..drafting.heads import BlockDraftHeads
     from ..io.models import load_model
@@ -181,24 +204,30 @@ def main(argv: list[str] | None = None) -> int:
     layer.requires_grad_(True)
     items = training_items(model, args)
     print(f"{len(items)} training sequences, {sum(t.shape[0] for t, _, _ in items)} tokens", flush=True)
-    output = Path(args.output)
+    if state is not None:
+        layer.load_state_dict(EagleDraftLayer.from_pretrained(output).state_dict())
+        print(f"resuming after epoch {state['epochs_done']} of {args.epochs}", flush=True)
     env = environment("cpu", "float32")
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() - (state["seconds"] if state else 0.0)
 
-    def save(epoch: int, losses: list[float]) -> None:
+    def save(epoch: int, losses: list[float], optimizer, schedule) -> None:
         layer.save_pretrained(output)
+        seconds = time.perf_counter() - t0
+        checkpoint = {"settings": settings, "epochs_done": epoch + 1, "losses": losses, "seconds": seconds}
+        checkpoint.update(optimizer=optimizer.state_dict(), schedule=schedule.state_dict())
+        torch.save(checkpoint, output / CHECKPOINT)
         log = {
             "environment": env,
             "args": vars(args),
             "epochs_done": epoch + 1,
             "steps": len(losses),
-            "seconds": time.perf_counter() - t0,
+            "seconds": seconds,
             "loss_by_50_steps": [sum(losses[i : i + 50]) / len(losses[i : i + 50]) for i in range(0, len(losses), 50)],
         }
         (output / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
         print(f"epoch {epoch + 1} saved to {output}", flush=True)
 
-    train(layer, items, args, save)
+    train(layer, items, args, save, state)
     return 0
 
 
