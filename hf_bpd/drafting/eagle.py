@@ -35,7 +35,7 @@ from transformers.activations import ACT2FN
 from .calibration import HEADS, AcceptanceCalibration, Arc
 from .heads import RMSNorm, _output_embeddings, lm_head_identity, lm_head_mismatch
 from .lattice import host_lists
-from .saved import load_saved, saved_config
+from .saved import load_saved, saved_config, set_draft_vocab
 from .tree import DraftTree
 
 
@@ -213,10 +213,7 @@ class EagleDraftLayer(PreTrainedModel):
         with torch.random.fork_rng(devices=[]):  # fc's default initialisation must not move a user's stream
             layer = cls(config)
         if draft_vocab is not None:
-            ids = torch.as_tensor(draft_vocab, dtype=torch.long)
-            if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
-                raise ValueError("draft_vocab must hold distinct token ids inside the vocabulary")
-            layer.draft_vocab.copy_(ids)
+            set_draft_vocab(layer, draft_vocab, config.vocab_size)
         with torch.no_grad():
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 getattr(layer, name).load_state_dict(getattr(attention, name).state_dict())

@@ -75,7 +75,7 @@ from .context_copy import (
     mixture_top_k,
     target_logprob,
 )
-from .saved import load_saved, saved_config
+from .saved import load_saved, saved_config, set_draft_vocab
 
 MAX_HEADS = 32
 TOKEN_INPUTS = ("", "next", "previous")
@@ -471,10 +471,7 @@ class BlockDraftHeads(PreTrainedModel):
         )
         heads = cls(config)
         if draft_vocab is not None:
-            ids = torch.as_tensor(draft_vocab, dtype=torch.long)
-            if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
-                raise ValueError("draft_vocab must hold distinct token ids inside the vocabulary")
-            heads.draft_vocab.copy_(ids)
+            set_draft_vocab(heads, draft_vocab, config.vocab_size)
         heads = heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
         if not tie_lm_head:
             heads.lm_head.weight.data.copy_(lm_head.weight.data[heads.draft_vocab])

@@ -1,5 +1,6 @@
-"""Loading a saved drafting module (draft heads, an EAGLE draft layer): its config checked first, so a folder of
-something else is refused by name before any weight is read."""
+"""What the drafting modules (draft heads, an EAGLE draft layer) share: loading a saved one, its config checked
+first so that a folder of something else is refused by name before any weight is read, and setting a new one's
+draft vocabulary."""
 
 from __future__ import annotations
 
@@ -40,3 +41,12 @@ def load_saved(from_pretrained: Callable, config_class, path, kind: str, *args, 
     if not module.config.draft_vocab_size:
         module.draft_vocab = torch.arange(module.config.vocab_size, device=module.draft_vocab.device)
     return module
+
+
+def set_draft_vocab(module, draft_vocab, vocab_size: int) -> None:
+    """Copy `draft_vocab` (token ids) into a new module's `draft_vocab` buffer; ValueError unless the ids are
+    distinct and inside the vocabulary of `vocab_size` tokens."""
+    ids = torch.as_tensor(draft_vocab, dtype=torch.long)
+    if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError("draft_vocab must hold distinct token ids inside the vocabulary")
+    module.draft_vocab.copy_(ids)
