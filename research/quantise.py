@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_bpd.cpu.streamed_linear import round_q8_0
+
 BLOCK = 32
 
 
@@ -24,10 +26,10 @@ def _nonzero(scale: torch.Tensor) -> torch.Tensor:
 
 
 def q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """Q8_0: symmetric 8-bit, one scale per block (max |w| / 127), dequantised."""
-    b = _blocks(weight)
-    d = _nonzero(b.abs().amax(dim=1, keepdim=True) / 127)
-    return (torch.round(b / d) * d).reshape(weight.shape)
+    """Q8_0: symmetric 8-bit, one scale per block (max |w| / 127), dequantised (the product's rounding of
+    compact drafting weights, `streamed_linear.round_q8_0`, over any leading dimensions)."""
+    _blocks(weight)
+    return round_q8_0(weight.detach().float().reshape(-1, weight.shape[-1])).reshape(weight.shape)
 
 
 def q4_0(weight: torch.Tensor) -> torch.Tensor:

@@ -540,3 +540,19 @@ def test_a_bench_journal_records_its_machine_and_resumes_there(tmp_path, smollm2
     records = journal.read_text().splitlines()[1:]
     assert bench.main([*argv, "--output", str(out), "--no-progress", "--resume"]) == 0
     assert journal.read_text().splitlines()[1:] == records  # nothing redone
+
+
+def test_a_second_drafter_runs_in_the_same_bench_as_its_own_method(tmp_path, smollm2):
+    from hf_bpd.io.packaged import load_packaged_drafter
+
+    other = tmp_path / "other"
+    load_packaged_drafter().save_pretrained(other)
+    out = tmp_path / "run.json"
+    methods = ["greedy", "hf_bpd", f"hf_bpd@{other}"]
+    argv = ["--methods", *methods, "--limit", "1", "--max-new-tokens", "8", "--max-tree-tokens", "8"]
+    assert bench.main([*argv, "--output", str(out), "--no-progress"]) == 0
+    results = json.loads(out.read_text())["methods"]
+    assert set(results) == set(methods)
+    assert results[f"hf_bpd@{other}"]["overall"]["identical"] and results["hf_bpd"]["overall"]["identical"]
+    header = json.loads(out.with_suffix(".journal.jsonl").read_text().splitlines()[0])["header"]
+    assert header["other_drafters"] == {f"hf_bpd@{other}": header["drafter"]["heads_sha1"]}  # the same heads

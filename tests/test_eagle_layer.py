@@ -156,7 +156,8 @@ def test_training_loss_falls_and_reaches_every_trained_weight():
     assert features.shape == (4, 13, model.config.hidden_size) and lengths.tolist() == [10, 11, 12, 13]
 
 
-def test_training_resumed_after_an_epoch_takes_the_same_steps():
+@pytest.mark.parametrize("resume_after", [2, 3, 4])  # within the first epoch, at its end, within the second
+def test_training_resumed_takes_the_same_steps(resume_after):
     import argparse
     import copy
 
@@ -164,19 +165,22 @@ def test_training_resumed_after_an_epoch_takes_the_same_steps():
 
     model = tiny_model()
     items = [(t, f.half(), 3) for t, f in (sequence(8 + i, model, i) for i in range(6))]
-    args = argparse.Namespace(lr=1e-2, seed=0, batch_samples=2, epochs=2, depth=2, cls_weight=1.0)
-    saved = {}
+    # 3 batches an epoch: saved after steps 2, 3 (an epoch's end), 4 and 6
+    args = argparse.Namespace(lr=1e-2, seed=0, batch_samples=2, epochs=2, depth=2, cls_weight=1.0, save_every=2)
+    saved, saved_at = {}, []
 
-    def keep(epoch, losses, optimizer, schedule):
-        if epoch == 0:
+    def keep(losses, optimizer, schedule):
+        saved_at.append(len(losses))
+        if len(losses) == resume_after:
             saved.update(
                 weights=copy.deepcopy(straight.state_dict()),
-                state={"epochs_done": 1, "losses": list(losses), "optimizer": copy.deepcopy(optimizer.state_dict())}
+                state={"losses": list(losses), "optimizer": copy.deepcopy(optimizer.state_dict())}
                 | {"schedule": schedule.state_dict()},
             )
 
     straight = EagleDraftLayer.for_base_model(model).requires_grad_(True)
     losses = train(straight, items, args, keep)
+    assert saved_at == [2, 3, 4, 6] and len(losses) == 6
     resumed = EagleDraftLayer.for_base_model(model).requires_grad_(True)
     resumed.load_state_dict(saved["weights"])
     assert train(resumed, items, args, resume=saved["state"]) == losses
@@ -216,6 +220,26 @@ def test_decoding_with_the_layer_gives_greedy_s_tokens(cache):
         assert set(drafter.stats.tree_sizes) != {1}
         drafted += sum(n - 1 for n in drafter.stats.accepted_lengths)
     assert drafted > 0  # some drafts were accepted, not only bonus tokens
+
+
+def test_compact_weights_round_the_layer_in_place_and_still_give_greedy_s_tokens(tmp_path):
+    from hf_bpd.cpu.streamed_linear import round_q8_0
+
+    model = tiny_model(eos_token_id=None)
+    layer = random_layer(model, std=0.1)
+    before = {name: p.clone() for name, p in layer.named_parameters()}
+    drafter = BlockDrafter(layer, top_k=3, max_tree_tokens=10, compact_weights=True)
+    for name, p in layer.named_parameters():  # every linear weight rounded, norms and biases as they were
+        expected = round_q8_0(before[name]) if name.endswith("proj.weight") or name == "fc.weight" else before[name]
+        assert torch.equal(p, expected), name
+    assert not torch.equal(layer.fc.weight, before["fc.weight"])
+    ids = torch.tensor([[5, 9, 17, 3]])
+    ours = greedy(model, ids, 30, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert torch.equal(ours, greedy(model, ids, 30))
+    drafter.save_pretrained(tmp_path)
+    assert BlockDrafter.from_pretrained(tmp_path).compact_weights is True
+    with pytest.raises(ValueError, match="compact_weights must be True or False"):
+        BlockDrafter(layer, compact_weights="q8_0")
 
 
 def test_seeded_sampling_with_the_layer_gives_plain_sampling_s_tokens():

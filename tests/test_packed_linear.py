@@ -339,6 +339,13 @@ def test_kernel_plan_is_measured_once_per_machine_and_model(tmp_path, monkeypatc
     remeasured, _, measured3 = cached_kernel_plan(model, refresh=True)  # timings: may differ from the first
     assert measured3 is True
     assert fast_cpu(model).plan == remeasured  # fast_cpu and the drafters use the cached plan
+    # weights of another precision are measured apart
+    assert cached_kernel_plan(model, weights="q8_0")[1:] != (path, False)
+    # a record measured without extra weights is measured again with them
+    extra = torch.randn(24, model.config.hidden_size)
+    with_extra, path4, measured4 = cached_kernel_plan(model, extra_weights=(extra,))
+    assert measured4 and path4 == path and (24, model.config.hidden_size) in with_extra.shapes
+    assert cached_kernel_plan(model, extra_weights=(extra,))[2] is False
 
 
 @pytest.mark.parametrize(

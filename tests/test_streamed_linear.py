@@ -196,6 +196,22 @@ def test_a_weight_no_int8_copy_holds_stays_float32():
     assert streamed_linear.pack(weight).dtype == torch.float32
 
 
+def test_a_weight_rounded_to_q8_0_is_packed_as_int8_with_the_rounded_weights_bits():
+    g = torch.Generator().manual_seed(8)
+    weight = torch.randn(40, 96, generator=g)
+    weight[3, 32:64] = 0.0  # a block of zeros keeps its zeros
+    rounded = streamed_linear.round_q8_0(weight)
+    assert torch.equal(streamed_linear.round_q8_0(rounded), rounded)  # rounding twice changes nothing
+    assert (rounded - weight).abs().max() <= weight.abs().max() / 254 * 1.0001 and not rounded[3, 32:64].any()
+    packed = streamed_linear.pack(rounded)
+    assert packed.dtype == torch.int8
+    x = torch.randn(3, 96, generator=g)
+    floats = streamed_linear.pack(rounded, compact=False)
+    assert torch.equal(streamed_linear.linear(x, packed, 40), streamed_linear.linear(x, floats, 40))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        streamed_linear.round_q8_0(torch.randn(4, 40))
+
+
 def test_compact_copies_are_used_only_where_they_give_the_float32_panels_bits(monkeypatch):
     module = streamed_linear._module()
     assert streamed_linear.compact_disagreement(module) is None  # this build, here

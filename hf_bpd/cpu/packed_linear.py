@@ -464,13 +464,14 @@ def kernel_plan_key(model) -> dict:
 
 
 def cached_kernel_plan(
-    model, refresh: bool = False, extra_weights: tuple[torch.Tensor, ...] = ()
+    model, refresh: bool = False, extra_weights: tuple[torch.Tensor, ...] = (), weights: str | None = None
 ) -> tuple[KernelPlan, Path, bool]:
     """`model`'s kernel plan on this machine (`extra_weights`: see `measure_kernel_plan`; their shapes
     must follow from the model's config, which keys the cache), measured once and then read from hf_bpd's cache
-    (`cache.cache_root()/kernel_plan/`, keyed as forward-cost curves are). Returns (plan, cache file,
-    whether it was measured now)."""
-    key = kernel_plan_key(model)
+    (`cache.cache_root()/kernel_plan/`, keyed as forward-cost curves are; `weights` names weights of another
+    precision than the config implies, such as a drafter's `compact_weights`, which the kernels run at
+    other speeds). Returns (plan, cache file, whether it was measured now)."""
+    key = kernel_plan_key(model) | ({"weights": weights} if weights is not None else {})
     path = cache_file("kernel_plan", key)
 
     def measure() -> dict:
@@ -487,10 +488,14 @@ def cached_kernel_plan(
     what = f"the CPU kernel plan of {type(model).__name__}"
     record, measured = measured_once(path, key, measure, what, refresh)
     try:
-        return parse(record), path, measured
+        plan = parse(record)
+        # a record written before these extra weights were measured with it (a shape it lacks): measured again
+        if measured or all(tuple(w.shape) in plan.shapes for w in extra_weights):
+            return plan, path, measured
     except (KeyError, TypeError, ValueError):  # a record of another format: measured again
-        record, measured = measured_once(path, key, measure, what, refresh=True)
-        return parse(record), path, measured
+        pass
+    record, measured = measured_once(path, key, measure, what, refresh=True)
+    return parse(record), path, measured
 
 
 def active_packed_linear() -> PackedLinear | None:

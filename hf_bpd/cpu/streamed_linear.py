@@ -180,6 +180,18 @@ def pack(weight: torch.Tensor, compact: bool = True) -> torch.Tensor:
     return module.pack(weight)
 
 
+def round_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] (K a multiple of 32) rounded to GGUF Q8_0's values: per block of 32 weights of a row,
+    the nearest multiple of the block's largest magnitude / 127. `pack` holds the result exactly as its
+    int8 copy, a quarter of the float32 bytes."""
+    if weight.dim() != 2 or weight.shape[1] % 32:
+        raise ValueError(f"Q8_0 rounds [N, K] weights with K a multiple of 32, got {tuple(weight.shape)}")
+    blocks = weight.detach().float().reshape(-1, 32)
+    step = blocks.abs().amax(dim=1, keepdim=True) / 127
+    step = torch.where(step == 0, torch.ones_like(step), step)
+    return (torch.round(blocks / step) * step).reshape(weight.shape).to(weight.dtype)
+
+
 def _per_16(module):
     return functools.partial(module.pack_int8_exact, block=16)
 

@@ -68,7 +68,9 @@ class ModelBinding:
             heads.to(device=weight.device, dtype=next(model.parameters()).dtype)
             heads.eval()
             self.linear_context = linear_context(model, drafter.packed_linear)
-            drafter.heads_context = heads_kernels(heads, model, self.linear_context, drafter.packed_linear)
+            drafter.heads_context = heads_kernels(
+                heads, model, self.linear_context, drafter.packed_linear, drafter.compact_weights
+            )
             self.bound_to = binding
             self.remeasure_cost = self.cost_remeasured = False
             # a rescorer checks that it fits the model, and one saved as layers only is rebuilt on it
@@ -141,12 +143,17 @@ class ModelBinding:
 
 
 def heads_kernels(
-    heads: BlockDraftHeads, model, model_kernels: contextlib.AbstractContextManager, packed_linear: bool | None
+    heads: BlockDraftHeads,
+    model,
+    model_kernels: contextlib.AbstractContextManager,
+    packed_linear: bool | None,
+    compact_weights: bool = False,
 ) -> contextlib.AbstractContextManager:
     """The context the heads run in: their own linears, and the LM-head rows they borrow, on packed
     oneDNN weights wherever the model's linears are packed (`model_kernels`), and also beside a compiled
     `model.forward` (the heads run eagerly outside its graph, so its kernels never reach them; packing only
-    the heads breaks none of its guards). A no-op where the heads cannot be packed or `packed_linear=False`."""
+    the heads breaks none of its guards), their plan measured on weights of their precision (`compact_weights`).
+    A no-op where the heads cannot be packed or `packed_linear=False`."""
     if isinstance(model_kernels, PackedLinear):
         model_plan = model_kernels.plan
         if not isinstance(model_plan, KernelPlan):  # None: packed at every row count
@@ -157,7 +164,8 @@ def heads_kernels(
         return contextlib.nullcontext()
     tied = heads.__dict__.get("_tied_weight")  # the LM-head rows the heads borrow (`bind`)
     extra = () if tied is None else (tied,)
-    own = cached_kernel_plan(heads, extra_weights=extra)[0]  # measured as the model's were
+    weights = "q8_0" if compact_weights else None
+    own = cached_kernel_plan(heads, extra_weights=extra, weights=weights)[0]  # measured as the model's were
     return PackedLinear(heads, plan=model_plan.merged(own))
 
 

@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from ..cpu.streamed_linear import round_q8_0
 from . import files
 from .assembly import (
     BatchCost,
@@ -106,6 +107,10 @@ class BlockDrafter:
                      ("auto"): on for float32 CPU models up to 2 GiB where the torch build has oneDNN,
                      off where `model.forward` is compiled (`torch.compile`): the tree forwards then run
                      through that compiled forward, the kernels compiled plain `generate` gets.
+    compact_weights: round the drafting module's own linear weights to GGUF Q8_0's values, in place, once:
+                     the CPU's streamed kernel then reads them as int8 copies, a quarter of the bytes
+                     (`streamed_linear.round_q8_0`). Drafts change slightly; outputs never (they are
+                     verified). The LM-head rows it borrows are the base model's and stay as they are.
 
     What the decoding loops (`hf_bpd/decode/`) use, and nothing else:
     - `draft(...)`: one step's trees (`step_cost`: the cost to size one row's trees by, `batch_cost` a
@@ -135,6 +140,7 @@ class BlockDrafter:
         context_lookup: int = 10,
         corpus: CorpusIndex | str | Path | None = None,
         corpus_nodes: int = 10,
+        compact_weights: bool = False,
     ) -> None:
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
@@ -149,11 +155,16 @@ class BlockDrafter:
             raise ValueError(f"corpus_nodes must be an integer >= 1, got {corpus_nodes!r}")
         if packed_linear not in (None, True, False):
             raise ValueError(f"packed_linear must be True, False or None (auto), got {packed_linear!r}")
+        if compact_weights not in (True, False):
+            raise ValueError(f"compact_weights must be True or False, got {compact_weights!r}")
         if rescorer is not None and isinstance(heads, EagleDraftLayer):
             raise ValueError("a rescorer re-ranks the heads' lattice, and an EAGLE draft layer has none: rescorer=None")
         if rescorer is not None and not isinstance(rescorer, Rescorer):
             raise TypeError(f"rescorer must be callable as rescorer(lattice, context), got {type(rescorer).__name__}")
         self.heads = heads
+        self.compact_weights = compact_weights
+        if compact_weights:
+            round_linear_weights(heads)
         self.top_k = top_k
         self.max_tree_tokens = max_tree_tokens
         self.rescorer = rescorer
@@ -415,8 +426,11 @@ class BlockDrafter:
                 tree, arcs = grown[b]  # grown on the device during the last step, read with its tokens
             elif self.reads_context:
                 t0 = time.perf_counter()
-                layer_context = self._context_prediction(context.shape[1])
-                tree, arcs = grow_tree(self.heads, layer_context, root, self.top_k, growth, max_depth, self.calibration)
+                with self.heads_context:
+                    layer_context = self._context_prediction(context.shape[1])
+                    tree, arcs = grow_tree(
+                        self.heads, layer_context, root, self.top_k, growth, max_depth, self.calibration
+                    )
                 self.stats.time_heads += time.perf_counter() - t0
             elif self.heads.conditions_on_draft:
                 t0 = time.perf_counter()
@@ -589,3 +603,12 @@ class BlockDrafter:
         self.stats.time_heads += t1 - t0
         self.stats.time_rescore += t2 - t1
         return trees
+
+
+@torch.no_grad()
+def round_linear_weights(module: torch.nn.Module) -> None:
+    """Round every linear layer's weight in `module` to Q8_0's values in place (`compact_weights`); a
+    weight whose rows are no whole blocks of 32 stays as it is."""
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.Linear) and layer.in_features % 32 == 0:
+            layer.weight.copy_(round_q8_0(layer.weight))

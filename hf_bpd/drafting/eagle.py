@@ -32,7 +32,9 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 
+from ..cpu.packed_linear import active_packed_linear
 from .calibration import HEADS, AcceptanceCalibration, Arc
+from .expansion import round_size
 from .heads import RMSNorm, _output_embeddings, lm_head_identity, lm_head_mismatch
 from .lattice import host_lists
 from .saved import load_saved, saved_config, set_draft_vocab
@@ -166,7 +168,7 @@ class EagleDraftLayer(PreTrainedModel):
         size = c.draft_vocab_size or c.vocab_size
         self.register_buffer("draft_vocab", torch.arange(size), persistent=c.draft_vocab_size > 0)
         self.register_buffer("inv_freq", rotary_frequencies(c), persistent=False)
-        self.__dict__["_lm_rows"] = None  # borrowed at `bind`, kept out of the state dict
+        self.__dict__["_tied_weight"] = None  # LM-head rows borrowed at `bind` (named as the heads'), not saved
         self.__dict__["_embedding"] = None
         self.post_init()
 
@@ -273,7 +275,7 @@ class EagleDraftLayer(PreTrainedModel):
         self.check_compatible(model)
         weight = _output_embeddings(model).weight.detach()
         rows = weight[self.draft_vocab.to(weight.device)] if self.config.draft_vocab_size else weight
-        self.__dict__["_lm_rows"] = rows
+        self.__dict__["_tied_weight"] = rows
         embedding = model.get_input_embeddings()
         if embedding is None or embedding.weight.shape[1] != self.config.hidden_size:
             raise ValueError("an EAGLE draft layer reads the base model's token embeddings: it has none of its width")
@@ -281,7 +283,7 @@ class EagleDraftLayer(PreTrainedModel):
         return self
 
     def _bound(self) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, embedding = self.__dict__["_lm_rows"], self.__dict__["_embedding"]
+        rows, embedding = self.__dict__["_tied_weight"], self.__dict__["_embedding"]
         if rows is None:
             raise RuntimeError("bind the EAGLE draft layer to its base model first: layer.bind(model)")
         return rows, embedding
@@ -298,7 +300,10 @@ class EagleDraftLayer(PreTrainedModel):
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         """Predicted features `[..., H]` -> logits over the draft vocabulary."""
         rows, _ = self._bound()
-        return feature @ rows.to(feature.dtype).T
+        if rows.dtype != feature.dtype:
+            rows = rows.to(feature.dtype)
+        packed = active_packed_linear()  # the drafter's packed CPU kernels (`binding.heads_kernels`)
+        return packed.apply(feature, rows) if packed is not None else F.linear(feature, rows)
 
     def top_tokens(self, feature: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Predicted features `[n, H]` -> top-k token ids and log-probabilities `[n, k]`."""
@@ -385,13 +390,6 @@ class EagleContext:
         self.prediction = out[0, -1:]
 
 
-def round_size(budget: int, depth_limit: int) -> int:
-    """Candidates a round of `grow_tree` adds to a tree of `budget` nodes: as many rounds as the tree may be
-    deep, so a chain the layer drafts well can reach the deepest depth (EAGLE-2 expands one depth a call).
-    Heads' trees take fewer, larger rounds (`expansion.round_size`): their later depths are rarely accepted."""
-    return max(1, math.ceil((budget - 1) / max(depth_limit, 1)))
-
-
 def grow_tree(
     layer: EagleDraftLayer,
     context: EagleContext,
@@ -403,7 +401,9 @@ def grow_tree(
 ) -> tuple[DraftTree, list[Arc]]:
     """A step's tree of at most `budget` nodes, grown best-first on (calibrated) path probability from the
     layer's predictions: the root's children from the context's last prediction, then rounds of the best
-    candidates (`round_size`), each round's nodes run through the layer together (each attending
+    candidates (`expansion.round_size`, the heads' rounds: each reads the layer's weights and the LM-head rows
+    once, so small trees take few; EAGLE-2's one depth a round drafts barely better at 8-16 nodes for twice the
+    rounds), each round's nodes run through the layer together (each attending
     to the context and its own ancestors) to give their children. Returns the tree and every node's arc."""
     tree, arcs = DraftTree.root_only(root), [Arc(0.0, HEADS)]
     depth_limit = min(layer.config.max_depth, max_depth if max_depth is not None else layer.config.max_depth)
@@ -437,7 +437,7 @@ def grow_tree(
     with torch.no_grad():
         ids, lps = host_lists(*layer.top_tokens(context.prediction, top_k))
     push_children([0], ids, lps)
-    per_round = round_size(budget, depth_limit)
+    per_round = round_size(budget)
     while heap and len(tree) < budget:
         added = []
         while heap and len(added) < per_round and len(tree) < budget:

@@ -30,6 +30,7 @@ def drafter_settings(drafter: BlockDrafter) -> dict:
         "context_lookup": drafter.context_lookup,
         "calibrate": drafter.calibration is not None,
         "packed_linear": drafter.packed_linear,
+        **({"compact_weights": True} if drafter.compact_weights else {}),
         **({"corpus": CORPUS_FILE, "corpus_nodes": drafter.corpus_nodes} if drafter.corpus is not None else {}),
     }
 

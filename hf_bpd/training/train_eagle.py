@@ -9,8 +9,8 @@ target: smooth L1 from its predicted feature to the base model's next one, plus 
 cross-entropy to the base model's next-token distribution over the draft vocabulary; `--depth` > 1 unrolls
 it on its own predictions (EAGLE-3's training-time test), the losses of every depth summed. The draft
 vocabulary is the `--heads`' (the heads shipped for the same model). The layer is saved to `--output` after
-every epoch, with the run's settings and loss curve in `training_log.json` and what `--resume` continues from
-(the same steps as an uninterrupted run) in `checkpoint.pt`.
+every epoch and every `--save-every` steps, with the run's settings and loss curve in `training_log.json` and
+what `--resume` continues from (the same steps as an uninterrupted run) in `checkpoint.pt`.
 """
 
 from __future__ import annotations
@@ -99,12 +99,12 @@ def eagle_loss(layer: EagleDraftLayer, items, depth: int, cls_weight: float) -> 
     return total
 
 
-def train(layer: EagleDraftLayer, items, args, after_epoch=None, resume: dict | None = None) -> list[float]:
+def train(layer: EagleDraftLayer, items, args, save=None, resume: dict | None = None) -> list[float]:
     """AdamW with warm-up and cosine decay, `args.batch_samples` sequences of similar length a step, batches
-    in a seeded shuffled order. `after_epoch(epoch, losses, optimizer, schedule)` after each epoch; `resume`: a
-    state it saved (`epochs_done`, `losses`, `optimizer`, `schedule`), with the layer's weights of that epoch
-    already loaded, continues where it stopped (the same steps as an uninterrupted run). Returns every step's
-    loss."""
+    in a seeded shuffled order. `save(losses, optimizer, schedule)` after each epoch and every
+    `args.save_every` steps (if set); `resume`: a state it saved (`steps_done`, `losses`, `optimizer`,
+    `schedule`), with the layer's weights of that step already loaded, continues where it stopped (the same
+    steps as an uninterrupted run). Returns every step's loss."""
     params = [p for p in layer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     order = torch.randperm(len(items), generator=torch.Generator().manual_seed(args.seed)).tolist()
@@ -115,16 +115,15 @@ def train(layer: EagleDraftLayer, items, args, after_epoch=None, resume: dict | 
         optimizer, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))
     )
     losses: list[float] = []
-    first = 0
     if resume is not None:
         optimizer.load_state_dict(resume["optimizer"])
         schedule.load_state_dict(resume["schedule"])
-        losses, first = list(resume["losses"]), resume["epochs_done"]
+        losses = list(resume["losses"])
     layer.train()
     t0 = time.perf_counter()
-    for epoch in range(first, args.epochs):
+    for epoch in range(len(losses) // len(batches), args.epochs):
         shuffled = torch.randperm(len(batches), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
-        for i in shuffled:
+        for i in shuffled[len(losses) - epoch * len(batches) :]:  # a resumed epoch: from its next batch
             loss = eagle_loss(layer, [items[j] for j in batches[i]], args.depth, args.cls_weight)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -135,10 +134,11 @@ def train(layer: EagleDraftLayer, items, args, after_epoch=None, resume: dict | 
             if len(losses) % 50 == 0:
                 mean = sum(losses[-50:]) / 50
                 print(f"step {len(losses)}/{steps} loss {mean:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        if after_epoch is not None:
-            layer.eval()
-            after_epoch(epoch, losses, optimizer, schedule)
-            layer.train()
+            at_save = len(losses) % len(batches) == 0 or (args.save_every and len(losses) % args.save_every == 0)
+            if save is not None and at_save:
+                layer.eval()
+                save(losses, optimizer, schedule)
+                layer.train()
     layer.eval()
     return losses
 
@@ -174,15 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-samples", type=int, default=4)
     parser.add_argument("--cls-weight", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-every", type=int, default=500, help="also save every N steps, for --resume")
     parser.add_argument("--output", required=True, help="folder the layer is saved to after each epoch")
     parser.add_argument("--resume", action="store_true", help="continue the run saved in --output")
     args = parser.parse_args(argv)
-    for name in ("samples", "depth", "max_depth", "epochs", "batch_samples"):
+    for name in ("samples", "depth", "max_depth", "epochs", "batch_samples", "save_every"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
 
     output = Path(args.output)
-    settings = {k: v for k, v in vars(args).items() if k not in ("output", "resume")}
+    # what the steps depend on (not where they are saved, nor how often)
+    settings = {k: v for k, v in vars(args).items() if k not in ("output", "resume", "save_every")}
     state = None  # before any expensive work: a run to continue, or one not to overwrite
     if (output / CHECKPOINT).is_file():
         if not args.resume:
@@ -206,26 +208,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(items)} training sequences, {sum(t.shape[0] for t, _, _ in items)} tokens", flush=True)
     if state is not None:
         layer.load_state_dict(EagleDraftLayer.from_pretrained(output).state_dict())
-        print(f"resuming after epoch {state['epochs_done']} of {args.epochs}", flush=True)
+        print(f"resuming after step {len(state['losses'])}", flush=True)
     env = environment("cpu", "float32")
     t0 = time.perf_counter() - (state["seconds"] if state else 0.0)
 
-    def save(epoch: int, losses: list[float], optimizer, schedule) -> None:
+    def save(losses: list[float], optimizer, schedule) -> None:
         layer.save_pretrained(output)
         seconds = time.perf_counter() - t0
-        checkpoint = {"settings": settings, "epochs_done": epoch + 1, "losses": losses, "seconds": seconds}
+        epochs_done = round(len(losses) / math.ceil(len(items) / args.batch_samples), 3)
+        checkpoint = {"settings": settings, "steps_done": len(losses), "losses": losses, "seconds": seconds}
         checkpoint.update(optimizer=optimizer.state_dict(), schedule=schedule.state_dict())
         torch.save(checkpoint, output / CHECKPOINT)
         log = {
             "environment": env,
             "args": vars(args),
-            "epochs_done": epoch + 1,
+            "epochs_done": epochs_done,
             "steps": len(losses),
             "seconds": seconds,
             "loss_by_50_steps": [sum(losses[i : i + 50]) / len(losses[i : i + 50]) for i in range(0, len(losses), 50)],
         }
         (output / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
-        print(f"epoch {epoch + 1} saved to {output}", flush=True)
+        print(f"step {len(losses)} (epoch {epochs_done}) saved to {output}", flush=True)
 
     train(layer, items, args, save, state)
     return 0

@@ -12,6 +12,7 @@ method; a lossless method gives that answer too).
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 import torch
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         "model), hf_bpd (heads alone), hf_bpd+NAME with NAME a shipped rescorer (hf_bpd.packaged_rescorers()), "
         "hf_bpd_typical (with --do-sample: Medusa's typical acceptance, lossy), hf_bpd_greedy (with --do-sample: "
         "the same drafter decoding greedily on the same turns, the greedy τ that sampling's τ is compared with), "
-        "hf_bpd_corpus (the drafter with a retrieval corpus of the --corpus answers)",
+        "hf_bpd_corpus (the drafter with a retrieval corpus of the --corpus answers), hf_bpd@FOLDER (another "
+        "drafter, saved in FOLDER, with the same settings: two drafters compared in one run)",
     )
     parser.add_argument(
         "--corpus",
@@ -220,10 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     packaged = resolve_packaged_name(args.model)  # the packaged model whose heads and rescorers the run uses
     kwargs = {k: v for k, v in (("top_k", args.top_k), ("max_tree_tokens", args.max_tree_tokens)) if v is not None}
-    drafter = load_drafter(args.heads, model, args.num_heads, packaged, **kwargs)
-    drafter.packed_linear = {"auto": None, "on": True, "off": False}[args.packed_linear]
-    if args.context_lookup is not None:
-        drafter.context_lookup = args.context_lookup
+
+    def run_drafter(heads: str) -> BlockDrafter:
+        drafter = load_drafter(heads, model, args.num_heads, packaged, **kwargs)
+        drafter.packed_linear = {"auto": None, "on": True, "off": False}[args.packed_linear]
+        if args.context_lookup is not None:
+            drafter.context_lookup = args.context_lookup
+        return drafter
+
+    drafter = run_drafter(args.heads)
+    others = {m: run_drafter(m.split("@", 1)[1]) for m in args.methods if m.startswith("hf_bpd@")}
     env = environment(args.device, args.dtype)  # before the run writes anything
     if journal is not None and journal.is_file() and not args.resume:
         if not args.overwrite:
@@ -250,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             "context_lookup": drafter.context_lookup,
             "heads_sha1": state_digest(drafter.heads.state_dict()),
         },
+        **({"other_drafters": {m: state_digest(d.heads.state_dict()) for m, d in others.items()}} if others else {}),
         "rescorer_specs": rescorer_specs(args.methods, packaged),
         **({"corpus": args.corpus} if "hf_bpd_corpus" in args.methods else {}),
     }
@@ -262,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             drafter.forward_cost = measure_forward_cost(model, packed_linear=drafter.packed_linear)
         header["forward_cost"] = [list(drafter.forward_cost.sizes), list(drafter.forward_cost.seconds)]
+        for other in others.values():
+            other.forward_cost = drafter.forward_cost
 
     def with_rescorer(name: str) -> Method:
         from ...io.packaged import packaged_rescorer
@@ -339,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     assert set(available) == set(METHODS), sorted(set(available) ^ set(METHODS))
     rows = select_rows(read_prompts(args.data), args.categories, args.per_category, args.limit, args.spread)
+    available |= {m: functools.partial(bpd_method, model, d, m, decoding) for m, d in others.items()}
     unknown = {m for m in args.methods if m not in available and not m.startswith("hf_bpd+")}
     if unknown:
         raise SystemExit(f"unknown methods {sorted(unknown)}; available: {sorted(available)} and hf_bpd+RESCORER")
