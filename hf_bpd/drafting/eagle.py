@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from ..cpu.packed_linear import active_packed_linear
@@ -37,19 +37,15 @@ from .calibration import HEADS, AcceptanceCalibration, Arc
 from .expansion import round_size
 from .heads import RMSNorm, _output_embeddings, lm_head_identity, lm_head_mismatch
 from .lattice import host_lists
-from .saved import load_saved, saved_config, set_draft_vocab
+from .saved import DraftingModuleConfig, load_saved, saved_config, set_draft_vocab
 from .tree import DraftTree
 
 
-class EagleDraftLayerConfig(PretrainedConfig):
+class EagleDraftLayerConfig(DraftingModuleConfig):
     model_type = "bpd_eagle_draft_layer"
 
     def __init__(
         self,
-        base_model_name: str = "",
-        base_model_type: str = "",
-        hidden_size: int = 0,
-        vocab_size: int = 0,
         num_attention_heads: int = 0,
         num_key_value_heads: int = 0,
         head_dim: int = 0,
@@ -59,16 +55,9 @@ class EagleDraftLayerConfig(PretrainedConfig):
         rope_theta: float = 10000.0,
         attention_bias: bool = False,
         mlp_bias: bool = False,
-        draft_vocab_size: int = 0,
         max_depth: int = 5,
-        base_lm_head_fingerprint: list[float] | None = None,
-        base_lm_head_sketch: dict | None = None,
         **kwargs,
     ) -> None:
-        self.base_model_name = base_model_name
-        self.base_model_type = base_model_type
-        self.hidden_size = hidden_size
-        self.vocab_size = vocab_size
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim
@@ -78,10 +67,7 @@ class EagleDraftLayerConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
-        self.draft_vocab_size = draft_vocab_size  # 0: the full vocabulary
         self.max_depth = max_depth  # the deepest draft a tree holds
-        self.base_lm_head_fingerprint = base_lm_head_fingerprint
-        self.base_lm_head_sketch = base_lm_head_sketch
         super().__init__(**kwargs)
 
 

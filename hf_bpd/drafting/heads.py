@@ -62,7 +62,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..card import save_hub_folder
 from ..cpu.packed_linear import active_packed_linear
@@ -75,48 +75,31 @@ from .context_copy import (
     mixture_top_k,
     target_logprob,
 )
-from .saved import load_saved, saved_config, set_draft_vocab
+from .saved import DraftingModuleConfig, load_saved, saved_config, set_draft_vocab
 
 MAX_HEADS = 32
 TOKEN_INPUTS = ("", "next", "previous")
 CHAINS = ("", "state", "beside")
 
 
-class BlockDraftHeadsConfig(PretrainedConfig):
+class BlockDraftHeadsConfig(DraftingModuleConfig):
     model_type = "block_draft_heads"
 
     def __init__(
         self,
-        base_model_name: str = "",
-        base_model_type: str = "",
-        hidden_size: int = 0,
-        vocab_size: int = 0,
         num_heads: int = 4,
         num_layers: int = 1,
         tie_lm_head: bool = True,
-        base_lm_head_fingerprint: list[float] | None = None,
-        draft_vocab_size: int = 0,
         use_next_token: bool = False,
         token_input: str | None = None,
         copy_dim: int = 0,
-        base_lm_head_sketch: dict | None = None,
         feature_layers: list[int] | None = None,
         chain: str = "",
         **kwargs,
     ) -> None:
-        self.base_model_name = base_model_name
-        self.base_model_type = base_model_type
-        self.hidden_size = hidden_size
-        self.vocab_size = vocab_size
         self.num_heads = num_heads
         self.num_layers = num_layers
         self.tie_lm_head = tie_lm_head
-        # Row sums of the base LM head (every version writes them: older readers check only these) and the
-        # sample of its weights that recognises it in any precision (`lm_head_sketch`; configs written before
-        # it existed have none, and are checked by the row sums).
-        self.base_lm_head_fingerprint = base_lm_head_fingerprint
-        self.base_lm_head_sketch = base_lm_head_sketch
-        self.draft_vocab_size = draft_vocab_size  # 0: the full vocabulary
         # token_input supersedes use_next_token (older checkpoints only have the latter)
         if token_input is None:
             token_input = "next" if use_next_token else ""

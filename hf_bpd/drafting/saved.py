@@ -8,6 +8,35 @@ from collections.abc import Callable
 
 import torch
 from safetensors import SafetensorError
+from transformers import PretrainedConfig
+
+
+class DraftingModuleConfig(PretrainedConfig):
+    """The fields every drafting module's config records of its base model: which model it was trained on
+    (name and type), its widths, the draft vocabulary's size (0: the full vocabulary), and what recognises
+    its LM head in any precision (`heads.lm_head_identity`): row sums, which every version writes and older
+    readers check alone, and a sample of its weights (`lm_head_sketch`; configs written before it have none
+    and are checked by the row sums)."""
+
+    def __init__(
+        self,
+        base_model_name: str = "",
+        base_model_type: str = "",
+        hidden_size: int = 0,
+        vocab_size: int = 0,
+        draft_vocab_size: int = 0,
+        base_lm_head_fingerprint: list[float] | None = None,
+        base_lm_head_sketch: dict | None = None,
+        **kwargs,
+    ) -> None:
+        self.base_model_name = base_model_name
+        self.base_model_type = base_model_type
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.draft_vocab_size = draft_vocab_size
+        self.base_lm_head_fingerprint = base_lm_head_fingerprint
+        self.base_lm_head_sketch = base_lm_head_sketch
+        super().__init__(**kwargs)
 
 
 def saved_config(config_class, path, kind: str, **kwargs):
