@@ -305,10 +305,13 @@ class EagleDraftLayer(PreTrainedModel):
         keys: torch.Tensor | None,
         values: torch.Tensor | None,
         mask: torch.Tensor,
+        write_at: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows `[B, R]`: features `[B, R, H]` and tokens `[B, R]` at `position [R]`, attending over `keys` and
         `values` (`[B, kv, C, d]`, or None) and the rows' own new keys, as `mask [R, C + R]` (True: attend)
-        allows. Returns (predicted features `[B, R, H]`, keys and values with the rows' appended)."""
+        allows. Returns (predicted features `[B, R, H]`, keys and values with the rows' appended). With
+        `write_at` = C, `keys` and `values` are buffers of room for C + R or more, their first C filled: the
+        rows' keys are written into them in place and the same buffers returned (no copy of the context)."""
         _, embedding = self._bound()
         c = self.config
         b, r, _ = feature.shape
@@ -321,9 +324,14 @@ class EagleDraftLayer(PreTrainedModel):
         angles = torch.cat([angles, angles], -1)
         cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        keys = k if keys is None else torch.cat([keys, k], 2)
-        values = v if values is None else torch.cat([values, v], 2)
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        if write_at is not None:
+            keys[:, :, write_at : write_at + r] = k
+            values[:, :, write_at : write_at + r] = v
+            seen_keys, seen_values = keys[:, :, : write_at + r], values[:, :, : write_at + r]
+        else:
+            keys = seen_keys = k if keys is None else torch.cat([keys, k], 2)
+            values = seen_values = v if values is None else torch.cat([values, v], 2)
+        attended = F.scaled_dot_product_attention(q, seen_keys, seen_values, attn_mask=mask, enable_gqa=True)
         x = x + self.o_proj(attended.transpose(1, 2).reshape(b, r, -1))
         x = x + self.mlp(self.post_norm(x))
         return self.out_norm(x), keys, values
@@ -352,12 +360,26 @@ class EagleDraftLayer(PreTrainedModel):
 class EagleContext:
     """The draft layer's KV cache over one sequence's context rows (row t: feature t, token t+1), and the
     prediction of its last row (the root's children's feature). `rows` is the number of rows cached: the
-    context's length minus one."""
+    context's length minus one. `keys` and `values` `[1, kv, room, d]` are buffers written in place: the
+    context's rows first, then a step's tree nodes as scratch, which the next `extend` overwrites."""
 
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     rows: int = 0
     prediction: torch.Tensor | None = None  # [1, H]
+
+    def reserve(self, layer: EagleDraftLayer, room: int) -> None:
+        """Buffers of room for at least `room` rows, the cached ones kept (grown by doubling)."""
+        if self.keys is not None and self.keys.shape[2] >= room:
+            return
+        c = layer.config
+        shape = (1, c.num_key_value_heads, max(room, 2 * self.rows, 64), c.head_dim)
+        keys = torch.empty(shape, device=layer.draft_vocab.device, dtype=layer.dtype)
+        values = torch.empty_like(keys)
+        if self.keys is not None:
+            keys[:, :, : self.rows] = self.keys[:, :, : self.rows]
+            values[:, :, : self.rows] = self.values[:, :, : self.rows]
+        self.keys, self.values = keys, values
 
     def extend(self, layer: EagleDraftLayer, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Append the rows of newly accepted positions: their base-model features `[n, H]` and the token after
@@ -369,9 +391,10 @@ class EagleContext:
         position = torch.arange(self.rows, self.rows + n, device=device)
         mask = torch.ones(n, self.rows + n, dtype=torch.bool, device=device)
         mask[:, self.rows :] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        self.reserve(layer, self.rows + n)
         with torch.no_grad():
             features, next_tokens = features[None].to(device, layer.dtype), next_tokens[None].to(device)
-            out, self.keys, self.values = layer.step(features, next_tokens, position, self.keys, self.values, mask)
+            out, _, _ = layer.step(features, next_tokens, position, self.keys, self.values, mask, self.rows)
         self.rows += n
         self.prediction = out[0, -1:]
 
@@ -399,9 +422,8 @@ def grow_tree(
     p = context.rows - 1  # the last context row's position: a node at depth d sits at p + d
     path_logprob = {0: 0.0}
     features = {0: context.prediction}  # node -> the feature it predicts for its children [1, H]
-    node_keys: list[torch.Tensor] = []  # [1, kv, 1, d] of each expanded node, in expansion order
-    node_values: list[torch.Tensor] = []
-    expanded_index: dict[int, int] = {}  # tree node -> its index among the expanded rows
+    expanded_index: dict[int, int] = {}  # tree node -> its row among the expanded ones, after the context's
+    context.reserve(layer, context.rows + budget)
     heap: list[tuple[float, int, int, int, float]] = []
     counter = 0
 
@@ -440,7 +462,8 @@ def grow_tree(
         parent_features = torch.cat([features[tree.parents[n]] for n in expand])[None]
         tokens = torch.tensor([[tree.tokens[n] for n in expand]], device=device)
         position = torch.tensor([p + tree.depths[n] for n in expand], device=device)
-        ancestors = [[False] * len(node_keys) for _ in expand]  # built on the host, copied once
+        expanded = len(expanded_index)
+        ancestors = [[False] * expanded for _ in expand]  # built on the host, copied once
         for row, n in zip(ancestors, expand):
             a = tree.parents[n]
             while a > 0:
@@ -449,20 +472,17 @@ def grow_tree(
         mask = torch.cat(
             [
                 torch.ones(len(expand), context.rows, dtype=torch.bool, device=device),
-                torch.tensor(ancestors, dtype=torch.bool, device=device).view(len(expand), len(node_keys)),
+                torch.tensor(ancestors, dtype=torch.bool, device=device).view(len(expand), expanded),
                 torch.eye(len(expand), dtype=torch.bool, device=device),
             ],
             1,
         )
-        keys = context.keys if not node_keys else torch.cat([context.keys, *node_keys], 2)
-        values = context.values if not node_values else torch.cat([context.values, *node_values], 2)
-        with torch.no_grad():
-            out, keys, values = layer.step(parent_features, tokens, position, keys, values, mask)
+        with torch.no_grad():  # the nodes' keys go after the context's and the expanded nodes' in the buffers
+            write_at = context.rows + expanded
+            out, _, _ = layer.step(parent_features, tokens, position, context.keys, context.values, mask, write_at)
             ids, lps = host_lists(*layer.top_tokens(out[0], top_k))
         for i, n in enumerate(expand):
-            expanded_index[n] = len(node_keys)
-            node_keys.append(keys[:, :, -len(expand) + i][:, :, None])
-            node_values.append(values[:, :, -len(expand) + i][:, :, None])
+            expanded_index[n] = expanded + i
             features[n] = out[0, i : i + 1]
         push_children(expand, ids, lps)
     return tree, arcs
