@@ -240,10 +240,15 @@ class BlockDrafter:
 
     def start_context(self, features: torch.Tensor, next_tokens: Sequence[int]) -> None:
         """A new sequence's context: the base model's final hidden states of its prompt `[P, H]` and the token
-        after each position (the prompt's own, then the first new token). Nothing for heads."""
+        after each position (the prompt's own, then the first new token). Nothing for heads. The prompt's rows
+        run through the layer now, beside the prefill: run at the first draft, their cost would be that step's,
+        and the step chooser, judging drafting by it, would take plain steps for a while."""
         self._context = EagleContext()
         self._pending = []
         self.extend_context(features, next_tokens)
+        if self.reads_context:
+            with self.heads_context:
+                self._run_pending()
 
     def extend_context(self, features: torch.Tensor, next_tokens: Sequence[int]) -> None:
         """The accepted positions' features `[n, H]` (a step's accepted nodes, root first) and the token after
@@ -257,15 +262,19 @@ class BlockDrafter:
             )
         self._pending.append((features, list(next_tokens)))
 
-    def _context_prediction(self, context_length: int) -> EagleContext:
-        """The layer's context with every pending row run, checked to cover a context of `context_length`
-        tokens (one row per position but the last, the root): a loop that skipped a step's features would
-        otherwise draft from a wrong context without a word."""
+    def _run_pending(self) -> None:
+        """Run the rows handed over since the last draft through the layer, in one call."""
         if self._pending:
             features = torch.cat([f for f, _ in self._pending]).to(self.heads.device, self.heads.dtype)
             tokens = torch.tensor([t for _, ts in self._pending for t in ts], device=self.heads.device)
             self._pending = []
             self._context.extend(self.heads, features, tokens)
+
+    def _context_prediction(self, context_length: int) -> EagleContext:
+        """The layer's context with every pending row run, checked to cover a context of `context_length`
+        tokens (one row per position but the last, the root): a loop that skipped a step's features would
+        otherwise draft from a wrong context without a word."""
+        self._run_pending()
         if self._context.rows != context_length - 1:
             raise RuntimeError(
                 f"the EAGLE layer holds {self._context.rows} context rows for a context of {context_length} tokens: "
