@@ -256,3 +256,16 @@ shutil.copy('$RUNS/medusa1/training_log.json', 'hf_bpd/assets/smollm2/medusa_hea
 hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl \
   --heads packaged hf_bpd/assets/smollm2/medusa_heads --top-k 10 --max-tree-tokens 8 32 --context-lookup 0 10 \
   --output benchmarks/replay/medusa_vs_v7_dev.json
+# 10. an EAGLE draft layer (candidate, not shipped; docs/training.md): one decoder layer on the base model's
+#     features, trained on its own predictions three deep. 10a: the first 4,096 distill2 answers, 3 epochs
+#     (training/candidates/smollm2_eagle_d3_4k, claims eagle_replay_smollm2_4k and
+#     eagle_vs_default_bench_smollm2_pc1). 10b: all 13,952 committed distilled answers, 4 epochs (~45 min an
+#     epoch on the 2-core dev machine; saved every 500 steps, --resume continues mid-epoch), then measured
+#     beside the shipped default by replay and in one bench.
+hf-bpd train-eagle --data training/data/distilled/distill2 --samples 4096 --heads hf_bpd/assets/smollm2/heads \
+  --features-cache "$RUNS/eagle/features" --depth 3 --epochs 3 --output "$RUNS/eagle/layer_d3_e3" \
+  $( [ -f "$RUNS/eagle/layer_d3_e3/checkpoint.pt" ] && echo --resume )
+hf-bpd train-eagle --data training/data/distilled/distill2 training/data/distilled/distill_self_s1 \
+  training/data/distilled/distill_self training/data/distilled/distill_instr --samples 13952 \
+  --heads hf_bpd/assets/smollm2/heads --features-cache "$RUNS/eagle/features" --depth 3 --epochs 4 \
+  --output "$RUNS/eagle/layer_all" $( [ -f "$RUNS/eagle/layer_all/checkpoint.pt" ] && echo --resume )
