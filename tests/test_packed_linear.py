@@ -346,6 +346,10 @@ def test_kernel_plan_is_measured_once_per_machine_and_model(tmp_path, monkeypatc
     with_extra, path4, measured4 = cached_kernel_plan(model, extra_weights=(extra,))
     assert measured4 and path4 == path and (24, model.config.hidden_size) in with_extra.shapes
     assert cached_kernel_plan(model, extra_weights=(extra,))[2] is False
+    # an extra weight no kernel packs (bfloat16) is measured once, not at every call
+    unpacked = torch.randn(40, model.config.hidden_size).bfloat16()
+    assert cached_kernel_plan(model, extra_weights=(unpacked,))[2] is True
+    assert cached_kernel_plan(model, extra_weights=(unpacked,))[2] is False
 
 
 @pytest.mark.parametrize(

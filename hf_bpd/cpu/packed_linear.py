@@ -477,7 +477,8 @@ def cached_kernel_plan(
     def measure() -> dict:
         plan = measure_kernel_plan(model, extra_weights=extra_weights, progress=True)
         shapes = [[o, i, list(row.packed), plan.format((o, i))] for (o, i), row in plan.shapes.items()]
-        return {"sizes": list(KERNEL_PLAN_SIZES), "shapes": shapes}
+        extra = sorted({tuple(w.shape) for w in extra_weights})  # measured, whether the plan packs them or not
+        return {"sizes": list(KERNEL_PLAN_SIZES), "shapes": shapes, "extra_shapes": [list(e) for e in extra]}
 
     def parse(record: dict) -> KernelPlan:
         sizes = tuple(record["sizes"])
@@ -489,8 +490,9 @@ def cached_kernel_plan(
     record, measured = measured_once(path, key, measure, what, refresh)
     try:
         plan = parse(record)
-        # a record written before these extra weights were measured with it (a shape it lacks): measured again
-        if measured or all(tuple(w.shape) in plan.shapes for w in extra_weights):
+        # a record measured without these extra weights (a shape it neither planned nor measured): measured again
+        covered = set(plan.shapes) | {tuple(e) for e in record.get("extra_shapes", ())}
+        if measured or all(tuple(w.shape) in covered for w in extra_weights):
             return plan, path, measured
     except (KeyError, TypeError, ValueError):  # a record of another format: measured again
         pass
