@@ -268,6 +268,22 @@ def test_replay_matches_the_decoding_loop_with_the_layer():
         assert replayed.tree_sizes == decoding.stats.tree_sizes
 
 
+def test_the_prompt_s_rows_run_with_the_prefill_and_each_step_s_at_the_next_draft():
+    # the prompt's rows at start_context, so that the first drafted step is not charged for them (the step
+    # chooser judges drafting by its steps' times); a step's accepted rows wait for the next draft
+    model = tiny_model()
+    drafter = BlockDrafter(random_layer(model).bind(model), top_k=3, max_tree_tokens=6)
+    features = torch.randn(7, model.config.hidden_size)
+    drafter.start_context(features[:5], [11, 12, 13, 14, 15])
+    assert drafter._context.rows == 5 and drafter._pending == []
+    drafter.extend_context(features[5:], [16, 17])
+    assert drafter._context.rows == 5 and len(drafter._pending) == 1
+    reference = EagleContext()
+    reference.extend(drafter.heads, features, torch.tensor([11, 12, 13, 14, 15, 16, 17]))
+    assert drafter._context_prediction(8) is drafter._context and drafter._context.rows == 7
+    torch.testing.assert_close(drafter._context.prediction, reference.prediction)
+
+
 def test_what_the_layer_cannot_serve_is_refused_up_front():
     from transformers import GPT2Config, GPT2LMHeadModel
 
