@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         "model), hf_bpd (heads alone), hf_bpd+NAME with NAME a shipped rescorer (hf_bpd.packaged_rescorers()), "
         "hf_bpd_typical (with --do-sample: Medusa's typical acceptance, lossy), hf_bpd_greedy (with --do-sample: "
         "the same drafter decoding greedily on the same turns, the greedy τ that sampling's τ is compared with), "
-        "hf_bpd_corpus (the drafter with a retrieval corpus of the --corpus answers), hf_bpd@FOLDER (another "
-        "drafter, saved in FOLDER, with the same settings: two drafters compared in one run)",
+        "hf_bpd_corpus (the drafter with a retrieval corpus of the --corpus answers), hf_bpd@FOLDER (the drafter "
+        "saved in FOLDER, with its drafter.json settings, which --top-k, --max-tree-tokens and --context-lookup "
+        "override as they do --heads': two drafters compared in one run)",
     )
     parser.add_argument(
         "--corpus",
