@@ -199,6 +199,46 @@ def test_train_eagle_refuses_to_overwrite_a_run_or_resume_it_with_other_settings
         train_eagle.main([*argv, "--resume"])
     with pytest.raises(SystemExit, match="--depth must be at least 1"):
         train_eagle.main([*argv, "--depth", "0"])
+    # a run saved before an option existed resumes where the option keeps its default (None)
+    assert train_eagle.changed_settings({"depth": 3}, {"depth": 3, "init": None}) == []
+    assert train_eagle.changed_settings({"depth": 3}, {"depth": 2, "init": "x"}) == ["depth", "init"]
+
+
+def test_train_eagle_refuses_an_init_that_is_no_layer_or_drafts_to_another_depth(tmp_path):
+    from hf_bpd.training import train_eagle
+
+    model = tiny_model()
+    EagleDraftLayer.for_base_model(model, max_depth=4).save_pretrained(tmp_path / "layer")
+    random_heads(model).save_pretrained(tmp_path / "heads")
+    argv = ["--data", "d", "--samples", "4", "--heads", "h", "--features-cache", "c", "--output", str(tmp_path / "o")]
+    with pytest.raises(SystemExit, match="--init: .* not a draft-layer checkpoint"):
+        train_eagle.main([*argv, "--init", str(tmp_path / "heads")])
+    with pytest.raises(SystemExit, match="drafts 4 deep, not --max-depth 5"):
+        train_eagle.main([*argv, "--init", str(tmp_path / "layer")])
+
+
+def test_train_eagle_starts_from_an_init_layer(tmp_path, monkeypatch):
+    from hf_bpd.io import models
+    from hf_bpd.training import train_eagle
+
+    model = tiny_model()
+    heads = random_heads(model)
+    heads.save_pretrained(tmp_path / "heads")
+    start = random_layer(model, seed=5)
+    start.save_pretrained(tmp_path / "layer")
+    monkeypatch.setattr(models, "load_model", lambda name, device: (model, None))
+    monkeypatch.setattr(train_eagle, "training_items", lambda model, args: [])
+    trained = {}
+    monkeypatch.setattr(train_eagle, "train", lambda layer, *a: trained.update(layer.state_dict()))
+    argv = ["--data", "d", "--samples", "4", "--heads", str(tmp_path / "heads"), "--features-cache", "c"]
+    argv += ["--output", str(tmp_path / "o"), "--init", str(tmp_path / "layer")]
+    assert train_eagle.main(argv) == 0
+    for name, value in start.state_dict().items():
+        assert torch.equal(trained[name], value), name
+    other = tiny_model(seed=1)  # another base model: its layer is refused
+    EagleDraftLayer.for_base_model(other).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="another base model"):
+        train_eagle.main([*argv[:-1], str(tmp_path / "other")])
 
 
 def greedy(model, ids, n, **kw):

@@ -160,6 +160,12 @@ def training_items(model, args) -> list:
     )
 
 
+def changed_settings(saved: dict, settings: dict) -> list[str]:
+    """The settings in which a run saved with `saved` differs from `settings`; an option newer than the run,
+    missing from `saved`, had its default there, None."""
+    return sorted(k for k in settings if saved.get(k) != settings[k])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-bpd train-eagle", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="packaged")
@@ -174,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-samples", type=int, default=4)
     parser.add_argument("--cls-weight", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--init",
+        default=None,
+        help="a saved layer of the same model and draft vocabulary to start from (else the "
+        "base model's last decoder layer)",
+    )
     parser.add_argument("--save-every", type=int, default=500, help="also save every N steps, for --resume")
     parser.add_argument("--output", required=True, help="folder the layer is saved to after each epoch")
     parser.add_argument("--resume", action="store_true", help="continue the run saved in --output")
@@ -190,9 +202,18 @@ def main(argv: list[str] | None = None) -> int:
         if not args.resume:
             raise SystemExit(f"{output} holds a run already: pass --resume to continue it, or another --output")
         state = torch.load(output / CHECKPOINT, weights_only=False)
-        if state["settings"] != settings:
-            changed = sorted(k for k in settings if state["settings"].get(k) != settings[k])
+        changed = changed_settings(state["settings"], settings)
+        if changed:
             raise SystemExit(f"--resume: {output} was trained with other settings ({', '.join(changed)})")
+    if args.init is not None and state is None:
+        try:
+            init_config = EagleDraftLayer.saved_config(args.init)
+        except ValueError as err:
+            raise SystemExit(f"--init: {err}") from None
+        if init_config.max_depth != args.max_depth:
+            raise SystemExit(
+                f"--init {args.init} drafts {init_config.max_depth} deep, not --max-depth {args.max_depth}"
+            )
 
     from ..drafting.heads import BlockDraftHeads
     from ..io.models import load_model
@@ -203,6 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     heads = BlockDraftHeads.from_pretrained(args.heads).bind(model)  # checks the heads fit the model
     torch.manual_seed(args.seed)
     layer = EagleDraftLayer.for_base_model(model, heads.draft_vocab, args.max_depth)
+    if args.init is not None and state is None:
+        start = EagleDraftLayer.from_pretrained(args.init)
+        start.check_compatible(model)  # trained on this model
+        if not torch.equal(start.draft_vocab, layer.draft_vocab):
+            raise SystemExit(f"--init {args.init} drafts over another vocabulary than --heads {args.heads}")
+        # the draft vocabulary (equal, checked above) is saved only where it is not the whole vocabulary
+        missing, unexpected = layer.load_state_dict(start.state_dict(), strict=False)
+        if set(missing) - {"draft_vocab"} or unexpected:
+            raise SystemExit(f"--init {args.init}: weights {sorted(set(missing) | set(unexpected))} do not fit")
     layer.requires_grad_(True)
     items = training_items(model, args)
     print(f"{len(items)} training sequences, {sum(t.shape[0] for t, _, _ in items)} tokens", flush=True)
