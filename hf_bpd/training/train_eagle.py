@@ -187,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         "base model's last decoder layer)",
     )
     parser.add_argument("--save-every", type=int, default=500, help="also save every N steps, for --resume")
-    parser.add_argument("--output", required=True, help="folder the layer is saved to after each epoch")
+    parser.add_argument(
+        "--output", required=True, help="folder the layer is saved to (each epoch, every --save-every steps)"
+    )
     parser.add_argument("--resume", action="store_true", help="continue the run saved in --output")
     args = parser.parse_args(argv)
     for name in ("samples", "depth", "max_depth", "epochs", "batch_samples", "save_every"):
