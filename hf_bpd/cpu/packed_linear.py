@@ -490,12 +490,13 @@ def cached_kernel_plan(
     record, measured = measured_once(path, key, measure, what, refresh)
     try:
         plan = parse(record)
+    except (KeyError, TypeError, ValueError):  # a record of another format: measured again
+        plan = None
+    if plan is not None:
         # a record measured without these extra weights (a shape it neither planned nor measured): measured again
         covered = set(plan.shapes) | {tuple(e) for e in record.get("extra_shapes", ())}
         if measured or all(tuple(w.shape) in covered for w in extra_weights):
             return plan, path, measured
-    except (KeyError, TypeError, ValueError):  # a record of another format: measured again
-        pass
     record, measured = measured_once(path, key, measure, what, refresh=True)
     return parse(record), path, measured
 
