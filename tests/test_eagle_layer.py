@@ -342,3 +342,110 @@ def test_what_the_layer_cannot_serve_is_refused_up_front():
     drafter = BlockDrafter(layer, calibrate=False)
     with pytest.raises(RuntimeError, match="context rows"):  # drafting without the context's features
         drafter.draft(torch.zeros(1, 32), torch.tensor([[5, 6, 7]]))
+
+
+def fused_copy(layer: EagleDraftLayer, model, feature_layers) -> EagleDraftLayer:
+    """`layer` with a new fusion of `feature_layers` (at its identity start), as `train-eagle --init` makes."""
+    fused = EagleDraftLayer.for_base_model(model, max_depth=layer.config.max_depth, feature_layers=feature_layers)
+    missing, unexpected = fused.load_state_dict(layer.state_dict(), strict=False)
+    assert unexpected == [] and all(k.startswith("fusion.") for k in missing)
+    return fused.eval()
+
+
+def test_a_fusion_layer_at_its_start_drafts_as_the_layer_it_extends_and_the_prefill_gives_every_position():
+    from hf_bpd.drafting.layer_features import LayerFeatures
+
+    model = tiny_model(eos_token_id=None)
+    layer = random_layer(model, std=0.1)
+    fused = fused_copy(layer, model, [1, -1])
+    assert fused.config.feature_layers == [1, -1] and fused.fusion.in_features == 64
+    ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), LayerFeatures(model, [1, -1]) as capture:
+        wide = capture.features(model(ids, output_hidden_states=True))[0]
+    tokens, final = ids[0], wide[:, 32:]
+    with torch.no_grad():
+        for a, b in zip(layer.unroll(final[None], tokens[None], 3), fused.unroll(wide[None], tokens[None], 3)):
+            torch.testing.assert_close(a, b)
+    runs = []
+    for module in (layer, fused):
+        drafter = BlockDrafter(module, top_k=3, max_tree_tokens=10)
+        out = greedy(model, ids, 30, custom_generate=hf_bpd.generate, assistant=drafter)
+        runs.append((out.tolist(), drafter.stats.accepted_lengths, drafter.stats.tree_sizes))
+    assert runs[0] == runs[1] and max(runs[0][1]) > 1
+    assert torch.equal(torch.tensor(runs[0][0]), greedy(model, ids, 30))
+    with pytest.raises(ValueError, match="expected features of width 64, got 32"):
+        fused.fuse(final)
+
+
+def test_a_trained_fusion_layer_decodes_greedy_s_tokens_and_replays_as_the_loop_decodes():
+    model = tiny_model(eos_token_id=None)
+    fused = fused_copy(random_layer(model, std=0.1), model, [0, 1, -1])
+    with torch.no_grad():  # a fusion that reads every layer, as a trained one does
+        fused.fusion.linear.weight.add_(0.2 * torch.randn(fused.fusion.linear.weight.shape))
+    g = torch.Generator().manual_seed(5)
+    for trial in range(3):
+        ids = torch.randint(3, 97, (1, int(torch.randint(2, 10, (1,), generator=g))), generator=g)
+        drafter = BlockDrafter(fused, top_k=3, max_tree_tokens=10)
+        out = greedy(model, ids, 30, custom_generate=hf_bpd.generate, assistant=drafter)
+        assert torch.equal(out, greedy(model, ids, 30)), trial
+        replayed = replay_turn(
+            model, BlockDrafter(fused, top_k=3, max_tree_tokens=10), ids, out[0, ids.shape[1] :].tolist()
+        )
+        assert replayed.accepted_lengths == drafter.stats.accepted_lengths, trial
+    with pytest.raises(ValueError, match="a drafter reading feature layers"):
+        greedy(
+            model, ids, 5, custom_generate=hf_bpd.generate, assistant=BlockDrafter(fused), cache_implementation="static"
+        )
+
+
+def test_training_a_fusion_layer_reads_the_layers_and_targets_the_final_state():
+    from hf_bpd.training.train_eagle import sequence_features
+
+    model = tiny_model()
+    seqs = [[5, 9, 11, 4, 7], [3, 8, 20]]
+    wide = sequence_features(model, seqs, feature_layers=[1, -1])
+    final = sequence_features(model, seqs)
+    with torch.no_grad():
+        states = model(torch.tensor([seqs[0]]), output_hidden_states=True).hidden_states
+    assert wide[0].shape == (5, 64) and wide[1].shape == (3, 64)
+    torch.testing.assert_close(wide[0].float(), torch.cat([states[1][0], states[-1][0]], -1).half().float())
+    for w, f in zip(wide, final):
+        torch.testing.assert_close(w[:, 32:], f)
+    layer = random_layer(model, std=0.1)
+    fused = fused_copy(layer, model, [1, -1])
+    plain_items = [(torch.tensor(s), f, 1) for s, f in zip(seqs, final)]
+    wide_items = [(torch.tensor(s), f, 1) for s, f in zip(seqs, wide)]
+    with torch.no_grad():  # at its identity start, the fusion layer's loss is the layer's
+        torch.testing.assert_close(eagle_loss(fused, wide_items, 2, 1.0), eagle_loss(layer, plain_items, 2, 1.0))
+
+
+def test_train_eagle_gives_an_init_layer_a_fusion_and_refuses_other_feature_layers(tmp_path, monkeypatch):
+    from hf_bpd.io import models
+    from hf_bpd.training import train_eagle
+
+    model = tiny_model()
+    random_heads(model).save_pretrained(tmp_path / "heads")
+    start = random_layer(model, seed=5)
+    start.save_pretrained(tmp_path / "layer")
+    monkeypatch.setattr(models, "load_model", lambda name, device: (model, None))
+    monkeypatch.setattr(train_eagle, "training_items", lambda model, args: [])
+    trained = {}
+    monkeypatch.setattr(train_eagle, "train", lambda layer, *a: trained.update(layer=layer))
+    argv = ["--data", "d", "--samples", "4", "--heads", str(tmp_path / "heads"), "--features-cache", "c"]
+    argv += ["--init", str(tmp_path / "layer"), "--feature-layers", "1,-1"]
+    assert train_eagle.main([*argv, "--output", str(tmp_path / "o")]) == 0
+    layer = trained["layer"]
+    assert layer.config.feature_layers == [1, -1]
+    for name, value in start.state_dict().items():
+        assert torch.equal(layer.state_dict()[name], value), name
+    assert (
+        torch.equal(layer.fusion.linear.weight[:, 32:], torch.eye(32)) and not layer.fusion.linear.weight[:, :32].any()
+    )
+    layer.save_pretrained(tmp_path / "fused")
+    argv[argv.index(str(tmp_path / "layer"))] = str(tmp_path / "fused")
+    with pytest.raises(SystemExit, match=r"reads feature layers \[1, -1\]: pass the same --feature-layers \(1,-1\)"):
+        train_eagle.main([*argv[:-1], "0,-1", "--output", str(tmp_path / "o2")])
+    with pytest.raises(SystemExit, match="the final one"):
+        train_eagle.main([*argv[:-1], "1", "--output", str(tmp_path / "o3")])
+    with pytest.raises(SystemExit, match="outside the base model's hidden states"):
+        train_eagle.main([*argv[:-2], "--feature-layers", "7,-1", "--output", str(tmp_path / "o4")])

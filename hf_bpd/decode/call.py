@@ -194,7 +194,7 @@ class DecodeCall:
         """The prompt through the model exactly as `generate` runs it, and every row's first token."""
         with self.clock.phase("prefill"):
             past_mask = prompt_mask(input_ids, model_kwargs)
-            logits, hidden, cache = prefill(self.model, input_ids, model_kwargs)
+            logits, hidden, cache = prefill(self.model, input_ids, model_kwargs, self.drafter.reads_context)
             scores = self.processors(input_ids, logits)
             first = choose_tokens(scores, self.do_sample)
             rows = range(input_ids.shape[0])
@@ -259,9 +259,12 @@ def prompt_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
     return torch.ones_like(input_ids) if mask is None else mask
 
 
-def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, DynamicCache]:
+def prefill(
+    model, input_ids: torch.Tensor, model_kwargs: dict, every_position: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, DynamicCache]:
     """Run the prompt exactly as `generate` does. Returns (raw next-token logits [B, V] float32, last
-    hidden states [B, P, H] (with heads reading several layers, only the last position's is theirs), cache)."""
+    hidden states [B, P, H] (with heads reading several layers, only the last position's is theirs, unless
+    `every_position`: an EAGLE layer's context reads them all), cache)."""
     keep_every_key(model_kwargs)
     if not compiled_forward(model):  # a compiled forward lays each layer out its own way (`contiguous_kv`)
         grow_in_place(model_kwargs)
@@ -269,7 +272,7 @@ def prefill(model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[torch.T
     first = {"is_first_iteration": True} if _takes_first_iteration(model) else {}
     model_inputs = model.prepare_inputs_for_generation(input_ids, **first, **model_kwargs)
     model_inputs["output_hidden_states"] = request = last_hidden_state_request(model)
-    with only_last_position(model):  # heads reading several layers: their features at the last position
+    with contextlib.nullcontext() if every_position else only_last_position(model):
         out = model(**model_inputs, return_dict=True)
     cache = output_cache(out)
     if not isinstance(cache, DynamicCache) and not is_static(cache):

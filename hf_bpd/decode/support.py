@@ -645,6 +645,6 @@ def check_features_supported(
     )
     if compiled_forward(model) or static:
         raise ValueError(
-            f"draft heads reading feature layers {layers} capture them with hooks on the eager forward: "
+            f"a drafter reading feature layers {layers} captures them with hooks on the eager forward: "
             "not yet served with a compiled forward or a static cache; use a dynamic cache and an eager forward"
         )

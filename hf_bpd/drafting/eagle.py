@@ -18,6 +18,11 @@ features); a draft of depth j > 1 reads the feature its parent predicted, never 
 layer call per round), as `expansion.expand_tree` grows "previous" heads' trees. The layer's block is a
 Llama-style decoder layer built from the base model's dimensions and initialised from its last layer
 (`for_base_model`); its rotary embedding is the default one with the base model's theta.
+
+With `feature_layers` (EAGLE-3's fusion, e.g. `[2, 15, -1]`), feature t of a context row is a learned fusion
+of those layers' hidden states at t (`heads.FeatureFusion`, the heads' own, starting as the identity on the
+final state), captured by hooks during the forwards decoding runs anyway (`layer_features.py`); a draft's
+rows still read their parents' predictions, and every prediction still targets the final hidden state.
 """
 
 from __future__ import annotations
@@ -35,7 +40,16 @@ from transformers.activations import ACT2FN
 from ..cpu.packed_linear import active_packed_linear
 from .calibration import HEADS, AcceptanceCalibration, Arc
 from .expansion import round_size
-from .heads import RMSNorm, _output_embeddings, lm_head_identity, lm_head_mismatch
+from .heads import (
+    FeatureFusion,
+    RMSNorm,
+    _output_embeddings,
+    check_feature_layers,
+    identity_on_final_state,
+    lm_head_identity,
+    lm_head_mismatch,
+    normalise_feature_layers,
+)
 from .lattice import host_lists
 from .saved import DraftingModuleConfig, load_saved, saved_config, set_draft_vocab
 from .tree import DraftTree
@@ -56,6 +70,7 @@ class EagleDraftLayerConfig(DraftingModuleConfig):
         attention_bias: bool = False,
         mlp_bias: bool = False,
         max_depth: int = 5,
+        feature_layers: list[int] | None = None,
         **kwargs,
     ) -> None:
         self.num_attention_heads = num_attention_heads
@@ -68,6 +83,7 @@ class EagleDraftLayerConfig(DraftingModuleConfig):
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
         self.max_depth = max_depth  # the deepest draft a tree holds
+        self.feature_layers = check_feature_layers(feature_layers)  # None: the final hidden state alone
         super().__init__(**kwargs)
 
 
@@ -139,6 +155,8 @@ class EagleDraftLayer(PreTrainedModel):
         if c.max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {c.max_depth}")
         hidden, eps = c.hidden_size, c.rms_norm_eps
+        layers = c.feature_layers
+        self.fusion = FeatureFusion(hidden, len(layers)) if layers else None
         # both inputs normalised: the final state's scale is not that of the residual stream the layer adds to
         self.token_norm, self.feature_norm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
         self.fc = nn.Linear(2 * hidden, hidden)
@@ -163,14 +181,25 @@ class EagleDraftLayer(PreTrainedModel):
 
     @classmethod
     def for_base_model(
-        cls, model, draft_vocab: torch.Tensor | None = None, max_depth: int = 5, start_as_identity: bool = True
+        cls,
+        model,
+        draft_vocab: torch.Tensor | None = None,
+        max_depth: int = 5,
+        start_as_identity: bool = True,
+        feature_layers: list[int] | None = None,
     ) -> EagleDraftLayer:
         """An untrained draft layer for `model`, bound to it: its block a copy of the base model's last
         decoder layer (`base_layer_parts` refuses models without a Llama-style one), its norms the base
-        `draft_vocab`: the token ids it may draft (default: all). `start_as_identity`: fc passes the feature
-        through and the attention and MLP outputs start at zero, so the first prediction is the feature
-        itself (what made training start well on SmolLM2)."""
+        model's. `draft_vocab`: the token ids it may draft (default: all). `start_as_identity`: fc passes the
+        feature through and the attention and MLP outputs start at zero, so the first prediction is the
+        feature itself (what made training start well on SmolLM2). `feature_layers` (e.g. `[2, 15, -1]`,
+        resolved against `model` by `normalise_feature_layers`): the context rows read a fusion of those
+        hidden states, which starts as the identity on the final one."""
         attention, mlp, last = base_layer_parts(model)
+        if feature_layers is not None:
+            from .layer_features import decoder_layers
+
+            feature_layers = normalise_feature_layers(feature_layers, len(decoder_layers(model)))
         cfg = model.config
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         lm_head = _output_embeddings(model)
@@ -196,6 +225,7 @@ class EagleDraftLayer(PreTrainedModel):
             mlp_bias=mlp.gate_proj.bias is not None,
             draft_vocab_size=0 if draft_vocab is None else int(draft_vocab.numel()),
             max_depth=max_depth,
+            feature_layers=feature_layers,
             **lm_head_identity(lm_head.weight),
         )
         with torch.random.fork_rng(devices=[]):  # fc's default initialisation must not move a user's stream
@@ -217,6 +247,8 @@ class EagleDraftLayer(PreTrainedModel):
                 scale = norm_scale(theirs)
                 if scale is not None and scale.shape == mine.weight.shape:
                     mine.weight.copy_(scale)
+            if layer.fusion is not None:
+                identity_on_final_state(layer.fusion.linear)
             if start_as_identity:
                 hidden = config.hidden_size
                 layer.fc.weight.zero_()
@@ -283,6 +315,15 @@ class EagleDraftLayer(PreTrainedModel):
     chained = False
     context_copy = None
 
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The feature a context row reads: `features [..., k * hidden]` (the `feature_layers`' hidden states,
+        concatenated in that order, as `layer_features.LayerFeatures` gives them) through the fusion ->
+        `[..., hidden]`; a layer without feature layers reads the final hidden state itself (returned as is).
+        A draft's own rows read their parents' predictions instead, never a fusion."""
+        if self.fusion is None:
+            return features
+        return self.fusion.checked(features, self.config.feature_layers, "this EAGLE draft layer's rows")
+
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         """Predicted features `[..., H]` -> logits over the draft vocabulary."""
         rows, _ = self._bound()
@@ -338,17 +379,18 @@ class EagleDraftLayer(PreTrainedModel):
 
     def unroll(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Training-time drafting (teacher-forced tokens, own features) over right-padded sequences: for rows
-        t = 0 .. L-2 of `features [B, L, H]` and `tokens [B, L]`, depth 1 reads (feature t, token t+1) with
-        causal attention over depth 1's rows <= t; depth j reads (its own depth j-1 prediction, token t+j) and
-        attends to depth 1's rows <= t and row t of depths 2..j. Returns each depth's predictions
-        `[B, L-1, H]` (depth j's row t predicts the feature at t+j)."""
+        t = 0 .. L-2 of `features [B, L, H]` (or `[B, L, k * H]`: the feature layers' states, fused here) and
+        `tokens [B, L]`, depth 1 reads (feature t, token t+1) with causal attention over depth 1's rows <= t;
+        depth j reads (its own depth j-1 prediction, token t+j) and attends to depth 1's rows <= t and row t
+        of depths 2..j. Returns each depth's predictions `[B, L-1, H]` (depth j's row t predicts the final
+        hidden state at t+j)."""
         r = features.shape[1] - 1
         rows = torch.arange(r, device=features.device)
         causal = rows[None, :] <= rows[:, None]
         own = torch.eye(r, dtype=torch.bool, device=features.device)
         padded_tokens = F.pad(tokens, (0, depth))  # token t+j past the end: padding (its rows have no target)
         predicted, keys, values = [], None, None
-        feature = features[:, :-1]
+        feature = self.fuse(features[:, :-1])
         for j in range(1, depth + 1):
             mask = torch.cat([causal] + [own] * (j - 1), 1)
             feature, keys, values = self.step(feature, padded_tokens[:, j : j + r], rows + j - 1, keys, values, mask)
@@ -382,8 +424,9 @@ class EagleContext:
         self.keys, self.values = keys, values
 
     def extend(self, layer: EagleDraftLayer, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Append the rows of newly accepted positions: their base-model features `[n, H]` and the token after
-        each `[n]` (the last one: the step's root)."""
+        """Append the rows of newly accepted positions: their base-model features `[n, H]` (a layer with
+        feature layers: their fusion, as decoding's hooks give it) and the token after each `[n]` (the last
+        one: the step's root)."""
         n = features.shape[0]
         if n < 1 or next_tokens.shape != (n,):
             raise ValueError(f"extend needs n >= 1 features and n next tokens, got {n} and {tuple(next_tokens.shape)}")

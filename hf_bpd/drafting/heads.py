@@ -198,6 +198,27 @@ class FeatureFusion(nn.Module):
         raw = [norm(part) for norm, part in zip(self.norms, parts[:-1])]
         return self.linear(torch.cat([*raw, parts[-1]], dim=-1))
 
+    def checked(self, features: torch.Tensor, feature_layers: list[int], reader: str) -> torch.Tensor:
+        """`forward`, after checking that `features` are as wide as `feature_layers`' states concatenated
+        (ValueError naming `reader`, the drafting module, otherwise)."""
+        if features.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{reader} read {len(feature_layers)} hidden states of {self.hidden_size} (feature_layers "
+                f"{feature_layers}), concatenated: expected features of width {self.in_features}, got "
+                f"{features.shape[-1]}"
+            )
+        return self(features)
+
+
+def identity_on_final_state(linear: nn.Linear) -> None:
+    """A fusion's Linear as the identity on the final state's slice (its last `out_features` inputs): a
+    drafter given a new fusion drafts as it did until trained."""
+    hidden = linear.out_features
+    with torch.no_grad():
+        linear.weight.zero_()
+        linear.weight[:, -hidden:].copy_(torch.eye(hidden, dtype=linear.weight.dtype))
+        linear.bias.zero_()
+
 
 class ResidualBlock(nn.Module):
     """`x + SiLU(W [x; extra] + b)`; `extra_size` > 0 adds an input beside the residual stream."""
@@ -392,12 +413,8 @@ class BlockDraftHeads(PreTrainedModel):
         if getattr(module, "_bpd_sink_init", False):  # context copy: the head's own distribution first
             nn.init.zeros_(module.weight)
             nn.init.constant_(module.bias, INITIAL_SINK)
-        if getattr(module, "_bpd_fusion_init", False):  # the identity on the final hidden state's slice
-            hidden = module.out_features
-            with torch.no_grad():
-                module.weight.zero_()
-                module.weight[:, -hidden:].copy_(torch.eye(hidden, dtype=module.weight.dtype))
-                module.bias.zero_()
+        if getattr(module, "_bpd_fusion_init", False):
+            identity_on_final_state(module)
 
     @staticmethod
     def saved_config(path, **kwargs) -> BlockDraftHeadsConfig:
@@ -695,13 +712,7 @@ class BlockDraftHeads(PreTrainedModel):
         read the final hidden state itself (returned as is)."""
         if self.fusion is None:
             return features
-        if features.shape[-1] != self.fusion.in_features:
-            raise ValueError(
-                f"these draft heads read {len(self.config.feature_layers)} hidden states of {self.config.hidden_size} "
-                f"(feature_layers {self.config.feature_layers}), concatenated: expected features of width "
-                f"{self.fusion.in_features}, got {features.shape[-1]}"
-            )
-        return self.fusion(features)
+        return self.fusion.checked(features, self.config.feature_layers, "these draft heads")
 
     def with_context_copy(self, copy_dim: int) -> BlockDraftHeads:
         """A copy of these heads (same weights and draft vocabulary, bound to the same base model) with a

@@ -7,7 +7,11 @@ The base model's final hidden states over whole sequences (prompt and answer) ar
 float16 chunks (`--features-cache`, resumable). The layer is trained with EAGLE's losses at every row with a
 target: smooth L1 from its predicted feature to the base model's next one, plus `--cls-weight` times the
 cross-entropy to the base model's next-token distribution over the draft vocabulary; `--depth` > 1 unrolls
-it on its own predictions (EAGLE-3's training-time test), the losses of every depth summed. The draft
+it on its own predictions (EAGLE-3's training-time test), the losses of every depth summed. With
+`--feature-layers 2,15,-1` (EAGLE-3's fusion) the cache holds those layers' hidden states, concatenated
+(captured by hooks, `layer_features.py`), in a folder of their own under `--features-cache`; the layer's rows
+read their fusion, its predictions still target the final state. With an `--init` layer that reads the final
+state alone, the fusion starts as the identity on it, so training continues from that layer's drafts. The draft
 vocabulary is the `--heads`' (the heads shipped for the same model). The layer is saved to `--output` after
 every epoch and every `--save-every` steps, with the run's settings and loss curve in `training_log.json` and
 what `--resume` continues from (the same steps as an uninterrupted run) in `checkpoint.pt`.
@@ -16,6 +20,7 @@ what `--resume` continues from (the same steps as an uninterrupted run) in `chec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -25,30 +30,55 @@ import torch
 from torch.nn import functional as F
 
 from ..drafting.eagle import EagleDraftLayer
+from .train_heads import parse_feature_layers
 
 CHECKPOINT = "checkpoint.pt"  # beside the saved layer: the optimizer's and schedule's state, for --resume
 
 
 @torch.no_grad()
-def sequence_features(model, seqs: list[list[int]], batch_tokens: int = 4096) -> list[torch.Tensor]:
+def sequence_features(
+    model, seqs: list[list[int]], batch_tokens: int = 4096, feature_layers: list[int] | None = None
+) -> list[torch.Tensor]:
     """The base model's final hidden state (after its final norm: what its LM head reads) at every position of
-    each token sequence, float16 `[len, hidden]`; length-sorted, right-padded batches."""
+    each token sequence, float16 `[len, hidden]`; with `feature_layers`, those hidden states concatenated
+    `[len, k * hidden]` (the final one last), captured by hooks. Length-sorted, right-padded batches."""
+    from ..compat import last_hidden_state_request
+    from ..drafting.layer_features import LayerFeatures
     from .objective import length_sorted_batches, right_padded
 
     rows = [{"prompt_ids": s, "response_ids": []} for s in seqs]
     out: list[torch.Tensor | None] = [None] * len(seqs)
-    for batch in length_sorted_batches(rows, batch_tokens):
-        _, ids, mask = right_padded([rows[i] for i in batch])
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        for b, i in enumerate(batch):
-            out[i] = hidden[b, : len(seqs[i])].half().clone()
+    with LayerFeatures(model, feature_layers) if feature_layers else contextlib.nullcontext() as capture:
+        for batch in length_sorted_batches(rows, batch_tokens):
+            _, ids, mask = right_padded([rows[i] for i in batch])
+            if feature_layers:  # the hooks follow the whole model's forward; its LM head runs on one position
+                request = last_hidden_state_request(model)
+                full = model(input_ids=ids, attention_mask=mask, output_hidden_states=request, logits_to_keep=1)
+                hidden = capture.features(full)
+            else:
+                hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            for b, i in enumerate(batch):
+                out[i] = hidden[b, : len(seqs[i])].half().clone()
     return out  # type: ignore[return-value]
 
 
-def cached_sequences(model, name: str, seqs: list[list[int]], starts: list[int], cache: Path, chunk: int = 256):
-    """[(tokens [L], features [L, H] float16, answer start)] for `seqs`, computed in chunks of `chunk` sequences
-    cached under `cache/<name>-<first>-<end>.pt` (a rerun resumes at the first missing chunk; a chunk is
-    named by its sequences' indices, so one cache serves one list of sequences and its extensions)."""
+def cached_sequences(
+    model,
+    name: str,
+    seqs: list[list[int]],
+    starts: list[int],
+    cache: Path,
+    chunk: int = 256,
+    feature_layers: list[int] | None = None,
+):
+    """[(tokens [L], features [L, H] float16, answer start)] for `seqs` (`[L, k * H]` with `feature_layers`),
+    computed in chunks of `chunk` sequences cached under `cache/<name>-<first>-<end>.pt` (a rerun resumes at
+    the first missing chunk; a chunk is named by its sequences' indices, so one cache serves one list of
+    sequences and its extensions); the features of `feature_layers` in a folder of their own under `cache`
+    (`train_heads.feature_cache_folder`)."""
+    from .train_heads import feature_cache_folder
+
+    cache = feature_cache_folder(cache, feature_layers)
     cache.mkdir(parents=True, exist_ok=True)
     items = []
     for first in range(0, len(seqs), chunk):
@@ -58,7 +88,7 @@ def cached_sequences(model, name: str, seqs: list[list[int]], starts: list[int],
             part = torch.load(path)
         else:
             t0 = time.perf_counter()
-            part = sequence_features(model, seqs[first:end])
+            part = sequence_features(model, seqs[first:end], feature_layers=feature_layers)
             torch.save(part, path)
             tokens = sum(len(s) for s in seqs[first:end])
             print(f"{name} features {first}-{end}: {tokens} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -81,10 +111,12 @@ def padded_batch(items) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def eagle_loss(layer: EagleDraftLayer, items, depth: int, cls_weight: float) -> torch.Tensor:
-    """EAGLE's loss summed over depths: smooth L1 to the base's next feature plus `cls_weight` x cross-entropy
-    to the base's next-token distribution over the draft vocabulary, over every row with a target."""
+    """EAGLE's loss summed over depths: smooth L1 to the base's next final hidden state plus `cls_weight` x
+    cross-entropy to the base's next-token distribution over the draft vocabulary, over every row with a
+    target. Items' features of several layers hold the final state last."""
     features, tokens, lengths = padded_batch(items)
     predicted = layer.unroll(features, tokens, depth)
+    features = features[..., -layer.config.hidden_size :]  # the final hidden state: the targets
     r = features.shape[1] - 1
     total = features.new_zeros(())
     for j, guess in enumerate(predicted, start=1):
@@ -157,6 +189,7 @@ def training_items(model, args) -> list:
         [r["prompt_ids"] + r["response_ids"] for r in rows],
         [len(r["prompt_ids"]) for r in rows],
         Path(args.features_cache),
+        feature_layers=args.feature_layers,
     )
 
 
@@ -186,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a saved layer of the same model and draft vocabulary to start from (else the "
         "base model's last decoder layer)",
     )
+    parser.add_argument(
+        "--feature-layers",
+        type=parse_feature_layers,
+        default=None,
+        help="hidden states the rows read a fusion of, e.g. 2,15,-1 (-1: the final one, which must be among them; "
+        "default: the final one alone)",
+    )
     parser.add_argument("--save-every", type=int, default=500, help="also save every N steps, for --resume")
     parser.add_argument(
         "--output", required=True, help="folder the layer is saved to (each epoch, every --save-every steps)"
@@ -196,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
 
+    layers = args.feature_layers
+    if layers is not None and (-1 not in layers or len(set(layers)) < 2):  # the rest once the model's depth is known
+        raise SystemExit(f"--feature-layers {layers}: at least two hidden states, the final one (-1) among them")
     output = Path(args.output)
     # what the steps depend on (not where they are saved, nor how often)
     settings = {k: v for k, v in vars(args).items() if k not in ("output", "resume", "save_every")}
@@ -217,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"--init {args.init} drafts {init_config.max_depth} deep, not --max-depth {args.max_depth}"
             )
 
-    from ..drafting.heads import BlockDraftHeads
+    from ..drafting.heads import BlockDraftHeads, normalise_feature_layers
+    from ..drafting.layer_features import decoder_layers
     from ..io.models import load_model
     from ..tools.bench import environment
 
@@ -225,15 +269,28 @@ def main(argv: list[str] | None = None) -> int:
     model.requires_grad_(False)
     heads = BlockDraftHeads.from_pretrained(args.heads).bind(model)  # checks the heads fit the model
     torch.manual_seed(args.seed)
-    layer = EagleDraftLayer.for_base_model(model, heads.draft_vocab, args.max_depth)
+    try:
+        args.feature_layers = normalise_feature_layers(args.feature_layers, len(decoder_layers(model)))
+    except ValueError as err:
+        raise SystemExit(f"--feature-layers: {err}") from None
+    if args.init is not None and state is None:
+        saved_layers = init_config.feature_layers
+        if saved_layers and saved_layers != args.feature_layers:
+            raise SystemExit(
+                f"--init {args.init} reads feature layers {saved_layers}: pass the same --feature-layers "
+                f"({','.join(map(str, saved_layers))}), not {args.feature_layers}"
+            )
+    layer = EagleDraftLayer.for_base_model(model, heads.draft_vocab, args.max_depth, feature_layers=args.feature_layers)
     if args.init is not None and state is None:
         start = EagleDraftLayer.from_pretrained(args.init)
         start.check_compatible(model)  # trained on this model
         if not torch.equal(start.draft_vocab, layer.draft_vocab):
             raise SystemExit(f"--init {args.init} drafts over another vocabulary than --heads {args.heads}")
-        # the draft vocabulary (equal, checked above) is saved only where it is not the whole vocabulary
+        # the draft vocabulary (equal, checked above) is saved only where it is not the whole vocabulary; a
+        # fusion new to this run keeps its start, the identity on the final state
         missing, unexpected = layer.load_state_dict(start.state_dict(), strict=False)
-        if set(missing) - {"draft_vocab"} or unexpected:
+        new_fusion = {k for k in missing if k.startswith("fusion.")} if start.fusion is None else set()
+        if set(missing) - {"draft_vocab"} - new_fusion or unexpected:
             raise SystemExit(f"--init {args.init}: weights {sorted(set(missing) | set(unexpected))} do not fit")
     layer.requires_grad_(True)
     items = training_items(model, args)
