@@ -269,3 +269,8 @@ hf-bpd train-eagle --data training/data/distilled/distill2 training/data/distill
   training/data/distilled/distill_self training/data/distilled/distill_instr --samples 13952 \
   --heads hf_bpd/assets/smollm2/heads --features-cache "$RUNS/eagle/features" --depth 3 --epochs 4 \
   --output "$RUNS/eagle/layer_all" $( [ -f "$RUNS/eagle/layer_all/checkpoint.pt" ] && echo --resume )
+# 10c. issue #59's fusion ablation for the layer: 10a's run with EAGLE-3's feature fusion (layers 2, 15 and the
+#      final state, as the heads' ablation in step 6k), the only change.
+hf-bpd train-eagle --data training/data/distilled/distill2 --samples 4096 --heads hf_bpd/assets/smollm2/heads \
+  --features-cache "$RUNS/eagle/features" --depth 3 --epochs 3 --feature-layers 2,15,-1 \
+  --output "$RUNS/eagle/layer_d3_e3_fused" $( [ -f "$RUNS/eagle/layer_d3_e3_fused/checkpoint.pt" ] && echo --resume )
