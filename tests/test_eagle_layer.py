@@ -449,3 +449,35 @@ def test_train_eagle_gives_an_init_layer_a_fusion_and_refuses_other_feature_laye
         train_eagle.main([*argv[:-1], "1", "--output", str(tmp_path / "o3")])
     with pytest.raises(SystemExit, match="outside the base model's hidden states"):
         train_eagle.main([*argv[:-2], "--feature-layers", "7,-1", "--output", str(tmp_path / "o4")])
+
+
+def test_the_rows_of_plain_steps_run_before_the_drafted_step_that_follows_them(monkeypatch):
+    # run inside that step, their cost (growing with the plain run) was charged to drafting, and the step
+    # chooser, judging each probe by it, kept a call plain to its end
+    from hf_bpd.decode.call import DecodeCall
+
+    pattern = iter([True, False, False, False, True, True, False, True] + [True] * 40)
+    observed = []
+
+    class Chooser:  # the steps drafted or plain as `pattern` says
+        def draft_next(self):
+            return next(pattern)
+
+        def observe(self, drafted, tokens, seconds, expected=None):
+            observed.append(drafted)
+
+    monkeypatch.setattr(DecodeCall, "step_chooser", lambda self, *a, **k: Chooser())
+    pending = []
+    real = BlockDrafter.draft
+    monkeypatch.setattr(
+        BlockDrafter, "draft", lambda self, *a, **k: pending.append(len(self._pending)) or real(self, *a, **k)
+    )
+    model = tiny_model(eos_token_id=None)
+    drafter = BlockDrafter(random_layer(model, std=0.1), top_k=3, max_tree_tokens=8)
+    ids = torch.tensor([[5, 9, 17, 3, 22]])
+    assert torch.equal(
+        greedy(model, ids, 30, custom_generate=hf_bpd.generate, assistant=drafter), greedy(model, ids, 30)
+    )
+    assert observed[:8] == [True, False, False, False, True, True, False, True]
+    # after plain steps the context is caught up before the draft; after a drafted step its rows wait for it
+    assert pending[:5] == [0, 0, 1, 0, 1]

@@ -148,13 +148,16 @@ def decode(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: dict):
     chooser = call.step_chooser()  # plain steps where drafting does not pay ("auto" trees)
     fuse, fuse_sampled, grows_next = fused_walks(call, device)
     grown, next_drafts = None, None  # the next step's tree, grown during the last step, and its decision
+    drafting = True  # whether the last step drafted
 
     while not finished:
+        if next_drafts is None:  # else decided by the last step's fused accept
+            next_drafts = chooser is None or chooser.draft_next()
+        if next_drafts and not drafting:  # an EAGLE layer reads the plain steps' rows: not this step's cost
+            drafter.catch_up_context()
         clock.start_step()
         past_len = past_mask.shape[1]
         limit, room = step_limit(call.windows, capacity, block, past_len)
-        if next_drafts is None:  # else decided by the last step's fused accept
-            next_drafts = chooser is None or chooser.draft_next()
         drafting = next_drafts
         with clock.phase("draft"):
             if drafting:

@@ -262,6 +262,18 @@ class BlockDrafter:
             )
         self._pending.append((features, list(next_tokens)))
 
+    def catch_up_context(self) -> None:
+        """Run the rows handed over so far now, for a drafted step that follows plain ones, before its clock
+        starts (the loop calls it). Those are rows the plain steps left for the layer: run inside the probe
+        that ends a plain run, their cost, growing with the run, made each probe look slower than drafting
+        is, and the step chooser kept a call plain to its end. Their time is the drafter's
+        (`stats.time_heads`), not the step's. Nothing for heads."""
+        if self.reads_context and self._pending:
+            t0 = time.perf_counter()
+            with self.heads_context:
+                self._run_pending()
+            self.stats.time_heads += time.perf_counter() - t0
+
     def _run_pending(self) -> None:
         """Run the rows handed over since the last draft through the layer, in one call."""
         if self._pending:
