@@ -447,6 +447,8 @@ def test_train_eagle_gives_an_init_layer_a_fusion_and_refuses_other_feature_laye
         train_eagle.main([*argv[:-1], "0,-1", "--output", str(tmp_path / "o2")])
     with pytest.raises(SystemExit, match="the final one"):
         train_eagle.main([*argv[:-1], "1", "--output", str(tmp_path / "o3")])
+    with pytest.raises(ValueError, match="canonical order"):  # the final state must be the last slice
+        train_eagle.sequence_features(model, [[5, 6, 7]], feature_layers=[-1, 1])
     with pytest.raises(SystemExit, match="outside the base model's hidden states"):
         train_eagle.main([*argv[:-2], "--feature-layers", "7,-1", "--output", str(tmp_path / "o4")])
 
@@ -481,3 +483,6 @@ def test_the_rows_of_plain_steps_run_before_the_drafted_step_that_follows_them(m
     assert observed[:8] == [True, False, False, False, True, True, False, True]
     # after plain steps the context is caught up before the draft; after a drafted step its rows wait for it
     assert pending[:5] == [0, 0, 1, 0, 1]
+    heads = BlockDrafter(random_heads(model), top_k=3)
+    heads.catch_up_context()  # nothing for heads
+    assert heads.stats.time_heads == 0

@@ -272,6 +272,9 @@ class BlockDrafter:
             t0 = time.perf_counter()
             with self.heads_context:
                 self._run_pending()
+            device = self.heads.device
+            if device.type == "cuda":  # else the step's first read of the layer's output would wait for them
+                torch.cuda.synchronize(device)
             self.stats.time_heads += time.perf_counter() - t0
 
     def _run_pending(self) -> None:

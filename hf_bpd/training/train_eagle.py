@@ -43,8 +43,12 @@ def sequence_features(
     each token sequence, float16 `[len, hidden]`; with `feature_layers`, those hidden states concatenated
     `[len, k * hidden]` (the final one last), captured by hooks. Length-sorted, right-padded batches."""
     from ..compat import last_hidden_state_request
+    from ..drafting.heads import check_feature_layers
     from ..drafting.layer_features import LayerFeatures
     from .objective import length_sorted_batches, right_padded
+
+    if feature_layers is not None and check_feature_layers(feature_layers) != list(feature_layers):
+        raise ValueError(f"feature layers {feature_layers} are not in canonical order (the final state, -1, last)")
 
     rows = [{"prompt_ids": s, "response_ids": []} for s in seqs]
     out: list[torch.Tensor | None] = [None] * len(seqs)
@@ -236,9 +240,6 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
 
-    layers = args.feature_layers
-    if layers is not None and (-1 not in layers or len(set(layers)) < 2):  # the rest once the model's depth is known
-        raise SystemExit(f"--feature-layers {layers}: at least two hidden states, the final one (-1) among them")
     output = Path(args.output)
     # what the steps depend on (not where they are saved, nor how often)
     settings = {k: v for k, v in vars(args).items() if k not in ("output", "resume", "save_every")}
