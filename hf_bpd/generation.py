@@ -26,9 +26,9 @@ from .decode.recurrent import decode_recurrent
 from .decode.row import decode
 from .decode.support import (
     check_call_supported,
-    check_features_supported,
     check_model_supported,
     has_recurrent_state,
+    serving_drafter,
 )
 from .drafting.drafter import BlockDrafter
 from .drafting.layer_features import decoding_features
@@ -77,12 +77,13 @@ def generate(
     if typical is not None and not generation_config.do_sample:
         raise ValueError("lossy_typical_acceptance changes how sampled tokens are accepted: it needs do_sample=True")
     check_model_supported(model)
-    windows = check_call_supported(model, input_ids, generation_config, model_kwargs, assistant.tree_budget)
-    check_features_supported(model, assistant, generation_config, model_kwargs, input_ids.shape[0])
+    # an EAGLE layer's drafter hands the calls its layer does not serve to its fallback heads
+    drafter = serving_drafter(model, assistant, generation_config, model_kwargs, input_ids.shape[0], captured_step)
+    windows = check_call_supported(model, input_ids, generation_config, model_kwargs, drafter.tree_budget)
     batched = input_ids.shape[0] > 1
     check_captured_setting(captured_step, batched, has_recurrent_state(model))
     if batched:
-        check_batch_supported(input_ids, generation_config, model_kwargs, logits_processor, assistant.rescorer)
+        check_batch_supported(input_ids, generation_config, model_kwargs, logits_processor, drafter.rescorer)
         if streamer is not None or caller_streamer(model) is not None:
             raise ValueError("streamers take one sequence: hf_bpd.generate streams batches of size 1 only")
     elif streamer is not None:  # bound with functools.partial: the prompt is ours to put
@@ -91,10 +92,11 @@ def generate(
         streamer = caller_streamer(model)
     # a model with recurrent state: one chain per step, the state restored where a draft fails
     loop = decode_recurrent if has_recurrent_state(model) else decode_batch if batched else decode
-    with assistant.exclusive(), _prepared(model, assistant):
+    fallback_lock = drafter.exclusive() if drafter is not assistant else contextlib.nullcontext()
+    with assistant.exclusive(), fallback_lock, _prepared(model, drafter):
         call = DecodeCall.open(
             model,
-            assistant,
+            drafter,
             input_ids,
             logits_processor,
             stopping_criteria,
@@ -105,6 +107,7 @@ def generate(
         )
         call.captured = captured_step
         out = loop(call, input_ids, model_kwargs)
+    assistant.stats = drafter.stats  # the call's, where the user reads them
     if batched and generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=out)
     return out

@@ -486,3 +486,46 @@ def test_the_rows_of_plain_steps_run_before_the_drafted_step_that_follows_them(m
     heads = BlockDrafter(random_heads(model), top_k=3)
     heads.catch_up_context()  # nothing for heads
     assert heads.stats.time_heads == 0
+
+
+def test_a_layer_hands_what_it_does_not_serve_to_its_fallback_heads():
+    # a default built on the layer must still decode batches and the captured step: with fallback heads it
+    # does, exactly, and the call's stats are where the user reads them
+    model = tiny_model(eos_token_id=None)
+    heads = BlockDrafter(random_heads(model, std=0.1), top_k=3, max_tree_tokens=8)
+    drafter = BlockDrafter(random_layer(model, std=0.1), top_k=3, max_tree_tokens=8, fallback=heads)
+    batch = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    ours = greedy(model, batch, 20, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert torch.equal(ours, greedy(model, batch, 20))
+    assert drafter.stats is heads.stats and len(heads.stats.rows) == 2 and drafter._context.rows == 0
+    row = batch[:1]
+    for extra in ({"cache_implementation": "static", "captured_step": True}, {}):
+        ours = greedy(model, row, 20, custom_generate=hf_bpd.generate, assistant=drafter, **extra)
+        assert torch.equal(ours, greedy(model, row, 20))
+    # the last call, one row on a dynamic cache, is the layer's: it read the context
+    assert drafter.stats is not heads.stats and drafter._context.rows > 0
+    assert set(drafter.stats.tree_sizes) != {1}
+    with pytest.raises(ValueError, match="draft heads serve them all"):
+        BlockDrafter(heads.heads, fallback=heads)
+    with pytest.raises(ValueError, match="got an EAGLE layer"):
+        BlockDrafter(drafter.heads, fallback=BlockDrafter(drafter.heads))
+    with pytest.raises(TypeError, match="fallback must be a BlockDrafter"):
+        BlockDrafter(drafter.heads, fallback=heads.heads)
+
+
+def test_a_layer_s_fallback_heads_save_and_load_with_it(tmp_path):
+    model = tiny_model()
+    heads = random_heads(model)
+    fallback = BlockDrafter(heads, top_k=5, max_tree_tokens=6, context_lookup=0)
+    BlockDrafter(random_layer(model), top_k=4, fallback=fallback).save_pretrained(tmp_path / "drafter")
+    loaded = BlockDrafter.from_pretrained(tmp_path / "drafter")
+    assert loaded.reads_context and not loaded.fallback.reads_context
+    assert fallback.settings() == loaded.fallback.settings()
+    for a, b in zip(heads.state_dict().values(), loaded.fallback.heads.state_dict().values()):
+        assert torch.equal(a, b)
+    assert BlockDrafter.from_pretrained(tmp_path / "drafter", fallback=None).fallback is None
+    from hf_bpd.drafting.corpus import CorpusIndex
+
+    with_corpus = BlockDrafter(heads, corpus=CorpusIndex.from_answers([[5, 6]]))
+    with pytest.raises(ValueError, match="no rescorer or corpus"):
+        BlockDrafter(random_layer(model), fallback=with_corpus).save_pretrained(tmp_path / "other")

@@ -623,6 +623,24 @@ def check_recurrent_supported(model) -> None:
         )
 
 
+def serving_drafter(
+    model, drafter, generation_config: GenerationConfig, model_kwargs: dict, batch_size: int, captured_step
+):
+    """The drafter that decodes this call: `drafter`, or for a call its EAGLE layer does not serve (what
+    `check_features_supported` refuses, or the captured step asked for) its `fallback` heads where it has
+    them. Refuses (ValueError) what neither serves."""
+    try:
+        check_features_supported(model, drafter, generation_config, model_kwargs, batch_size)
+    except ValueError:
+        if drafter.fallback is None:
+            raise
+        check_features_supported(model, drafter.fallback, generation_config, model_kwargs, batch_size)
+        return drafter.fallback
+    if drafter.fallback is not None and captured_step not in (None, False):
+        return drafter.fallback  # the captured step grows heads' trees on the device
+    return drafter
+
+
 def check_features_supported(
     model, drafter, generation_config: GenerationConfig, model_kwargs: dict, batch_size: int = 1
 ) -> None:

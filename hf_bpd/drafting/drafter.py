@@ -111,6 +111,10 @@ class BlockDrafter:
                      the CPU's streamed kernel then reads them as int8 copies, a quarter of the bytes
                      (`streamed_linear.round_q8_0`). Drafts change slightly; outputs never (they are
                      verified). The LM-head rows it borrows are the base model's and stay as they are.
+    fallback:        an EAGLE layer's drafter only: a `BlockDrafter` of draft heads that decodes the calls the
+                     layer does not serve (a batch, a model with recurrent state, the captured step; a layer
+                     reading feature layers: a static cache or compiled forward), which are refused without
+                     one (`decode/support.serving_drafter`). The call's stats are then its, copied here.
 
     What the decoding loops (`hf_bpd/decode/`) use, and nothing else:
     - `draft(...)`: one step's trees (`step_cost`: the cost to size one row's trees by, `batch_cost` a
@@ -141,6 +145,7 @@ class BlockDrafter:
         corpus: CorpusIndex | str | Path | None = None,
         corpus_nodes: int = 10,
         compact_weights: bool = False,
+        fallback: BlockDrafter | None = None,
     ) -> None:
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
@@ -161,6 +166,14 @@ class BlockDrafter:
             raise ValueError("a rescorer re-ranks the heads' lattice, and an EAGLE draft layer has none: rescorer=None")
         if rescorer is not None and not isinstance(rescorer, Rescorer):
             raise TypeError(f"rescorer must be callable as rescorer(lattice, context), got {type(rescorer).__name__}")
+        if fallback is not None:
+            if not isinstance(fallback, BlockDrafter):
+                raise TypeError(f"fallback must be a BlockDrafter of draft heads, got {type(fallback).__name__}")
+            if not isinstance(heads, EagleDraftLayer):
+                raise ValueError("fallback serves the calls an EAGLE draft layer does not; draft heads serve them all")
+            if fallback.reads_context:
+                raise ValueError("fallback must draft with draft heads, which serve every call: got an EAGLE layer")
+        self.fallback = fallback
         self.heads = heads
         self.compact_weights = compact_weights
         if compact_weights:
@@ -363,6 +376,7 @@ class BlockDrafter:
             context_lookup=self.context_lookup,
             corpus=self.corpus,
             corpus_nodes=self.corpus_nodes,
+            fallback=self.fallback,
         )
 
     def root_trees(self, roots: list[int]) -> list[DraftTree]:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 DRAFTER_SETTINGS = "drafter.json"
 CORPUS_FILE = "corpus.npz"  # a retrieval corpus (`corpus.py`), where the drafter has one
+FALLBACK_FOLDER = "fallback"  # an EAGLE layer's fallback drafter (heads and their drafter.json), where it has one
 
 
 def drafter_settings(drafter: BlockDrafter) -> dict:
@@ -32,14 +33,17 @@ def drafter_settings(drafter: BlockDrafter) -> dict:
         "packed_linear": drafter.packed_linear,
         **({"compact_weights": True} if drafter.compact_weights else {}),
         **({"corpus": CORPUS_FILE, "corpus_nodes": drafter.corpus_nodes} if drafter.corpus is not None else {}),
+        **({"fallback": FALLBACK_FOLDER} if drafter.fallback is not None else {}),
     }
 
 
-def with_corpus(settings: dict, folder: Path) -> dict:
-    """`settings` read from a `drafter.json` in `folder`, its corpus file's name made a path there (the
-    drafter loads it)."""
+def with_files(settings: dict, folder: Path, cls: type[BlockDrafter]) -> dict:
+    """`settings` read from a `drafter.json` in `folder`, with the files they name there: the corpus file's
+    name as its path (the drafter loads it), the fallback folder's name as the `cls` drafter loaded from it."""
     if isinstance(settings.get("corpus"), str):
         settings = {**settings, "corpus": folder / settings["corpus"]}
+    if isinstance(settings.get("fallback"), str):
+        settings = {**settings, "fallback": load_drafter(cls, folder / settings["fallback"])}
     return settings
 
 
@@ -51,7 +55,7 @@ def load_drafter(cls: type[BlockDrafter], path: str | Path, base_tokenizer=None,
     hub = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
     heads = drafting_module(path, **hub)
     folder, settings = read_settings(path, hub)
-    settings = with_corpus(settings, folder)  # a corpus given here replaces it, unread
+    settings = with_files({k: v for k, v in settings.items() if k not in kwargs}, folder, cls)  # given: unread
     spec = settings.pop("rescorer", None)
     if spec is not None and "rescorer" not in kwargs:
         kwargs["rescorer"] = build_rescorer(spec, folder, base_tokenizer)
@@ -91,6 +95,12 @@ def save_drafter(drafter: BlockDrafter, path: str | Path, repo_id: str = "<repo_
     save_hub_folder(drafter.heads, folder, repo_id, **card)
     if drafter.corpus is not None:
         drafter.corpus.save(folder / CORPUS_FILE)
+    if drafter.fallback is not None:  # its heads and settings: the card and custom_generate/ are the layer's
+        if drafter.fallback.rescorer is not None or drafter.fallback.corpus is not None:
+            raise ValueError("a fallback drafter is saved as heads and settings: give it no rescorer or corpus")
+        drafter.fallback.heads.save_pretrained(folder / FALLBACK_FOLDER)
+        fallback_settings = json.dumps(drafter_settings(drafter.fallback), indent=2) + "\n"
+        (folder / FALLBACK_FOLDER / DRAFTER_SETTINGS).write_text(fallback_settings, encoding="utf-8")
     (folder / DRAFTER_SETTINGS).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
     strategy = resources.files("hf_bpd").joinpath("custom_generate")
     (folder / "custom_generate").mkdir(exist_ok=True)

@@ -253,7 +253,7 @@ def load_packaged_drafter(rescorer=None, model: str | None = None, heads: str = 
     import json
 
     from ..drafting.drafter import BlockDrafter
-    from ..drafting.files import with_corpus
+    from ..drafting.files import with_files
     from ..drafting.heads import BlockDraftHeads
 
     path = packaged_heads_dir(model, heads)
@@ -262,7 +262,7 @@ def load_packaged_drafter(rescorer=None, model: str | None = None, heads: str = 
     settings_file = path.parent / "drafter.json"
     settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
     settings.update(drafter_kwargs)
-    settings = with_corpus(settings, path.parent)
+    settings = with_files(settings, path.parent, BlockDrafter)
     context_copy = settings.pop("context_copy", True)
     loaded = BlockDraftHeads.from_pretrained(path)
     if not context_copy and loaded.context_copy is not None:
