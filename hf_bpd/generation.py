@@ -106,8 +106,10 @@ def generate(
             typical,
         )
         call.captured = captured_step
-        out = loop(call, input_ids, model_kwargs)
-    assistant.stats = drafter.stats  # the call's, where the user reads them
+        try:
+            out = loop(call, input_ids, model_kwargs)
+        finally:
+            assistant.stats = drafter.stats  # the call's, where the user reads them (while still its own)
     if batched and generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=out)
     return out

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_bpd
-from hf_bpd import BlockDrafter
+from hf_bpd import BlockDrafter, BlockDraftHeads
 from hf_bpd.drafting.eagle import EagleContext, EagleDraftLayer, grow_tree
 from hf_bpd.drafting.files import drafting_module
 from hf_bpd.tools.replay import replay_turn
@@ -499,12 +499,20 @@ def test_a_layer_hands_what_it_does_not_serve_to_its_fallback_heads():
     assert torch.equal(ours, greedy(model, batch, 20))
     assert drafter.stats is heads.stats and len(heads.stats.rows) == 2 and drafter._context.rows == 0
     row = batch[:1]
-    for extra in ({"cache_implementation": "static", "captured_step": True}, {}):
+    extra_captured = {"cache_implementation": "static", "captured_step": True}
+    for extra in (extra_captured, {}):
         ours = greedy(model, row, 20, custom_generate=hf_bpd.generate, assistant=drafter, **extra)
         assert torch.equal(ours, greedy(model, row, 20))
     # the last call, one row on a dynamic cache, is the layer's: it read the context
     assert drafter.stats is not heads.stats and drafter._context.rows > 0
     assert set(drafter.stats.tree_sizes) != {1}
+    copy = drafter.with_rescorer(None)  # its own fallback too: calibration, lock and binding apart
+    assert copy.fallback is not heads and copy.fallback.heads is heads.heads
+    # fusion heads cannot take the captured step (a static cache): the refusal names both drafters
+    fusion = BlockDraftHeads.for_base_model(model, num_heads=2, feature_layers=[1, -1])
+    with_fusion = BlockDrafter(drafter.heads, top_k=3, fallback=BlockDrafter(fusion, top_k=3))
+    with pytest.raises(ValueError, match="captured step drafts with heads; and its fallback: .*static cache"):
+        greedy(model, row, 5, custom_generate=hf_bpd.generate, assistant=with_fusion, **extra_captured)
     with pytest.raises(ValueError, match="draft heads serve them all"):
         BlockDrafter(heads.heads, fallback=heads)
     with pytest.raises(ValueError, match="got an EAGLE layer"):

@@ -188,7 +188,10 @@ def prepare(drafter: BlockDrafter, model, remeasure: bool = False) -> ModelBindi
     then read from hf_bpd's cache (`hf-bpd calibrate` does this for a packaged model). `remeasure`: measure
     the curve again instead of reading the cache. Binding again when `model.forward` has been compiled (or
     uncompiled) since: the kernels change (`compat.compiled_forward`), so a forward-cost curve measured for
-    this drafter is measured again."""
+    this drafter is measured again. An EAGLE layer's fallback heads are bound with it, so that a call they
+    decode does its one-time work here too."""
+    if drafter.fallback is not None:
+        prepare(drafter.fallback, model, remeasure)
     binding = binding_of(drafter)
     binding.bind(drafter, model, remeasure)
     return binding

@@ -628,17 +628,28 @@ def serving_drafter(
 ):
     """The drafter that decodes this call: `drafter`, or for a call its EAGLE layer does not serve (what
     `check_features_supported` refuses, or the captured step asked for) its `fallback` heads where it has
-    them. Refuses (ValueError) what neither serves."""
+    them, given the measurement settings of `drafter` (`profile`, `count_host_syncs`, `fused_sampling`).
+    Refuses (ValueError) what neither serves."""
     try:
         check_features_supported(model, drafter, generation_config, model_kwargs, batch_size)
-    except ValueError:
+        if drafter.fallback is None or captured_step in (None, False):
+            return drafter
+    except ValueError as refused:
         if drafter.fallback is None:
             raise
-        check_features_supported(model, drafter.fallback, generation_config, model_kwargs, batch_size)
-        return drafter.fallback
-    if drafter.fallback is not None and captured_step not in (None, False):
-        return drafter.fallback  # the captured step grows heads' trees on the device
-    return drafter
+        layer_reason = refused
+    else:
+        layer_reason = None  # the captured step grows heads' trees on the device
+    fallback = drafter.fallback
+    try:
+        check_features_supported(model, fallback, generation_config, model_kwargs, batch_size)
+    except ValueError as refused:
+        raise ValueError(
+            f"{layer_reason or 'the captured step drafts with heads'}; and its fallback: {refused}"
+        ) from None
+    fallback.profile, fallback.count_host_syncs = drafter.profile, drafter.count_host_syncs
+    fallback.fused_sampling = drafter.fused_sampling
+    return fallback
 
 
 def check_features_supported(

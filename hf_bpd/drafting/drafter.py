@@ -115,6 +115,8 @@ class BlockDrafter:
                      layer does not serve (a batch, a model with recurrent state, the captured step; a layer
                      reading feature layers: a static cache or compiled forward), which are refused without
                      one (`decode/support.serving_drafter`). The call's stats are then its, copied here.
+                     It keeps its own settings (its `drafter.json` in the saved folder's `fallback/`):
+                     `from_pretrained`'s keyword arguments set the layer's.
 
     What the decoding loops (`hf_bpd/decode/`) use, and nothing else:
     - `draft(...)`: one step's trees (`step_cost`: the cost to size one row's trees by, `batch_cost` a
@@ -317,7 +319,7 @@ class BlockDrafter:
         if not self._in_use.acquire(blocking=False):
             raise RuntimeError(
                 "this BlockDrafter is already decoding another generation (another thread?): give each thread "
-                "its own drafter; BlockDrafter(drafter.heads, ...) shares the heads' weights"
+                "its own drafter; drafter.with_rescorer(drafter.rescorer) copies it, sharing the heads' weights"
             )
         try:
             yield self
@@ -363,7 +365,8 @@ class BlockDrafter:
         return self.max_tree_tokens
 
     def with_rescorer(self, rescorer: Rescorer | None) -> BlockDrafter:
-        """A drafter with these heads and settings (and forward-cost curve) and another rescorer."""
+        """A drafter with these heads and settings (and forward-cost curve) and another rescorer; an EAGLE
+        layer's fallback heads are copied the same way (their own calibration, lock and binding)."""
         return BlockDrafter(
             self.heads,
             self.top_k,
@@ -376,7 +379,7 @@ class BlockDrafter:
             context_lookup=self.context_lookup,
             corpus=self.corpus,
             corpus_nodes=self.corpus_nodes,
-            fallback=self.fallback,
+            fallback=None if self.fallback is None else self.fallback.with_rescorer(self.fallback.rescorer),
         )
 
     def root_trees(self, roots: list[int]) -> list[DraftTree]:
