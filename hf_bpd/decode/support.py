@@ -630,23 +630,21 @@ def serving_drafter(
     `check_features_supported` refuses, or the captured step asked for) its `fallback` heads where it has
     them, given the measurement settings of `drafter` (`profile`, `count_host_syncs`, `fused_sampling`).
     Refuses (ValueError) what neither serves."""
+    if drafter.fallback is None:
+        check_features_supported(model, drafter, generation_config, model_kwargs, batch_size)
+        return drafter
     try:
         check_features_supported(model, drafter, generation_config, model_kwargs, batch_size)
-        if drafter.fallback is None or captured_step in (None, False):
+        if captured_step in (None, False):
             return drafter
+        reason = "the captured step drafts with heads"  # it grows heads' trees on the device
     except ValueError as refused:
-        if drafter.fallback is None:
-            raise
-        layer_reason = refused
-    else:
-        layer_reason = None  # the captured step grows heads' trees on the device
+        reason = str(refused)
     fallback = drafter.fallback
     try:
         check_features_supported(model, fallback, generation_config, model_kwargs, batch_size)
     except ValueError as refused:
-        raise ValueError(
-            f"{layer_reason or 'the captured step drafts with heads'}; and its fallback: {refused}"
-        ) from None
+        raise ValueError(f"{reason}; and its fallback: {refused}") from None
     fallback.profile, fallback.count_host_syncs = drafter.profile, drafter.count_host_syncs
     fallback.fused_sampling = drafter.fused_sampling
     return fallback
