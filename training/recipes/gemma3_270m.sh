@@ -87,3 +87,18 @@ OMP_NUM_THREADS=1 nice -n 10 hf-bpd distill --model gemma-3-270m --prompt-templa
 # hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --heads packaged runs/gemma_heads4 --spread 40 \
 #   --answers benchmarks/replay/gemma3_270m_spread40_greedy128.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
 #   --context-lookup 0 10 --max-new-tokens 128 --no-progress --output benchmarks/replay/gemma3_270m_v2c_spread40.json
+# 9. issue #59, an EAGLE draft layer for Gemma (hf_bpd/drafting/eagle.py; SmolLM2's is recipe step 10 there): one
+#    decoder layer started from Gemma's last, drafting on its own predicted features, trained at depth 3 on the first
+#    4,096 distilled answers with the shipped heads v2's draft vocabulary. Measured on a 2-core AMD EPYC (2 threads):
+#    ~29 min of features (runs/eagle_gemma/features, 16 chunks of ~85 MB), then ~1.95 s a step, 1,024 steps an epoch
+#    (~34 min). Session 67 stopped it after the first epoch (saved at step 1,024, committed as
+#    training/candidates/gemma3_270m_eagle_d3_4k_e1) and replayed that epoch against the shipped heads v2 on all of
+#    dev, heads alone; `--resume` with the same command continues the run from its checkpoint where runs/ survives,
+#    `--init training/candidates/gemma3_270m_eagle_d3_4k_e1` (a fresh schedule) where it does not.
+# hf-bpd train-eagle --model gemma-3-270m --data training/data/distilled_gemma3_270m --samples 4096 \
+#   --heads hf_bpd/assets/gemma3_270m/heads --features-cache runs/eagle_gemma/features --depth 3 --epochs 3 \
+#   --save-every 500 --output runs/eagle_gemma/layer_4k [--resume]
+# PYTHONPATH=<transformers 5.24.0, the answers' version> hf-bpd replay ../shared/data/spec_bench_dev.jsonl \
+#   --model gemma-3-270m --heads packaged training/candidates/gemma3_270m_eagle_d3_4k_e1 \
+#   --answers benchmarks/replay/gemma3_270m_dev_greedy128.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
+#   --context-lookup 0 --max-new-tokens 128 --no-progress --output benchmarks/eagle/replay_gemma3_270m_layer_e1_dev_lookup0.json
