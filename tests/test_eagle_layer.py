@@ -537,3 +537,27 @@ def test_a_layer_s_fallback_heads_save_and_load_with_it(tmp_path):
     with_corpus = BlockDrafter(heads, corpus=CorpusIndex.from_answers([[5, 6]]))
     with pytest.raises(ValueError, match="no rescorer or corpus"):
         BlockDrafter(random_layer(model), fallback=with_corpus).save_pretrained(tmp_path / "other")
+
+
+def test_drafting_runs_the_stacked_linears_as_training_runs_the_separate_ones_and_restacks_after_a_change():
+    """Without autograd the layer runs q/k/v and gate/up stacked (`fused_weights`): the same predictions as the
+    separate linears training runs, and stacked again once a weight changes in place."""
+    model = tiny_model()
+    layer = random_layer(model)
+    tokens, features = sequence(9, model, 3)
+
+    def both():
+        with torch.no_grad():
+            drafting = layer.unroll(features[None], tokens[None], 2)
+        with torch.enable_grad():
+            training = [p.detach() for p in layer.unroll(features[None], tokens[None], 2)]
+        for a, b in zip(drafting, training):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        return drafting
+
+    before = both()
+    with torch.no_grad():
+        layer.k_proj.weight.mul_(2.0)
+        layer.mlp.up_proj.weight.add_(0.1)
+    after = both()
+    assert not torch.allclose(before[1], after[1])

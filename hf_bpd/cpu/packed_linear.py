@@ -508,6 +508,13 @@ def active_packed_linear() -> PackedLinear | None:
     return stack[-1] if stack else None
 
 
+def packed_or_plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a weight that is no `nn.Linear` layer's, on the packed kernels of the
+    innermost open block (`active_packed_linear`) where there is one."""
+    packed = active_packed_linear()
+    return packed.apply(x, weight, bias) if packed is not None else F.linear(x, weight, bias)
+
+
 def _active() -> list[PackedLinear]:
     if not hasattr(_THREAD, "stack"):
         _THREAD.stack = []

@@ -37,7 +37,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
-from ..cpu.packed_linear import active_packed_linear
+from ..cpu.packed_linear import packed_or_plain_linear
 from .calibration import HEADS, AcceptanceCalibration, Arc
 from .expansion import round_size
 from .heads import (
@@ -95,8 +95,22 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = ACT2FN[act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """`gate_up`: gate_proj's and up_proj's weights (and biases) stacked (`EagleDraftLayer.fused_weights`),
+        run as one linear when drafting."""
+        if gate_up is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = packed_or_plain_linear(x, *gate_up).chunk(2, -1)
+        return self.down_proj(self.act(gate) * up)
+
+
+def stacked(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The linears' weights (and biases, where they have them) stacked along the output: one linear giving
+    their outputs side by side."""
+    weight = torch.cat([layer.weight.detach() for layer in linears])
+    biases = [layer.bias for layer in linears]
+    return weight, None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
 
 def rotary_frequencies(config: EagleDraftLayerConfig) -> torch.Tensor:
@@ -174,6 +188,7 @@ class EagleDraftLayer(PreTrainedModel):
         self.register_buffer("inv_freq", rotary_frequencies(c), persistent=False)
         self.__dict__["_tied_weight"] = None  # LM-head rows borrowed at `bind` (named as the heads'), not saved
         self.__dict__["_embedding"] = None
+        self.__dict__["_fused"] = None  # (weights' identities and versions, `fused_weights`)
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -329,8 +344,28 @@ class EagleDraftLayer(PreTrainedModel):
         rows, _ = self._bound()
         if rows.dtype != feature.dtype:
             rows = rows.to(feature.dtype)
-        packed = active_packed_linear()  # the drafter's packed CPU kernels (`binding.heads_kernels`)
-        return packed.apply(feature, rows) if packed is not None else F.linear(feature, rows)
+        return packed_or_plain_linear(feature, rows)  # the drafter's packed kernels (`binding.heads_kernels`)
+
+    def fused_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """The weights drafting runs stacked, made once and again after a weight changes: q, k and v
+        projections as one linear ("qkv") and the MLP's gate and up projections as one ("gate_up"). Each is
+        one weight read and one kernel call in place of three and two, at every step of every draft. Training
+        runs the separate linears (their gradients are theirs)."""
+        parts = {"qkv": [self.q_proj, self.k_proj, self.v_proj], "gate_up": [self.mlp.gate_proj, self.mlp.up_proj]}
+        tensors = [t for group in parts.values() for m in group for t in (m.weight, m.bias) if t is not None]
+        key = tuple((id(t), t._version) for t in tensors)
+        cached = self.__dict__.get("_fused")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, {name: stacked(group) for name, group in parts.items()})
+            self.__dict__["_fused"] = cached
+        return cached[1]
+
+    def packed_extra_weights(self) -> tuple[torch.Tensor, ...]:
+        """Weights drafting runs that are no `nn.Linear` of the layer, for the kernel plan to measure
+        (`binding.heads_kernels`): the stacked ones and the borrowed LM-head rows."""
+        rows = self.__dict__["_tied_weight"]
+        return tuple(w for w, _ in self.fused_weights().values()) + (() if rows is None else (rows,))
 
     def top_tokens(self, feature: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Predicted features `[n, H]` -> top-k token ids and log-probabilities `[n, k]`."""
@@ -356,15 +391,20 @@ class EagleDraftLayer(PreTrainedModel):
         _, embedding = self._bound()
         c = self.config
         b, r, _ = feature.shape
+        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+        fused = None if torch.is_grad_enabled() else self.fused_weights()
         x = self.fc(torch.cat([self.token_norm(embedding[token]), self.feature_norm(feature)], -1))
         h = self.input_norm(x)
-        q = self.q_proj(h).view(b, r, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(b, r, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(b, r, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        if fused is None:
+            qkv = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], -1)
+        else:
+            qkv = packed_or_plain_linear(h, *fused["qkv"])
+        qkv = qkv.view(b, r, heads + 2 * kv_heads, c.head_dim).transpose(1, 2)
+        qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
         angles = position.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None]
         angles = torch.cat([angles, angles], -1)
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        cos, sin = angles.cos().to(qk.dtype), angles.sin().to(qk.dtype)
+        q, k = (qk * cos + rotate_half(qk) * sin).split([heads, kv_heads], 1)  # the same rotation for both
         if write_at is not None:
             keys[:, :, write_at : write_at + r] = k
             values[:, :, write_at : write_at + r] = v
@@ -374,7 +414,7 @@ class EagleDraftLayer(PreTrainedModel):
             values = seen_values = v if values is None else torch.cat([values, v], 2)
         attended = F.scaled_dot_product_attention(q, seen_keys, seen_values, attn_mask=mask, enable_gqa=True)
         x = x + self.o_proj(attended.transpose(1, 2).reshape(b, r, -1))
-        x = x + self.mlp(self.post_norm(x))
+        x = x + self.mlp(self.post_norm(x), None if fused is None else fused["gate_up"])
         return self.out_norm(x), keys, values
 
     def unroll(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
