@@ -94,7 +94,10 @@ OMP_NUM_THREADS=1 nice -n 10 hf-bpd distill --model gemma-3-270m --prompt-templa
 #    (~34 min). Session 67 stopped it after the first epoch (saved at step 1,024, committed as
 #    training/candidates/gemma3_270m_eagle_d3_4k_e1) and replayed that epoch against the shipped heads v2 on all of
 #    dev, heads alone; `--resume` with the same command continues the run from its checkpoint where runs/ survives,
-#    `--init training/candidates/gemma3_270m_eagle_d3_4k_e1` (a fresh schedule) where it does not.
+#    `--init training/candidates/gemma3_270m_eagle_d3_4k_e1` (a fresh schedule) where it does not. Session 68 ran
+#    `--resume` to the end of the third epoch (step 3,072; 6,453 s of training in all, the last two epochs beside
+#    other jobs), copied the layer to runs/eagle_gemma/layer_4k_e3 and screened it on the 40 spread rows against the
+#    shipped heads v2 and the epoch-1 layer in one run (the second replay below).
 # hf-bpd train-eagle --model gemma-3-270m --data training/data/distilled_gemma3_270m --samples 4096 \
 #   --heads hf_bpd/assets/gemma3_270m/heads --features-cache runs/eagle_gemma/features --depth 3 --epochs 3 \
 #   --save-every 500 --output runs/eagle_gemma/layer_4k [--resume]
@@ -102,3 +105,7 @@ OMP_NUM_THREADS=1 nice -n 10 hf-bpd distill --model gemma-3-270m --prompt-templa
 #   --model gemma-3-270m --heads packaged training/candidates/gemma3_270m_eagle_d3_4k_e1 \
 #   --answers benchmarks/replay/gemma3_270m_dev_greedy128.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
 #   --context-lookup 0 --max-new-tokens 128 --no-progress --output benchmarks/eagle/replay_gemma3_270m_layer_e1_dev_lookup0.json
+# hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --spread 40 --heads packaged \
+#   training/candidates/gemma3_270m_eagle_d3_4k_e1 runs/eagle_gemma/layer_4k_e3 \
+#   --answers benchmarks/replay/gemma3_270m_spread40_greedy128_tf525.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
+#   --context-lookup 0 --max-new-tokens 128 --no-progress --output benchmarks/eagle/replay_gemma3_270m_layer_e3_spread40_lookup0.json
