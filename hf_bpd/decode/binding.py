@@ -162,10 +162,8 @@ def heads_kernels(
         model_plan = KernelPlan({})
     else:
         return contextlib.nullcontext()
-    extra_of = getattr(heads, "packed_extra_weights", None)  # an EAGLE layer's: its stacked weights, its rows
-    tied = heads.__dict__.get("_tied_weight")  # the LM-head rows the heads borrow (`bind`)
-    extra = extra_of() if extra_of is not None else () if tied is None else (tied,)
     weights = "q8_0" if compact_weights else None
+    extra = heads.packed_extra_weights()  # the borrowed LM-head rows (an EAGLE layer's stacked weights too)
     own = cached_kernel_plan(heads, extra_weights=extra, weights=weights)[0]  # measured as the model's were
     return PackedLinear(heads, plan=model_plan.merged(own))
 

@@ -672,8 +672,7 @@ class CapturedDecoder:
         self.state.load(ids, hidden, limit, drafter.calibration)
         packed = active_packed_linear()
         if packed is not None:
-            tied = self.heads.__dict__.get("_tied_weight")  # the LM-head rows the heads borrow
-            packed.pack_planned(() if tied is None else (tied,))
+            packed.pack_planned(self.heads.packed_extra_weights())  # the LM-head rows the heads borrow
 
     def fitting(self, room: int) -> list[int]:
         """The bucket sizes of at most `room` nodes (none: not even the root fits)."""

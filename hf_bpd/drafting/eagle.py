@@ -362,8 +362,7 @@ class EagleDraftLayer(PreTrainedModel):
         return cached[1]
 
     def packed_extra_weights(self) -> tuple[torch.Tensor, ...]:
-        """Weights drafting runs that are no `nn.Linear` of the layer, for the kernel plan to measure
-        (`binding.heads_kernels`): the stacked ones and the borrowed LM-head rows."""
+        """As `BlockDraftHeads.packed_extra_weights`: the stacked weights and the borrowed LM-head rows."""
         rows = self.__dict__["_tied_weight"]
         return tuple(w for w, _ in self.fused_weights().values()) + (() if rows is None else (rows,))
 

@@ -807,6 +807,12 @@ class BlockDraftHeads(PreTrainedModel):
             self.__dict__["_tied_weight"] = weight  # converted once, not at every drafting step
         return packed_or_plain_linear(hidden_states, weight)  # the drafter's packed kernels on a CPU
 
+    def packed_extra_weights(self) -> tuple[torch.Tensor, ...]:
+        """Weights the heads run that are no `nn.Linear` of theirs, for the kernel plan to measure and pack
+        (`binding.heads_kernels`): the LM-head rows `bind` borrowed, once bound."""
+        rows = self.__dict__["_tied_weight"]
+        return () if rows is None else (rows,)
+
     def push_to_hub(
         self,
         repo_id: str,
