@@ -274,3 +274,17 @@ hf-bpd train-eagle --data training/data/distilled/distill2 training/data/distill
 hf-bpd train-eagle --data training/data/distilled/distill2 --samples 4096 --heads hf_bpd/assets/smollm2/heads \
   --features-cache "$RUNS/eagle/features" --depth 3 --epochs 3 --feature-layers 2,15,-1 \
   --output "$RUNS/eagle/layer_d3_e3_fused" $( [ -f "$RUNS/eagle/layer_d3_e3_fused/checkpoint.pt" ] && echo --resume )
+# 10d. the rest of the bundled prompts (issue #59: "finish distilling the 8,171 prompts"): distill2 holds the
+#      first 5,952 of their seeded order; the other 2,219 go to a folder of their own, so that the folders'
+#      order (and every features cache keyed by a sample's index) stays as it was.
+hf-bpd distill --prompts ../shared/data/train_prompts.jsonl --output training/data/distilled/distill2_end \
+  --offset 5952 --limit 2219 --max-new-tokens 128 --max-prompt-tokens 256 --batch-size 64 --shard-size 64
+# 10e. the all-data layer with the fusion: 10b's layer (training/candidates/smollm2_eagle_d3_all) continued one
+#      epoch at lr 3e-4 over all 16,171 distilled answers, reading layers 2, 15 and the final state (the fusion
+#      starts as the identity on the final state, so training starts from 10b's drafts). The fused features
+#      (3 x 576 float16 per token, ~11 GB on disk and in memory) take ~90 min on the 2-core dev machine.
+hf-bpd train-eagle --data training/data/distilled/distill2 training/data/distilled/distill_self_s1 \
+  training/data/distilled/distill_self training/data/distilled/distill_instr training/data/distilled/distill2_end \
+  --samples 16171 --heads hf_bpd/assets/smollm2/heads --features-cache "$RUNS/eagle/features" --depth 3 \
+  --epochs 1 --lr 3e-4 --init training/candidates/smollm2_eagle_d3_all --feature-layers 2,15,-1 --save-every 500 \
+  --output "$RUNS/eagle/layer_all_fused" $( [ -f "$RUNS/eagle/layer_all_fused/checkpoint.pt" ] && echo --resume )
