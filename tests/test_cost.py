@@ -273,6 +273,23 @@ def test_forward_cost_times_every_size_per_round_and_fits_a_curve_never_cheaper_
     assert curve.seconds == pytest.approx((0.10, 0.105, 0.105))
 
 
+def test_the_forward_timer_times_forwards_without_autograd_whatever_the_callers_grad_mode():
+    """A forward that records an autograd graph costs about twice decoding's on the packaged model: a curve
+    or a research script timing it so would price trees by a forward decoding never runs."""
+    from contextlib import nullcontext
+
+    model = tiny_model("llama")
+    assert any(p.requires_grad for p in model.parameters())
+    grad_modes = []
+    model.model.layers[0].register_forward_hook(lambda module, args, out: grad_modes.append(torch.is_grad_enabled()))
+    with torch.enable_grad():
+        timer = cost.ForwardTimer(model, context=8)
+        for n in (1, 4):
+            assert timer.once(n, nullcontext()) > 0
+    assert grad_modes == [False, False, False]  # the context's prefill, then each timed forward
+    assert not any(t.requires_grad for layer in timer.cache.layers for t in (layer.keys, layer.values))
+
+
 def other_processes_using(cores: float):
     """`machine_load._busy_seconds` on a machine where other processes keep `cores` cores busy."""
     return lambda: (cores * time.perf_counter(), 0.0)

@@ -116,7 +116,8 @@ class ForwardTimer:
     graphs decoding then runs), on a private random stream: measuring never moves a user's seeded
     sampling. A model with recurrent state is timed on the forward its decoding verifies, a chain
     (`verify.verify_chain`), and its cache is put back by a state snapshot, since such a state cannot be
-    cropped."""
+    cropped. Its forwards run without autograd whatever the caller's grad mode, as `generate`'s do: with
+    it, a forward records a graph and keeps its activations, and times nothing decoding runs."""
 
     def __init__(self, model, context: int) -> None:
         from transformers import DynamicCache
@@ -131,7 +132,8 @@ class ForwardTimer:
         self.generator = torch.Generator().manual_seed(0)
         self.cache_kwarg = cache_argument(model)
         prompt = torch.randint(0, self.vocab, (1, context), generator=self.generator).to(self.device)
-        model(input_ids=prompt, **{self.cache_kwarg: self.cache}, use_cache=True)
+        with torch.no_grad():
+            model(input_ids=prompt, **{self.cache_kwarg: self.cache}, use_cache=True)
         self.stateful = bool(state_tensors(self.cache))
         # laid out as decoding lays out a compiled forward's cache, so the graphs compiled here serve it
         self.contiguous = compiled_forward(model)
@@ -139,6 +141,7 @@ class ForwardTimer:
             contiguous_kv(self.cache)
         self.past_mask = torch.ones(1, context, device=self.device)
 
+    @torch.no_grad()
     def once(self, n: int, block) -> float:
         ids = torch.randint(0, self.vocab, (1, n), generator=self.generator).to(self.device)
         saved = snapshot(self.cache) if self.stateful else None
