@@ -435,3 +435,62 @@ def test_expected_tokens_are_the_sum_of_the_calibrated_path_probabilities_of_the
     hf_bpd.prepare(uncalibrated, model)
     uncalibrated.draft(hidden, ids)
     assert uncalibrated.expected_tokens() is None  # no arcs kept: the chooser counts the tokens added
+
+
+def test_a_step_cost_adds_the_running_mean_of_a_drafted_steps_rest_to_its_forward():
+    forward = cost.ForwardCost((1, 8), (0.040, 0.060))
+    step = cost.StepCost(forward, rate=0.5)
+    assert step(1) == forward(1) and step.max_size == 8  # nothing timed yet: the forward alone
+    step.observe(step_seconds=0.070, forward_seconds=0.050)
+    assert step.rest == pytest.approx(0.020) and step(8) == pytest.approx(0.080)
+    step.observe(step_seconds=0.050, forward_seconds=0.040)
+    assert step.rest == pytest.approx(0.015)
+    step.observe(step_seconds=0.030, forward_seconds=0.040)  # a clock's jitter never makes the rest negative
+    assert step.rest == pytest.approx(0.0075)
+    with pytest.raises(ValueError, match="rate"):
+        cost.StepCost(forward, rate=0)
+
+
+def test_trees_sized_by_the_whole_step_keep_nodes_the_forward_alone_does_not_pay_for():
+    from hf_bpd.drafting.assembly import best_tree_size
+
+    probs = [1.0, 0.25, 0.25, 0.25]
+    forward = cost.ForwardCost((1, 4), (1.0, 1.9))  # each node 0.3 s more: 0.25 tokens do not pay for it alone
+    assert best_tree_size(probs, forward) == 1
+    step = cost.StepCost(forward)
+    step.observe(step_seconds=3.0, forward_seconds=2.0)  # a second of drafting, accept and compaction per step
+    assert best_tree_size(probs, step) == 4  # (1 + 0.75) / 2.9 beats 1 / 2.0
+
+
+def test_size_by_step_learns_the_steps_rest_across_calls_and_keeps_the_output_exact():
+    from test_decoding import copying_heads
+
+    model = tiny_model("llama", eos_token_id=None)
+    curve = cost.ForwardCost((1, 64), (0.001, 0.002))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6]])
+    ref = model.generate(ids, do_sample=False, max_new_tokens=30)
+    drafter = BlockDrafter(
+        copying_heads(model, 4), top_k=3, max_tree_tokens="auto", forward_cost=curve, size_by_step=True
+    )
+    run = dict(do_sample=False, max_new_tokens=30, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert model.generate(ids, **run).tolist() == ref.tolist()
+    binding = binding_of(drafter)
+    sizing = binding.sizing_cost
+    assert isinstance(sizing, cost.StepCost) and sizing.forward is binding.step_cost
+    assert sizing.rest is not None and sizing.rest > 0  # the drafted steps' heads, walk and compaction, timed
+    assert model.generate(ids, **run).tolist() == ref.tolist()
+    assert binding.sizing_cost is sizing  # kept across calls, as the learned forward cost is
+    plain = BlockDrafter(copying_heads(model, 4), top_k=3, max_tree_tokens="auto", forward_cost=curve)
+    assert model.generate(ids, **{**run, "assistant": plain}).tolist() == ref.tolist()
+    assert binding_of(plain).sizing_cost is binding_of(plain).step_cost  # the default: the forward alone
+
+
+def test_size_by_step_travels_with_a_saved_drafter_and_is_checked(tmp_path):
+    model = tiny_model("llama")
+    drafter = BlockDrafter(random_heads(model), top_k=2, max_tree_tokens="auto", size_by_step=True)
+    drafter.save_pretrained(tmp_path / "drafter")
+    assert json.loads((tmp_path / "drafter" / "drafter.json").read_text())["size_by_step"] is True
+    assert BlockDrafter.from_pretrained(tmp_path / "drafter").size_by_step is True
+    assert drafter.with_rescorer(None).size_by_step is True
+    with pytest.raises(ValueError, match="size_by_step"):
+        BlockDrafter(random_heads(model), size_by_step="yes")
