@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -244,3 +245,44 @@ def test_root_batch_equals_the_batch_of_root_only_trees():
         a, b = getattr(fast, name), getattr(slow, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert fast.sizes == slow.sizes == [1, 1, 1]
+
+
+def test_by_path_probability_puts_every_node_after_its_parent_and_the_likeliest_first():
+    from hf_bpd.drafting.calibration import HEADS, Arc
+
+    # grown in rounds: the root's three children first (one of them weak), then the strong child's child
+    tree = DraftTree.root_only(1)
+    for path in ((10,), (11,), (12,), (10, 20)):
+        tree.add_path(path, 8)
+    arcs = [Arc(0.0, HEADS), Arc(math.log(0.8), HEADS), Arc(math.log(0.1), HEADS), Arc(math.log(0.05), HEADS)]
+    arcs.append(Arc(math.log(0.9), HEADS))  # 0.8 * 0.9 = 0.72 on its path
+    ordered, ordered_arcs = tree.by_path_probability(arcs)
+    assert ordered.tokens == [1, 10, 20, 11, 12] and ordered.parents == [-1, 0, 1, 0, 0]
+    assert ordered_arcs == [arcs[0], arcs[1], arcs[4], arcs[2], arcs[3]]
+    logprobs = ordered.path_logprobs(ordered_arcs)
+    assert logprobs == sorted(logprobs, reverse=True)
+    cut, cut_arcs = tree.by_path_probability(arcs, max_nodes=3)
+    assert cut.tokens == [1, 10, 20] and len(cut_arcs) == 3
+    same, _ = ordered.by_path_probability(ordered_arcs)
+    assert same is ordered  # already in order: the tree as it is
+
+
+def test_a_drafted_tree_grown_in_rounds_is_ordered_by_path_probability_so_its_prefixes_are_its_best_subtrees():
+    from conftest import random_heads, tiny_model
+
+    import hf_bpd
+    from hf_bpd import BlockDrafter
+
+    model = tiny_model("llama", eos_token_id=None)
+    # heads that read the drafted token grow 12 nodes in rounds of 6: the first round takes six of the
+    # root's eight children, weak ones too, before any grandchild is known
+    drafter = BlockDrafter(random_heads(model, std=1.0, token_input="previous"), top_k=8, max_tree_tokens=12)
+    hf_bpd.prepare(drafter, model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    hidden = model(ids, output_hidden_states=True).hidden_states[-1][:, -1]
+    (tree,) = drafter.draft(hidden, ids)
+    ((verified, arcs),) = drafter._verified
+    assert verified.tokens == tree.tokens and len(tree) == 12
+    logprobs = tree.path_logprobs(arcs, drafter.calibration)
+    assert logprobs == sorted(logprobs, reverse=True)
+    assert max(tree.depths[:6]) > 1  # a grandchild ahead of the root's weaker children

@@ -473,6 +473,7 @@ class BlockDrafter:
             # estimated probability (a node's arc: the higher of the two estimates); drafts without
             # estimates are verified first, as given.
             estimates = add_rescored(tree, rescored[b] if rescored is not None else [], budget, max_depth)
+            given_first = len(tree) > 1  # a rescorer's drafts without estimates, verified first as given
             if self.heads.conditions_on_draft and grown is not None:
                 tree, arcs = grown[b]  # grown on the device during the last step, read with its tokens
             elif self.reads_context:
@@ -504,6 +505,8 @@ class BlockDrafter:
                 arcs = fill_from_lattice(
                     tree, lattice, b, budget, max_depth, estimates, self.calibration, sized, self.drafts_chains
                 )
+            if arcs is not None and not given_first:  # grown in rounds: prefixes must be the best subtrees
+                tree, arcs = tree.by_path_probability(arcs, self.calibration)
             if self.drafts_chains and arcs is not None:
                 longest = self.context_lookup or 10
                 limit = longest if max_depth is None else min(longest, max_depth)

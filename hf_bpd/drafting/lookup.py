@@ -94,9 +94,7 @@ def merge_chain(
         elif calibrated_logprob(copy, depth, calibration) > calibrated_logprob(arcs[child], depth, calibration):
             arcs[child] = copy
         node = child
-    logprobs = tree.path_logprobs(arcs, calibration)
-    order = sorted(range(1, len(tree)), key=lambda i: (-logprobs[i], tree.depths[i], i))[: max_nodes - 1]
-    return tree.reordered([0, *order]), [arcs[0], *(arcs[i] for i in order)]
+    return tree.by_path_probability(arcs, calibration, max_nodes)
 
 
 def lookup_on_device(

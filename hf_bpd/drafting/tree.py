@@ -152,6 +152,24 @@ class DraftTree:
             out.append(out[self.parents[i]] + calibrated_logprob(arcs[i], self.depths[i], calibration))
         return out
 
+    def by_path_probability(
+        self, arcs: list[Arc], calibration: AcceptanceCalibration | None = None, max_nodes: int | None = None
+    ) -> tuple[DraftTree, list[Arc]]:
+        """This tree and its `arcs` re-ordered by (calibrated) path probability, root first, cut to
+        `max_nodes`: then every prefix is the most probable subtree of its size, which sizing a tree by its
+        prefixes (`assembly.size_trees`) and cutting it (`BlockDrafter.cut`) assume. Growth adds nodes in
+        rounds, a round's candidates before their children are known, so a grown tree's order is not that:
+        a round of a large tree can take a root's weak alternatives ahead of a strong child of its first.
+        A child's path is never more probable than its parent's and ties go to the shallower node, so
+        parents stay before their children."""
+        logprobs = self.path_logprobs(arcs, calibration)
+        order = sorted(range(1, len(self.tokens)), key=lambda i: (-logprobs[i], self.depths[i], i))
+        if max_nodes is not None:
+            order = order[: max_nodes - 1]
+        if order == list(range(1, len(self.tokens))):
+            return self, list(arcs)
+        return self.reordered([0, *order]), [arcs[0], *(arcs[i] for i in order)]
+
     def ancestor_mask(self) -> torch.Tensor:
         """Bool [N, N]: mask[i, j] is True when node j is node i or one of its ancestors."""
         n = len(self.tokens)
