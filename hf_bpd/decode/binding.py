@@ -7,8 +7,7 @@
 - the forward-cost curve "auto" trees are sized by: measured once per machine, model and kernels, then read
   from hf_bpd's cache, measured again where decoding's timed forwards contradict it
   (`ModelBinding.review_forward_cost`), and corrected online by them (`step_cost`, a `LearnedForwardCost`
-  when calibrating); with `BlockDrafter(size_by_step=True)` the rest of a drafted step's time added
-  (`cost.StepCost`). The loops hand that (`sizing_cost`) to `BlockDrafter.draft` to size each step's trees by;
+  when calibrating), which the loops hand to `BlockDrafter.draft` to size each step's trees by;
 - the `StepChooser` of a call with cost-sized trees (`ModelBinding.step_chooser`).
 
 A drafter keeps one binding across `generate` calls (`binding_of`): rebinding happens only for another
@@ -28,7 +27,7 @@ from ..disk_cache import forget
 from ..drafting.drafter import BlockDrafter
 from ..drafting.heads import BlockDraftHeads
 from ..log import logger
-from .cost import ForwardCost, LearnedForwardCost, StepChooser, StepCost, cached_forward_cost
+from .cost import ForwardCost, LearnedForwardCost, StepChooser, cached_forward_cost
 from .stats import DecodingStats
 
 # a measured forward-cost curve this far off the forwards decoding timed is measured again
@@ -54,9 +53,6 @@ class ModelBinding:
         # the cost the call's trees are sized by: the drafter's forward_cost, corrected by timed forwards when
         # calibrating (set by `bind`)
         self.step_cost: ForwardCost | LearnedForwardCost | None = None
-        # what the call's trees are sized by: step_cost, or with size_by_step a `StepCost` around it, kept across
-        # calls as the learned cost is (`sized_by`)
-        self.sizing_cost: ForwardCost | LearnedForwardCost | StepCost | None = None
 
     def bind(self, drafter: BlockDrafter, model, remeasure: bool = False) -> None:
         """`prepare`'s work: see there."""
@@ -89,7 +85,6 @@ class ModelBinding:
         if drafter.rescorer is not None and hasattr(drafter.rescorer, "reset"):
             drafter.rescorer.reset()
         self.step_cost = self.corrected_cost(drafter)
-        self.sizing_cost = self.sized_by(drafter)
 
     def measure_forward_cost(self, drafter: BlockDrafter, model, refresh: bool = False) -> None:
         """The forward-cost curve "auto" trees are sized by, into `drafter.forward_cost`: measured once per
@@ -110,21 +105,6 @@ class ModelBinding:
         if self.learned_cost is None or self.learned_cost.curve is not drafter.forward_cost:
             self.learned_cost = LearnedForwardCost(drafter.forward_cost)
         return self.learned_cost
-
-    def sized_by(self, drafter: BlockDrafter) -> ForwardCost | LearnedForwardCost | StepCost | None:
-        """The cost trees are sized by: `step_cost`, or for `size_by_step` one `StepCost` around it (what
-        the rest of the step costs is learned across calls, as the forward's is)."""
-        if not drafter.size_by_step or self.step_cost is None:
-            return self.step_cost
-        if not isinstance(self.sizing_cost, StepCost) or self.sizing_cost.forward is not self.step_cost:
-            return StepCost(self.step_cost)
-        return self.sizing_cost
-
-    def observe_step(self, drafted: bool, step_seconds: float, forward_seconds: float | None) -> None:
-        """One step's seconds, drafting to compaction, and its verification forward's (None when not timed
-        reliably): a drafted step's rest corrects the `StepCost` trees are sized by, where there is one."""
-        if drafted and forward_seconds is not None and isinstance(self.sizing_cost, StepCost):
-            self.sizing_cost.observe(step_seconds, forward_seconds)
 
     def observe_forward(self, tree_tokens: int, seconds: float | None) -> None:
         """One verification forward of `tree_tokens` and its time (None when it was not timed reliably): it

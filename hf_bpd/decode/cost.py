@@ -284,33 +284,6 @@ class LearnedForwardCost:
                 self.factors[other] = running_mean(self.factors[other], self.overall, self.stale_rate)
 
 
-class StepCost:
-    """Seconds of one drafted step that verifies N tree tokens: the verification forward (`forward`, a
-    curve) plus the rest of the step, drafting, the accept walk and the cache's compaction, a running mean
-    of what decoding timed (`observe`; `rate`: weight of the newest step). The rest hardly depends on N:
-    the heads grow their tree before it is cut to size. A tree sized by the forward alone maximises tokens
-    per second of a step that costs only its forward, so it leaves out nodes that pay once each step also
-    pays for the rest (`BlockDrafter(size_by_step=True)`). Until a step is timed the rest counts as 0."""
-
-    def __init__(self, forward: ForwardCost | LearnedForwardCost, rate: float = 0.1) -> None:
-        if not 0 < rate <= 1:
-            raise ValueError(f"rate must be in (0, 1], got {rate}")
-        self.forward = forward
-        self.rate = rate
-        self.rest: float | None = None
-
-    def __call__(self, n: int) -> float:
-        return self.forward(n) + (self.rest or 0.0)
-
-    @property
-    def max_size(self) -> int:
-        return self.forward.max_size
-
-    def observe(self, step_seconds: float, forward_seconds: float) -> None:
-        """One drafted step's seconds, drafting to compaction, and its verification forward's."""
-        self.rest = running_mean(self.rest, max(step_seconds - forward_seconds, 0.0), self.rate)
-
-
 def running_mean(old: float | None, new: float, rate: float) -> float:
     return new if old is None else old + rate * (new - old)
 

@@ -112,10 +112,8 @@ def decode_recurrent(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs
             timed = device.type == "cpu" or drafter.profile
             nodes, stopped = [results[b].nodes for b in active], [results[b].finished for b in active]
             call.observe(nodes, stopped, width, verify_seconds if timed else None)
-        step_seconds = clock.step_seconds()
         if chooser is not None:
-            chooser.observe(drafting, len(results[active[0]].tokens), step_seconds, expected)
-        call.binding.observe_step(drafting, step_seconds, verify_seconds if timed else None)
+            chooser.observe(drafting, len(results[active[0]].tokens), clock.step_seconds(), expected)
         # a row commits when the forward read nothing of it that was not accepted
         committed = [b in results and len(replays[b]) + len(results[b].nodes) == width for b in range(batch_size)]
         with clock.phase("cache"):
@@ -147,7 +145,7 @@ def draft_chains(call: DecodeCall, sequences, hidden_last, replays, active, room
         length = max(len(c) for c in contexts)
         padded = torch.stack([torch.nn.functional.pad(c, (length - len(c), 0), value=call.pad) for c in contexts])
         host = [c.tolist() for c in contexts]
-        depth, cost = call.max_depth(longest), call.binding.sizing_cost
+        depth, cost = call.max_depth(longest), call.binding.step_cost
         trees = drafter.draft(
             hidden_last[active], padded, depth, max(room), warp=call.warp, host_context=host, step_cost=cost
         )

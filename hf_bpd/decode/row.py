@@ -170,7 +170,7 @@ def decode(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: dict):
                     limit,
                     warp=call.warp,
                     host_context=[sequence],
-                    step_cost=call.binding.sizing_cost,
+                    step_cost=call.binding.step_cost,
                     **given,
                 )
             else:
@@ -207,10 +207,8 @@ def decode(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: dict):
             if drafter.reads_context:
                 drafter.extend_context(out.hidden_states[-1][0, result.nodes], result.tokens)
             input_ids = torch.cat([input_ids, input_ids.new_tensor([result.tokens])], dim=-1)
-        step_seconds = clock.step_seconds()  # the whole step: a drafted step's compaction is part of what it costs
-        if chooser is not None:
-            chooser.observe(drafting, len(result.tokens), step_seconds, expected)
-        call.binding.observe_step(drafting, step_seconds, verify_seconds if timed else None)
+        if chooser is not None:  # the whole step: a drafted step's compaction is part of what it costs
+            chooser.observe(drafting, len(result.tokens), clock.step_seconds(), expected)
         stats.record_step(drafting, len(result.tokens), len(trees[0]))
         call.emit(result)
         finished = result.finished

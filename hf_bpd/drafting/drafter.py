@@ -87,11 +87,6 @@ class BlockDrafter:
                      each step, the tree prefix with the most expected accepted tokens per second.
     forward_cost:    a `ForwardCost` curve to size trees by (instead of measuring it); with an integer
                      max_tree_tokens it sizes each step's tree up to that bound.
-    size_by_step:    size trees by expected accepted tokens per second of the whole step, the verification
-                     forward plus the step's other work (drafting, the accept walk, the cache's compaction:
-                     a running mean of what decoding timed, `cost.StepCost`), instead of per second of the
-                     forward alone. That other work is paid whatever the tree's size, so counting it makes
-                     larger trees pay. Only the speed depends on it, never a token.
     rescorer:        optional `Rescorer`; None uses the heads' probabilities alone.
     calibrate:       learn from verification results how far to trust the acceptance estimates that order
                      and size trees (`AcceptanceCalibration`) and what a forward really costs in decoding
@@ -153,7 +148,6 @@ class BlockDrafter:
         corpus_nodes: int = 10,
         compact_weights: bool = False,
         fallback: BlockDrafter | None = None,
-        size_by_step: bool = False,
     ) -> None:
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
@@ -170,8 +164,6 @@ class BlockDrafter:
             raise ValueError(f"packed_linear must be True, False or None (auto), got {packed_linear!r}")
         if compact_weights not in (True, False):
             raise ValueError(f"compact_weights must be True or False, got {compact_weights!r}")
-        if size_by_step not in (True, False):
-            raise ValueError(f"size_by_step must be True or False, got {size_by_step!r}")
         if rescorer is not None and isinstance(heads, EagleDraftLayer):
             raise ValueError("a rescorer re-ranks the heads' lattice, and an EAGLE draft layer has none: rescorer=None")
         if rescorer is not None and not isinstance(rescorer, Rescorer):
@@ -193,7 +185,6 @@ class BlockDrafter:
         self.rescorer = rescorer
         self.profile = profile
         self.forward_cost = forward_cost
-        self.size_by_step = size_by_step
         self.packed_linear = packed_linear
         self.context_lookup = context_lookup
         if isinstance(corpus, (str, Path)):
@@ -389,7 +380,6 @@ class BlockDrafter:
             corpus=self.corpus,
             corpus_nodes=self.corpus_nodes,
             fallback=None if self.fallback is None else self.fallback.with_rescorer(self.fallback.rescorer),
-            size_by_step=self.size_by_step,
         )
 
     def root_trees(self, roots: list[int]) -> list[DraftTree]:

@@ -292,17 +292,11 @@ def greedy_bpd_method(model, drafter: BlockDrafter) -> Method:
 
 def learned(methods: list[Method]) -> dict:
     """What each calibrated hf_bpd method's drafter learned so far: acceptance multipliers per
-    source@depth, forward-cost factors per tree-size bucket, and where trees are sized by the whole step
-    (`size_by_step`) the seconds a drafted step spends besides its forward."""
+    source@depth and forward-cost factors per tree-size bucket."""
     return {
         m.name: {
             "acceptance_multipliers": m.drafter.calibration.summary(),
             "forward_cost_factors": getattr(binding_of(m.drafter).step_cost, "factors", {}),
-            **(
-                {"step_rest_seconds": getattr(binding_of(m.drafter).sizing_cost, "rest", None)}
-                if m.drafter.size_by_step
-                else {}
-            ),
         }
         for m in methods
         if m.drafter is not None and m.drafter.calibration is not None
