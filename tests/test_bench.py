@@ -556,3 +556,18 @@ def test_a_second_drafter_runs_in_the_same_bench_as_its_own_method(tmp_path, smo
     assert results[f"hf_bpd@{other}"]["overall"]["identical"] and results["hf_bpd"]["overall"]["identical"]
     header = json.loads(out.with_suffix(".journal.jsonl").read_text().splitlines()[0])["header"]
     assert header["other_drafters"] == {f"hf_bpd@{other}": header["drafter"]["heads_sha1"]}  # the same heads
+
+
+def test_the_runs_forward_cost_curve_goes_only_to_drafters_with_auto_trees():
+    from conftest import random_heads
+
+    from hf_bpd import BlockDrafter
+    from hf_bpd.decode.cost import ForwardCost
+    from hf_bpd.tools.bench.cli import share_forward_cost
+
+    model = tiny_model("llama")
+    auto = BlockDrafter(random_heads(model), max_tree_tokens="auto")
+    fixed = BlockDrafter(random_heads(model), max_tree_tokens=8)  # given a curve it would size trees up to 8
+    curve = ForwardCost((1, 8), (0.04, 0.06))
+    share_forward_cost(curve, [auto, fixed])
+    assert auto.forward_cost is curve and fixed.forward_cost is None

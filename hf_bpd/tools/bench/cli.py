@@ -83,6 +83,16 @@ def _tree_size(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
 
+def share_forward_cost(curve: ForwardCost, drafters) -> None:
+    """The run's forward-cost curve to each other drafter of the run with `auto` trees, so that one
+    measurement serves them all. A drafter with an integer max_tree_tokens keeps its fixed trees: given a
+    curve it would size each tree up to that bound and draft every step (`BlockDrafter`'s forward_cost),
+    which is neither its setting nor how `generate` runs it."""
+    for other in drafters:
+        if other.max_tree_tokens == "auto":
+            other.forward_cost = curve
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-bpd bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -272,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             drafter.forward_cost = measure_forward_cost(model, packed_linear=drafter.packed_linear)
         header["forward_cost"] = [list(drafter.forward_cost.sizes), list(drafter.forward_cost.seconds)]
-        for other in others.values():
-            other.forward_cost = drafter.forward_cost
+        share_forward_cost(drafter.forward_cost, others.values())
 
     def with_rescorer(name: str) -> Method:
         from ...io.packaged import packaged_rescorer
