@@ -14,7 +14,17 @@ method on this CPU) runs beside them; the four methods run in rotating order per
 per session. `--temperature` (and `--top-p`) samples, every call seeded alike, so that hf_bpd's tokens are
 plain sampling's. With a data file, its rows' first turns stand for the demo's prompts (`--spread`: that many rows
 spread over its categories, as `hf-bpd bench` picks them). Run it on an idle machine; outputs are checked
-identical to plain greedy."""
+identical to plain greedy.
+
+`--variants` names the copies (default: the three rules above). Besides the rules, a copy may bound how large
+its "auto" trees grow (`growth8`: the heads grow at most 8 nodes a step, sized up to the curve's largest) or
+are verified (`cap8`: sized up to 8 nodes; `cap8_no_chooser`: the same, every step drafted), to tell apart
+where a bound's gain comes from; `whole_tree_growth` bounds the heads' growth by the whole sized trees, the rule
+before `assembly.grown_nodes` (a looked-up chain's nodes counted too):
+
+    python -m research.step_chooser ../shared/data/spec_bench_dev.jsonl --spread 40 --sessions 1 --passes 2 \
+        --max-new-tokens 128 --variants expected no_chooser growth8 cap8 cap8_no_chooser \
+        --output benchmarks/sizing/sizing_parts_spread40_amd.json"""
 
 from __future__ import annotations
 
@@ -28,6 +38,7 @@ import torch
 import hf_bpd
 from hf_bpd.decode import binding
 from hf_bpd.decode.cost import measure_forward_cost
+from hf_bpd.drafting import drafter as drafter_module
 from hf_bpd.drafting.drafter import BlockDrafter
 from hf_bpd.io.jsonl import read_jsonl
 from hf_bpd.io.models import chat_inputs
@@ -37,15 +48,45 @@ from hf_bpd.tools.bench.report import environment
 from hf_bpd.tools.demo import WARMUP_PROMPT, demo_prompts
 
 CHOOSERS = ("expected", "realized", "no_chooser")
+# each copy's departures from the shipped drafter: no step chooser, the realized rule, a bound on growth or size
+VARIANTS = {
+    "expected": {},
+    "realized": {"realized": True},
+    "no_chooser": {"no_chooser": True},
+    "growth8": {"growth": 8},
+    "cap8": {"cap": 8},
+    "cap8_no_chooser": {"cap": 8, "no_chooser": True},
+    "whole_tree_growth": {"whole_tree_growth": True},
+}
 
 
 def judged_as(setting: dict):
-    """Patches that make the drafters run as `setting["chooser"]` says (see the module docstring)."""
+    """Patches that make the drafters run as the copy named `setting["chooser"]` says (`VARIANTS`)."""
     expected_tokens, step_chooser = BlockDrafter.expected_tokens, binding.ModelBinding.step_chooser
-    BlockDrafter.expected_tokens = lambda self: None if setting["chooser"] == "realized" else expected_tokens(self)
+    tree_budget, growth_budget = BlockDrafter.tree_budget.fget, drafter_module.growth_budget
+
+    def variant() -> dict:
+        return VARIANTS.get(setting["chooser"], {})
+
+    BlockDrafter.expected_tokens = lambda self: None if variant().get("realized") else expected_tokens(self)
     binding.ModelBinding.step_chooser = lambda self, *args, **kwargs: (
-        None if setting["chooser"] == "no_chooser" else step_chooser(self, *args, **kwargs)
+        None if variant().get("no_chooser") else step_chooser(self, *args, **kwargs)
     )
+    BlockDrafter.tree_budget = property(lambda self: min(tree_budget(self), variant().get("cap", tree_budget(self))))
+
+    def bounded_growth(budget, *args, **kwargs):
+        return min(growth_budget(budget, *args, **kwargs), variant().get("growth", budget))
+
+    drafter_module.growth_budget = bounded_growth
+    size_trees = drafter_module.size_trees
+
+    def sized_by_whole_trees(trees, *args, **kwargs):  # the rule before: a whole sized tree bounds the next growth
+        cut, grown = size_trees(trees, *args, **kwargs)
+        if variant().get("whole_tree_growth"):
+            grown = [len(tree) for tree, drafted in zip(cut, trees) if len(drafted) > 1]
+        return cut, grown
+
+    drafter_module.size_trees = sized_by_whole_trees
 
 
 def totals(rows) -> dict:
@@ -79,7 +120,17 @@ def summarise(runs: list[dict], methods) -> dict:
                 }
             )
         whole = totals(mine)
+        steps = sum(r.get("steps", 0) for r in mine)
+        phases = {}
+        if steps:  # runs that recorded their phases (a drafter's)
+            phases = {
+                "mean_tree_tokens": sum(r["tree_tokens"] for r in mine) / steps,
+                "heads_ms_per_step": 1000 * sum(r["heads_seconds"] for r in mine) / steps,
+                "verify_ms_per_step": 1000 * sum(r["verify_seconds"] for r in mine) / steps,
+                "ms_per_step": 1000 * whole["seconds"] / steps,
+            }
         summary[name] = {
+            **phases,
             "tokens_per_second": whole["tokens"] / whole["seconds"],
             "tau": whole["tokens"] / whole["forwards"],
             "per_pass": per_pass,
@@ -99,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
     parser.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(CHOOSERS), help="the drafter copies")
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
 
@@ -117,12 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompts = [row["turns"][0] for row in select_rows(read_jsonl(args.data), None, None, None, args.spread)]
     fast = hf_bpd.fast_cpu(model)
-    methods = ("plain_fast", *CHOOSERS)
+    methods = ("plain_fast", *args.variants)
     runs, curves = [], []
     for session in range(args.sessions):
-        drafters = {name: load_packaged_drafter() for name in CHOOSERS}
-        hf_bpd.prepare(drafters["expected"], model)  # the kernel plan, read from the cache
-        curve = measure_forward_cost(model, packed_linear=drafters["expected"].packed_linear)  # a fresh process's
+        drafters = {name: load_packaged_drafter() for name in args.variants}
+        first = drafters[args.variants[0]]
+        hf_bpd.prepare(first, model)  # the kernel plan, read from the cache
+        curve = measure_forward_cost(model, packed_linear=first.packed_linear)  # a fresh process's
         curves.append([round(s, 6) for s in curve.seconds])
         for drafter in drafters.values():
             drafter.forward_cost = curve
@@ -163,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
                             "seconds": seconds,
                         }
                     )
+                    if stats:  # where a drafted step's time went, and the trees' sizes
+                        runs[-1].update(
+                            steps=stats.steps,
+                            tree_tokens=sum(stats.tree_sizes),
+                            heads_seconds=stats.time_heads,
+                            verify_seconds=stats.time_verify,
+                        )
                 reference = outputs["plain_fast"][0].tolist()
                 for row in runs[-len(methods) :]:
                     row["identical"] = outputs[row["method"]][0].tolist() == reference

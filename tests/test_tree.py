@@ -286,3 +286,21 @@ def test_a_drafted_tree_grown_in_rounds_is_ordered_by_path_probability_so_its_pr
     logprobs = tree.path_logprobs(arcs, drafter.calibration)
     assert logprobs == sorted(logprobs, reverse=True)
     assert max(tree.depths[:6]) > 1  # a grandchild ahead of the root's weaker children
+
+
+def test_a_looked_up_chain_kept_in_a_sized_tree_does_not_raise_the_heads_next_growth():
+    from hf_bpd.drafting.assembly import growth_budget, size_trees
+    from hf_bpd.drafting.calibration import HEADS, Arc
+
+    tree = DraftTree.root_only(1)
+    chain = [10, 11, 12, 13, 14, 15, 16, 17, 18]  # a looked-up chain the model is likely to repeat
+    tree.add_path(chain, 64)
+    tree.add_path([20], 64)  # two of the heads' children of the root
+    tree.add_path([21], 64)
+    arcs = [Arc(0.0, HEADS)] + [Arc(math.log(0.95), "lookup3")] * len(chain) + [Arc(math.log(0.3), HEADS)] * 2
+    (sized,), grown = size_trees([tree], [arcs], None, lambda n: 1.0)  # a flat cost keeps every node
+    assert len(sized) == 12
+    assert grown == [3]  # the root and the heads' two nodes: what the next growth should supply
+    assert growth_budget(64, grown, True) == 8  # the floor, where the whole tree's 12 nodes would ask for 18
+    assert growth_budget(64, [len(sized)], True) == 18
+    assert growth_budget(64, [], True) == 64 and growth_budget(64, grown, False) == 64

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from .calibration import AcceptanceCalibration, Arc
+from .calibration import HEADS, AcceptanceCalibration, Arc
 from .lattice import Lattice, ScoredPath
 from .tree import DraftTree
 
@@ -134,7 +134,8 @@ def size_trees(
 ) -> tuple[list[DraftTree], list[int]]:
     """Cut each tree to the prefix with the best expected tokens per second of the verification forward:
     per tree by `cost` for one row, or one common width for a batch forward (`batch_cost`). Returns the
-    trees and the sizes of those that had drafts (what `growth_budget` bounds the next growth by)."""
+    trees and, for those that had drafts, the nodes of the heads' growth they kept (`grown_nodes`: what
+    `growth_budget` bounds the next growth by)."""
     probs = [
         [math.exp(lp) for lp in tree.path_logprobs(arcs, calibration)] if len(tree) > 1 else [1.0]
         for tree, arcs in zip(trees, node_arcs)
@@ -145,18 +146,28 @@ def size_trees(
         width = best_batch_width(probs, batch_cost.rows, batch_cost, batch_cost.max_width(), batch_cost.margin)
         sizes = [min(width, len(tree)) for tree in trees]
     trees = [tree.truncated(n) if n < len(tree) else tree for tree, n in zip(trees, sizes)]
-    return trees, [len(tree) for tree, n in zip(trees, probs) if len(n) > 1]
+    return trees, [grown_nodes(tree, arcs) for tree, arcs, p in zip(trees, node_arcs, probs) if len(p) > 1]
 
 
-def growth_budget(budget: int, recent_sizes: Sequence[int], sized: bool, floor: int = 8) -> int:
+def grown_nodes(tree: DraftTree, arcs: Sequence[Arc]) -> int:
+    """The nodes of a sized `tree` that the heads' growth supplied, the root included: those whose best
+    estimate is the heads' (`arcs`, one per node of the tree before it was cut). A looked-up chain's nodes
+    are not grown, so they must not raise the next growth: a long chain that fills a tree would otherwise
+    have the heads grow half as many nodes again for the next steps, at a head call per round, only for
+    the chain's nodes to outrank them."""
+    return 1 + sum(arc.source == HEADS for arc in arcs[1 : len(tree)])
+
+
+def growth_budget(budget: int, recent_grown: Sequence[int], sized: bool, floor: int = 8) -> int:
     """Nodes to grow for a tree that the forward-cost curve will cut (`sized`): each expansion round costs
-    head calls, so grow at most 1.5 times the largest tree of the last steps (`recent_sizes`; at least
-    `floor`; all of `budget` without a curve or before any step). Self-correcting: a tree cut at that bound
-    raises it. Batches pass a floor of 2: every row pays its own head calls, and a compute-bound batch
-    forward often affords single tokens only, so growing 8 nodes per row would be wasted."""
-    if not sized or not recent_sizes:
+    head calls, so grow at most 1.5 times the most grown nodes a tree of the last steps kept (`recent_grown`,
+    from `grown_nodes`; at least `floor`; all of `budget` without a curve or before any step).
+    Self-correcting: a tree cut at that bound raises it. Batches pass a floor of 2: every row pays its own
+    head calls, and a compute-bound batch forward often affords single tokens only, so growing 8 nodes per
+    row would be wasted."""
+    if not sized or not recent_grown:
         return budget
-    return min(budget, max(floor, (3 * max(recent_sizes) + 1) // 2))
+    return min(budget, max(floor, (3 * max(recent_grown) + 1) // 2))
 
 
 def best_path(tree: DraftTree, logprobs: list[float] | None) -> list[int]:

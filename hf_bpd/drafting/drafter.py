@@ -43,7 +43,7 @@ from .lattice import Lattice, ScoredPath
 from .lookup import lookup_continuation, merge_chain, merge_lookup
 from .tree import DraftTree
 
-RECENT_STEPS = 16  # steps whose tree sizes bound how far "previous" heads grow a tree that will be cut
+RECENT_STEPS = 16  # steps whose trees' kept grown nodes bound how far "previous" heads grow a tree that will be cut
 
 
 @runtime_checkable
@@ -206,7 +206,7 @@ class BlockDrafter:
         # on accelerators only, where each read stalls the device; on a CPU reading a token costs nothing
         # and the host walk makes fewer draws. True or False forces it (a test's or measurement's setting)
         self.fused_sampling: bool | None = None
-        self._recent_sizes: deque[int] = deque(maxlen=RECENT_STEPS)  # sizes of the last sized trees
+        self._recent_grown: deque[int] = deque(maxlen=RECENT_STEPS)  # grown nodes the last sized trees kept
         # an EAGLE layer's context: its KV cache, and the accepted positions' features not yet run through it
         self._context = EagleContext()
         self._pending: list[tuple[torch.Tensor, list[int]]] = []
@@ -445,7 +445,7 @@ class BlockDrafter:
             raise ValueError("these heads draft from their lattice: pass it")
         budget = self.tree_budget if max_tokens is None else max(1, min(self.tree_budget, max_tokens))
         sized = self.forward_cost is not None
-        growth = growth_budget(budget, self._recent_sizes, sized, 8 if batch_cost is None else 2)
+        growth = growth_budget(budget, self._recent_grown, sized, 8 if batch_cost is None else 2)
         roots = context[:, -1].tolist() if host_context is None else [row[-1] for row in host_context]  # one copy
         if self.heads.conditions_on_draft and grown is None and self.grows_on_device and not rescored:
             # every row's tree grown in one call and read in one copy: a batch reads the heads' and the
@@ -514,7 +514,7 @@ class BlockDrafter:
         if sized:
             cost = self.forward_cost if step_cost is None else step_cost
             trees, drafted_sizes = size_trees(trees, node_arcs, self.calibration, cost, batch_cost)
-            self._recent_sizes.extend(drafted_sizes)
+            self._recent_grown.extend(drafted_sizes)
         for tree, arcs in zip(trees, node_arcs):
             known = arcs is not None and self.calibration is not None
             self._verified.append((tree, arcs[: len(tree)]) if known else None)  # a prefix keeps node indices
@@ -562,7 +562,7 @@ class BlockDrafter:
         """The tree "previous" heads grow from `hidden [1, H]` and `root [1]` (device tensors), on the device
         (`grows_on_device`), not read yet. `budget`: nodes to grow (default: this step's growth budget)."""
         if budget is None:
-            budget = growth_budget(self.tree_budget, self._recent_sizes, self.forward_cost is not None)
+            budget = growth_budget(self.tree_budget, self._recent_grown, self.forward_cost is not None)
         log_scales = self.log_scales(sampled=warp is not None)
         with self.heads_context:
             hidden = hidden.to(self.heads.device, self.heads.dtype)
