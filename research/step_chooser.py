@@ -20,7 +20,8 @@ identical to plain greedy.
 its "auto" trees grow (`growth8`: the heads grow at most 8 nodes a step, sized up to the curve's largest) or
 are verified (`cap8`: sized up to 8 nodes; `cap8_no_chooser`: the same, every step drafted), to tell apart
 where a bound's gain comes from; `whole_tree_growth` bounds the heads' growth by the whole sized trees, the rule
-before `assembly.grown_nodes` (a looked-up chain's nodes counted too):
+before `assembly.grown_nodes` (a looked-up chain's nodes counted too); `probe4` probes drafting after 4 plain
+steps, waiting at most 8 (the chooser's defaults: 8, doubling to 32):
 
     python -m research.step_chooser ../shared/data/spec_bench_dev.jsonl --spread 40 --sessions 1 --passes 2 \
         --max-new-tokens 128 --variants expected no_chooser growth8 cap8 cap8_no_chooser \
@@ -57,6 +58,7 @@ VARIANTS = {
     "cap8": {"cap": 8},
     "cap8_no_chooser": {"cap": 8, "no_chooser": True},
     "whole_tree_growth": {"whole_tree_growth": True},
+    "probe4": {"probe": (4, 8)},
 }
 
 
@@ -69,9 +71,16 @@ def judged_as(setting: dict):
         return VARIANTS.get(setting["chooser"], {})
 
     BlockDrafter.expected_tokens = lambda self: None if variant().get("realized") else expected_tokens(self)
-    binding.ModelBinding.step_chooser = lambda self, *args, **kwargs: (
-        None if variant().get("no_chooser") else step_chooser(self, *args, **kwargs)
-    )
+
+    def chooser(self, *args, **kwargs):
+        if variant().get("no_chooser"):
+            return None
+        chosen = step_chooser(self, *args, **kwargs)
+        if chosen is not None and "probe" in variant():
+            chosen.probe_every, chosen.max_probe_every = variant()["probe"]
+        return chosen
+
+    binding.ModelBinding.step_chooser = chooser
     BlockDrafter.tree_budget = property(lambda self: min(tree_budget(self), variant().get("cap", tree_budget(self))))
 
     def bounded_growth(budget, *args, **kwargs):
