@@ -434,3 +434,23 @@ def test_batch_draft_margin_grows_above_8_rows_so_a_thin_drafting_win_stays_plai
         return c
 
     assert chooser(8).draft_next(8) and not chooser(16).draft_next(16)
+
+
+def test_one_row_probes_drafting_sooner_than_a_batch(monkeypatch):
+    """One row's drafted probe costs little more than a plain step (its tree is sized down where drafts are
+    weak), so a row probes after `ROW_PROBES[0]` plain steps and waits at most `ROW_PROBES[1]`; a batch's
+    probe costs several plain steps, so a batch waits `BATCH_PROBES`."""
+    from hf_bpd.decode.cost import BATCH_PROBES, ROW_PROBES, ForwardCost, StepChooser
+
+    assert ROW_PROBES[0] < BATCH_PROBES[0] and ROW_PROBES[1] < BATCH_PROBES[1]
+    made = []
+    init = StepChooser.__init__
+    monkeypatch.setattr(StepChooser, "__init__", lambda self, *a, **k: init(self, *a, **k) or made.append(self))
+    model = tiny_model("llama", eos_token_id=None)
+    drafter = drafter_for(model, forward_cost=ForwardCost((1, 2, 4, 8), (0.05,) * 4))
+    drafter.max_tree_tokens = "auto"
+    for rows, probes in ((1, ROW_PROBES), (2, BATCH_PROBES)):
+        made.clear()
+        ref, out = both(model, left_padded(prompts_for(rows, 3)), drafter, max_new_tokens=12)
+        assert out.tolist() == ref.tolist()
+        assert [(c.probe_every, c.max_probe_every) for c in made] == [probes]

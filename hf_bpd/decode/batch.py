@@ -55,7 +55,7 @@ from ..drafting.tree import DraftTree, batch_trees, root_batch
 from ..kv import HoleLedger, compact_rows, drop_rows, squeeze_holes
 from .accept import AcceptResult, HostStop, accept_greedy, greedy_tokens
 from .call import DecodeCall, row_processors
-from .cost import BatchForwardCost
+from .cost import BATCH_PROBES, BatchForwardCost
 from .stats import DecodingStats
 from .verify import verify_tree
 
@@ -152,7 +152,7 @@ def decode_batch(call: DecodeCall, input_ids: torch.LongTensor, model_kwargs: di
     ledger = HoleLedger()
     drafted_last = False  # whether the last step drafted
     if batch_cost is not None:
-        chooser = call.step_chooser(lambda: batch_cost.seconds.get(1), margin=batch_draft_margin(batch_size))
+        chooser = call.step_chooser(lambda: batch_cost.seconds.get(1), batch_draft_margin(batch_size), BATCH_PROBES)
 
     while not all(finished):
         active = [b for b in range(batch_size) if not finished[b]]

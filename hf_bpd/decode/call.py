@@ -38,6 +38,7 @@ from ..drafting.layer_features import only_last_position
 from ..kv import grow_in_place, keep_every_key
 from .accept import AcceptResult, HostStop, accept_tree, choose_tokens
 from .binding import ModelBinding, binding_of
+from .cost import ROW_PROBES
 from .static_cache import is_static
 from .stats import DecodingStats
 from .support import AttentionWindows, drafting_context
@@ -164,9 +165,9 @@ class DecodeCall:
     def stats(self) -> DecodingStats:
         return self.drafter.stats
 
-    def step_chooser(self, plain_estimate=None, margin: float = 0.0):
+    def step_chooser(self, plain_estimate=None, margin: float = 0.0, probes: tuple[int, int] = ROW_PROBES):
         """The call's `cost.StepChooser` for cost-sized ("auto") trees, or None (`ModelBinding.step_chooser`)."""
-        return self.binding.step_chooser(self.drafter, plain_estimate, margin)
+        return self.binding.step_chooser(self.drafter, plain_estimate, margin, probes)
 
     def observe(self, accepted_nodes: list[list[int]], finished: list[bool], tree_tokens: int, seconds) -> None:
         """One verification step fed back: the accepted nodes to the drafter's calibration

@@ -337,6 +337,14 @@ class BatchForwardCost:
         self.seconds[width] = running_mean(self.seconds.get(width), seconds, self.rate)
 
 
+# (plain steps before drafting is probed again, the longest that wait doubles to): one row's drafted probe costs
+# little more than a plain step where drafts are weak (its tree is sized down to a node or two), while a long
+# plain streak misses the text drafting pays on; a batch's drafted probe costs several plain steps (every row's
+# heads, a wide forward), so a batch waits longer
+ROW_PROBES = (4, 8)
+BATCH_PROBES = (8, 32)
+
+
 @dataclass
 class StepChooser:
     """Drafted or plain steps, by measured throughput: a drafted step pays for the heads, the tree and the
@@ -379,8 +387,8 @@ class StepChooser:
     time, so they count against drafting and not against the plain step that happened to pay them."""
 
     plain_estimate: Callable[[], float | None]
-    probe_every: int = 8
-    max_probe_every: int = 32
+    probe_every: int = BATCH_PROBES[0]
+    max_probe_every: int = BATCH_PROBES[1]
     rate: float = 0.3  # weight of the newest step in the running means
     drafted_rate: float | None = None  # tokens per second of drafted steps
     plain_step_seconds: float | None = None  # seconds of a plain step, measured
