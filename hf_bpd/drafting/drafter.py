@@ -513,8 +513,8 @@ class BlockDrafter:
             node_arcs.append(arcs)
         if sized:
             cost = self.forward_cost if step_cost is None else step_cost
-            trees, drafted_sizes = size_trees(trees, node_arcs, self.calibration, cost, batch_cost)
-            self._recent_grown.extend(drafted_sizes)
+            trees, kept_grown = size_trees(trees, node_arcs, self.calibration, cost, batch_cost)
+            self._recent_grown.extend(kept_grown)
         for tree, arcs in zip(trees, node_arcs):
             known = arcs is not None and self.calibration is not None
             self._verified.append((tree, arcs[: len(tree)]) if known else None)  # a prefix keeps node indices
