@@ -21,7 +21,9 @@ its "auto" trees grow (`growth8`: the heads grow at most 8 nodes a step, sized u
 are verified (`cap8`: sized up to 8 nodes; `cap8_no_chooser`: the same, every step drafted), to tell apart
 where a bound's gain comes from; `whole_tree_growth` bounds the heads' growth by the whole sized trees, the rule
 before `assembly.grown_nodes` (a looked-up chain's nodes counted too); `probe4` probes drafting after 4 plain
-steps, waiting at most 8 (the chooser's defaults: 8, doubling to 32):
+steps, waiting at most 8 (what one row does since claim probe4_spread40_amd, `cost.ROW_PROBES`; the rows' waits
+before it, 8 doubling to 32, are a batch's, `cost.BATCH_PROBES`, so `expected` runs those again only in a
+checkout from before that change):
 
     python -m research.step_chooser ../shared/data/spec_bench_dev.jsonl --spread 40 --sessions 1 --passes 2 \
         --max-new-tokens 128 --variants expected no_chooser growth8 cap8 cap8_no_chooser \

@@ -27,7 +27,7 @@ from ..disk_cache import forget
 from ..drafting.drafter import BlockDrafter
 from ..drafting.heads import BlockDraftHeads
 from ..log import logger
-from .cost import ROW_PROBES, ForwardCost, LearnedForwardCost, StepChooser, cached_forward_cost
+from .cost import ForwardCost, LearnedForwardCost, StepChooser, cached_forward_cost
 from .stats import DecodingStats
 
 # a measured forward-cost curve this far off the forwards decoding timed is measured again
@@ -132,11 +132,11 @@ class ModelBinding:
             self.remeasure_cost = True
 
     def step_chooser(
-        self, drafter: BlockDrafter, plain_estimate=None, margin: float = 0.0, probes: tuple[int, int] = ROW_PROBES
+        self, drafter: BlockDrafter, plain_estimate, margin: float, probes: tuple[int, int]
     ) -> StepChooser | None:
         """For cost-sized ("auto") trees, a `StepChooser` for one `generate` call: plain steps where drafting
         does not pay (by at least `margin`, a share). `plain_estimate()`: a plain step's seconds before one
-        is timed (default: the learned one-token forward cost). `probes`: plain steps before drafting is
+        is timed (None: the learned one-token forward cost). `probes`: plain steps before drafting is
         probed, and the longest wait (`cost.ROW_PROBES`, `cost.BATCH_PROBES`). None for fixed tree sizes:
         they draft every step, as asked."""
         if drafter.max_tree_tokens != "auto" or drafter.forward_cost is None:
