@@ -82,19 +82,44 @@ def measure_forward_cost(
     size's repeats in a row, so a burst of load elsewhere on the machine lands on every size alike instead
     of making one size look cheap or dear. A wider forward does the narrower one's work and more, so a
     curve where 4 tokens cost less than 1 is noise; left in, it would size trees as if width were free.
-    The medians are therefore fitted by isotonic regression (`isotonic`). `progress`: draw a bar
-    (`log.progress`)."""
+    The medians are therefore fitted by isotonic regression (`isotonic`). A burst can also make one size
+    dear, a peak above its neighbours' chord (`peaks`): those sizes and their neighbours are timed again in
+    as many rounds, and each keeps the lower of its two medians, since load only ever slows a forward. A
+    shape the machine really has comes back the same. `progress`: draw a bar (`log.progress`)."""
     packed = linear_context(model, packed_linear)  # resolved once, outside the timed forwards
     timer = ForwardTimer(model, context)
-    runs = []
     with log.progress((repeats + 1) * len(sizes), "forward-cost curve") if progress else nullcontext() as bar:
-        for _ in range(repeats + 1):
-            runs.append([timer.once(n, packed) for n in sizes])
-            if bar is not None:
-                bar.update(len(sizes))
-    runs = runs[1:]
-    medians = [median_high(by_size) for by_size in zip(*runs)]
+        medians = timed_medians(lambda n: timer.once(n, packed), sizes, repeats, warm_up=True, bar=bar)
+    again = sorted({sizes[j] for i in peaks(sizes, isotonic(medians)) for j in (i - 1, i, i + 1)})
+    if again:
+        retimed = dict(zip(again, timed_medians(lambda n: timer.once(n, packed), again, repeats)))
+        medians = [min(m, retimed.get(n, m)) for n, m in zip(sizes, medians)]
     return ForwardCost(tuple(sizes), tuple(isotonic(medians)))
+
+
+def timed_medians(time_once: Callable[[int], float], sizes, repeats: int, warm_up: bool = False, bar=None):
+    """Per size, the median of `repeats` timings (`time_once(n)`) taken in rounds over all sizes, after a
+    round to warm up where `warm_up`."""
+    runs = []
+    for _ in range(repeats + int(warm_up)):
+        runs.append([time_once(n) for n in sizes])
+        if bar is not None:
+            bar.update(len(sizes))
+    return [median_high(by_size) for by_size in zip(*runs[int(warm_up) :])]
+
+
+PEAK = 0.15  # above its neighbours' chord by more than this: timed again
+
+
+def peaks(sizes, seconds, above: float = PEAK) -> list[int]:
+    """Indices of the inner points of a curve more than `above` (a fraction) above the chord between their
+    neighbours."""
+    found = []
+    for i in range(1, len(sizes) - 1):
+        (a, n, b), (ta, t, tb) = sizes[i - 1 : i + 2], seconds[i - 1 : i + 2]
+        if t > (1 + above) * (ta + (tb - ta) * (n - a) / (b - a)):
+            found.append(i)
+    return found
 
 
 def isotonic(values: list[float]) -> list[float]:
@@ -187,7 +212,7 @@ def forward_cost_key(model, packed_linear: bool | None = None, sizes=DEFAULT_SIZ
         "kernels": f"plan with streamed_linear {streamed_linear.version()}",
         "timed_as": "verify_tree",  # and those from before the timing made decoding's own call
         "cache": "grown in place",  # and those timed on a cache that copied itself every forward
-        "fit": "isotonic, rounds",  # and those fitted otherwise
+        "fit": "isotonic, rounds, peaks timed again",  # and those fitted otherwise
         "sizes": list(sizes),
         "context": context,
     }
