@@ -8,7 +8,7 @@ files, so no number on any of them can drift from the run that produced it.
 machine, settings). Every number on the pages is read from the result file; the prose around a table says
 what was measured, never the numbers themselves. RESULTS.md holds the current claims, one per question; a
 claim with `superseded_by` (the id of the current claim that a newer run of the same question made) goes to
-docs/results-archive.md instead.
+docs/results-archive.md instead. Each current claim names its `topic` (`TOPICS`), which places its section.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ it, the commit it ran at, the machine, the date and the result file. This page i
 `python benchmarks/results.py` (CI checks it with `--check`); the history of earlier sessions and
 configurations is in [docs/history.md](docs/history.md).
 
-This page lists the current claims, one per question. Earlier runs of the same questions, each naming the
-claim that replaced it, are in [docs/results-archive.md](docs/results-archive.md).
+This page lists the current claims, one per question, grouped by topic (the contents below). Earlier runs of
+the same questions, each naming the claim that replaced it, are in
+[docs/results-archive.md](docs/results-archive.md).
 
 Conventions: the model is {MODEL}, unless a section says otherwise. τ (block efficiency) = new tokens /
 base-model forwards, prefill included. Speedup = the FASTEST plain `generate`'s time / the method's time on
@@ -909,6 +910,46 @@ def current(claims: list[dict]) -> list[dict]:
     return [c for c in claims if not c.get("superseded_by")]
 
 
+# RESULTS.md's topics, in the page's order: each current claim names one (`topic`), and its section sits
+# among its topic's, which keep the order of claims.json
+TOPICS = {
+    "speed": "Speed of the shipped default against the fastest plain generate",
+    "sampling": "Sampling",
+    "batches": "Batches",
+    "gemma": "Gemma-3-270M",
+    "drafts": "Better drafts (issue #59): heads, EAGLE layers, lookup and retrieval",
+    "sizing": "Tree sizing and the step chooser",
+    "gpu": "GPUs and the captured step",
+    "kernels": "CPU kernels, compilation and memory",
+    "exactness": "Exactness, robustness and the paper's analyses",
+}
+
+
+def topic_errors(claims: list[dict]) -> list[str]:
+    return [
+        f"{c['id']}: topic {c.get('topic')!r} is none of {sorted(TOPICS)}"
+        for c in current(claims)
+        if c.get("topic") not in TOPICS
+    ]
+
+
+def by_topic(claims: list[dict]) -> dict[str, list[dict]]:
+    grouped = {topic: [] for topic in TOPICS}
+    for claim in current(claims):
+        grouped[claim["topic"]].append(claim)
+    return grouped
+
+
+def render_contents(claims: list[dict]) -> list[str]:
+    """The page's contents: per topic, a link to each of its claims' sections, by claim id."""
+    lines = ["## Contents", ""]
+    for topic, group in by_topic(claims).items():
+        if group:
+            links = ", ".join(f"[{c['id']}](#{heading_anchor(c['title'])})" for c in group)
+            lines.append(f"- **{TOPICS[topic]}**: {links}")
+    return [*lines, "", ""]
+
+
 def render_levers(claims: list[dict]) -> list[str]:
     """Issue #59's ablation at a glance: each current claim that tried a lever for better drafts (its `lever`
     field), linked to its section, whose title gives what the lever did against its control."""
@@ -930,8 +971,9 @@ def render_levers(claims: list[dict]) -> list[str]:
 
 
 def render_results(claims: list[dict]) -> str:
-    levers = "\n".join(render_levers(claims))
-    return HEADER + "\n" + levers + "\n\n".join(render_claim(c) for c in current(claims)) + "\n"
+    contents, levers = "\n".join(render_contents(claims)), "\n".join(render_levers(claims))
+    ordered = [c for group in by_topic(claims).values() for c in group]
+    return HEADER + "\n" + contents + levers + "\n\n".join(render_claim(c) for c in ordered) + "\n"
 
 
 def render_archive(claims: list[dict]) -> str:
@@ -999,7 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on a difference")
     args = parser.parse_args(argv)
     claims = json.loads(CLAIMS.read_text())
-    errors = supersession_errors(claims) + provenance_errors(claims)
+    errors = supersession_errors(claims) + provenance_errors(claims) + topic_errors(claims)
     if errors:
         print("\n".join(errors), file=sys.stderr)
         return 1

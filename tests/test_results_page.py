@@ -96,3 +96,23 @@ def test_a_claim_naming_another_processor_maker_than_its_result_file_is_an_error
         f"c: its machine is {amd['machine']!r}; its result file ran on {env['device']!r}"
     ]
     assert results.provenance_errors([{**claim, "machine": "2-core Intel Xeon CPU (KVM), 24 GB"}]) == []
+
+
+def test_every_current_claim_has_a_topic_and_the_contents_link_it_there():
+    """RESULTS.md opens with its contents: each topic's claims, linked by id to their sections, which stand
+    together in the topics' order (benchmarks/results.py TOPICS)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from results import TOPICS, heading_anchor, topic_errors
+
+    claims = json.loads((ROOT / "benchmarks" / "claims.json").read_text())
+    assert topic_errors(claims) == []
+    assert topic_errors([{"id": "x", "topic": "elsewhere"}]) == [f"x: topic 'elsewhere' is none of {sorted(TOPICS)}"]
+    results = (ROOT / "RESULTS.md").read_text()
+    contents = results.split("## Contents\n")[1].split("\n## ")[0]
+    current = [c for c in claims if not c.get("superseded_by")]
+    for claim in current:
+        line = next(line for line in contents.splitlines() if line.startswith(f"- **{TOPICS[claim['topic']]}**"))
+        assert f"[{claim['id']}](#{heading_anchor(claim['title'])})" in line, claim["id"]
+    order = list(TOPICS)
+    positions = [(order.index(c["topic"]), results.index(f"## {c['title']}\n")) for c in current]
+    assert [topic for topic, _ in sorted(positions, key=lambda p: p[1])] == sorted(t for t, _ in positions)
