@@ -940,12 +940,17 @@ def by_topic(claims: list[dict]) -> dict[str, list[dict]]:
     return grouped
 
 
+def claim_link(claim: dict) -> str:
+    """A link to a current claim's section on RESULTS.md, by its id."""
+    return f"[{claim['id']}](#{heading_anchor(claim['title'])})"
+
+
 def render_contents(claims: list[dict]) -> list[str]:
     """The page's contents: per topic, a link to each of its claims' sections, by claim id."""
     lines = ["## Contents", ""]
     for topic, group in by_topic(claims).items():
         if group:
-            links = ", ".join(f"[{c['id']}](#{heading_anchor(c['title'])})" for c in group)
+            links = ", ".join(claim_link(c) for c in group)
             lines.append(f"- **{TOPICS[topic]}**: {links}")
     return [*lines, "", ""]
 
@@ -966,7 +971,7 @@ def render_levers(claims: list[dict]) -> list[str]:
         "| --- | --- | --- |",
     ]
     for c in rows:
-        lines.append(f"| {c['lever']} | {c.get('model', MODEL)} | [{c['id']}](#{heading_anchor(c['title'])}) |")
+        lines.append(f"| {c['lever']} | {c.get('model', MODEL)} | {claim_link(c)} |")
     return [*lines, "", ""]
 
 

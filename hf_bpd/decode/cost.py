@@ -88,11 +88,15 @@ def measure_forward_cost(
     shape the machine really has comes back the same. `progress`: draw a bar (`log.progress`)."""
     packed = linear_context(model, packed_linear)  # resolved once, outside the timed forwards
     timer = ForwardTimer(model, context)
+
+    def time_once(n: int) -> float:
+        return timer.once(n, packed)
+
     with log.progress((repeats + 1) * len(sizes), "forward-cost curve") if progress else nullcontext() as bar:
-        medians = timed_medians(lambda n: timer.once(n, packed), sizes, repeats, warm_up=True, bar=bar)
+        medians = timed_medians(time_once, sizes, repeats, warm_up=True, bar=bar)
     again = sorted({sizes[j] for i in peaks(sizes, isotonic(medians)) for j in (i - 1, i, i + 1)})
     if again:
-        retimed = dict(zip(again, timed_medians(lambda n: timer.once(n, packed), again, repeats)))
+        retimed = dict(zip(again, timed_medians(time_once, again, repeats)))
         medians = [min(m, retimed.get(n, m)) for n, m in zip(sizes, medians)]
     return ForwardCost(tuple(sizes), tuple(isotonic(medians)))
 
