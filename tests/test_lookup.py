@@ -9,7 +9,14 @@ from conftest import tiny_model
 import hf_bpd
 from hf_bpd import BlockDrafter
 from hf_bpd.drafting.calibration import HEADS, AcceptanceCalibration, Arc
-from hf_bpd.drafting.lookup import lookup_continuation, lookup_source, merge_lookup
+from hf_bpd.drafting.lookup import (
+    LOOKUP_PROBABILITY,
+    lookup_continuation,
+    lookup_source,
+    lookup_tree,
+    merge_lookup,
+    merge_lookups_after_drafts,
+)
 from hf_bpd.drafting.tree import DraftTree
 
 
@@ -75,3 +82,60 @@ def test_lattice_heads_with_a_fixed_tree_size_hold_the_lookup_chain():
         hf_bpd.prepare(drafter, model)
         (tree,) = drafter.draft(hidden, ids)
         assert ((8, 9, 10, 11) in tree.node_paths()) is holds
+
+
+def test_lookup_tree_branches_by_how_many_occurrences_continue_each_path():
+    # "0 1 2" occurred three times: twice followed by 3 4, once (the most recent) by 5; the context ends in it
+    tokens = np.array([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 5, 0, 1, 2])
+    chains, n = lookup_tree(tokens, 3, 8)
+    assert n == 3
+    assert [chain for chain, _ in chains] == [[3, 4, 0], [5, 0, 1]]
+    assert np.allclose(np.exp(chains[0][1]), [2 / 4, 2 / 3, 2 / 3])  # each arc: its share, add-one smoothed
+    assert np.allclose(np.exp(chains[1][1]), [1 / 4, 1 / 2, 1 / 2])
+
+
+def test_lookup_tree_of_one_occurrence_is_the_chain_at_the_lookup_probability():
+    tokens = np.array([5, 1, 2, 3, 9, 9, 7, 2, 3, 4, 4, 4, 8, 1, 2, 3])
+    chains, n = lookup_tree(tokens, 3, 8)
+    assert (chains[0][0], n) == lookup_continuation(tokens, 3) and len(chains) == 1
+    assert np.allclose(chains[0][1], math.log(LOOKUP_PROBABILITY))
+    # equal counts: the later occurrence's continuation first; no chain reads past the context's end
+    chains, n = lookup_tree(np.array([7, 1, 7, 2, 7]), 4, 8)
+    assert n == 1 and [chain for chain, _ in chains] == [[2, 7], [1, 7, 2, 7]]
+    assert lookup_tree(np.array([1, 2, 3]), 5, 8) == ([], 0)
+
+
+def test_a_drafter_with_a_lookup_tree_drafts_every_occurrences_continuation_and_stays_exact():
+    model = tiny_model("llama", eos_token_id=None)
+    heads = hf_bpd.BlockDraftHeads.for_base_model(model, num_heads=2)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 3, 5, 6, 7, 10, 11, 3, 5, 6, 7]])  # "5 6 7" followed by 8 9 and 10 11
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1][:, -1]
+    for nodes, branches in ((None, {(10, 11)}), (6, {(8, 9), (10, 11)})):
+        drafter = BlockDrafter(heads, top_k=2, max_tree_tokens=12, context_lookup=4, context_lookup_nodes=nodes)
+        hf_bpd.prepare(drafter, model)
+        (tree,) = drafter.draft(hidden, ids)
+        assert {path for path in branches if path in tree.node_paths()} == branches
+        assert (nodes is None) == ((8, 9) not in tree.node_paths())
+    ref = model.generate(ids, do_sample=False, max_new_tokens=20)
+    grafting = BlockDrafter(heads, top_k=2, max_tree_tokens=12, context_lookup=4, lookup_after_drafts=3)
+    for assistant in (drafter, grafting):
+        kw = dict(do_sample=False, max_new_tokens=20, custom_generate=hf_bpd.generate, assistant=assistant)
+        assert model.generate(ids, **kw).tolist() == ref.tolist()
+
+
+def test_a_lookup_after_a_drafted_node_continues_the_passage_its_token_picks_out():
+    # the context ends in 0, which occurred before 1 2 3 and before 4 5 6: the root's lookup takes the most
+    # recent (4 5 6); the heads' second node 1 picks out the other passage, and is continued by 2 3
+    tokens = np.array([0, 1, 2, 3, 9, 0, 4, 5, 6, 9, 0])
+    tree = DraftTree.from_paths(0, [(4,), (1,)], 8)
+    arcs = [Arc(0.0, HEADS), Arc(math.log(0.5), HEADS), Arc(math.log(0.4), HEADS)]
+    chain, ngram = lookup_continuation(tokens, 3)
+    tree, arcs = merge_lookup(tree, arcs, chain, ngram, None, 16)
+    assert chain == [4, 5, 6] and (1, 2) not in tree.node_paths()
+    grafted, grafted_arcs = merge_lookups_after_drafts(tree, arcs, tokens, 2, 3, None, 16)
+    paths = grafted.node_paths()
+    assert {(4, 5, 6), (1, 2, 3)} <= set(paths)
+    assert grafted_arcs[paths.index((1,))].source == HEADS  # the drafted node keeps its own arc
+    assert grafted_arcs[paths.index((1, 2))].source == lookup_source(2)  # "0 1" matched
+    assert merge_lookups_after_drafts(tree, arcs, tokens, 0, 3, None, 16)[0].node_paths() == tree.node_paths()

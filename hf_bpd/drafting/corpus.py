@@ -106,25 +106,37 @@ class CorpusIndex:
         ends, n = self.matches(np.asarray(context, dtype=np.int64))
         if not ends.size or max_depth < 1 or max_nodes < 1:
             return [], n
-        candidates: list = []  # heap of (-path logprob, tie order, tokens, arc logprobs, match ends)
-        order = itertools.count()
+        return continuation_tree(self.tokens, ends, max_depth, max_nodes), n
 
-        def offer_children(tokens: list[int], logprobs: list[float], ends: np.ndarray) -> None:
-            following = self.tokens[ends + 1]
-            values, counts = np.unique(following[following != SEPARATOR], return_counts=True)
-            best = np.argsort(-counts, kind="stable")[:max_nodes]  # no node grows more children than that
-            for token, count in zip(values[best].tolist(), counts[best].tolist()):
-                lp = math.log(count / (ends.size + 1))
-                arcs, matching = [*logprobs, lp], ends[following == token] + 1
-                heapq.heappush(candidates, (-sum(arcs), next(order), [*tokens, token], arcs, matching))
 
-        offer_children([], [], ends)
-        grown, parents = [], set()
-        while candidates and len(grown) < max_nodes:
-            _, _, tokens, logprobs, ends = heapq.heappop(candidates)
-            grown.append((tokens, logprobs))
-            parents.add(tuple(tokens[:-1]))
-            if len(tokens) < max_depth:
-                offer_children(tokens, logprobs, ends)
-        leaves = [(tokens, logprobs) for tokens, logprobs in grown if tuple(tokens) not in parents]
-        return sorted(leaves, key=lambda chain: -sum(chain[1])), n
+def continuation_tree(
+    tokens: np.ndarray, ends: np.ndarray, max_depth: int, max_nodes: int
+) -> list[tuple[list[int], list[float]]]:
+    """The tree of what followed the positions `ends` (ascending) of `tokens` (one token sequence, `SEPARATOR` where no
+    chain may cross, and after its end), grown best first by path frequency up to `max_nodes` nodes and
+    `max_depth` tokens, as its root-to-leaf chains (tokens, each arc's log-probability estimate: the
+    token's share of the positions still matching, add-one smoothed), most probable first. Equally frequent
+    children go to the one that followed the latest of `ends` first."""
+    candidates: list = []  # heap of (-path logprob, tie order, tokens, arc logprobs, match ends)
+    order = itertools.count()
+
+    def offer_children(path: list[int], logprobs: list[float], ends: np.ndarray) -> None:
+        following = tokens[ends + 1]
+        real = following[following != SEPARATOR][::-1]  # latest first: `ends` ascend
+        values, latest_first, counts = np.unique(real, return_index=True, return_counts=True)
+        best = np.lexsort((latest_first, -counts))[:max_nodes]  # no node grows more children than that
+        for token, count in zip(values[best].tolist(), counts[best].tolist()):
+            lp = math.log(count / (ends.size + 1))
+            arcs, matching = [*logprobs, lp], ends[following == token] + 1
+            heapq.heappush(candidates, (-sum(arcs), next(order), [*path, token], arcs, matching))
+
+    offer_children([], [], ends)
+    grown, parents = [], set()
+    while candidates and len(grown) < max_nodes:
+        _, _, path, logprobs, matching = heapq.heappop(candidates)
+        grown.append((path, logprobs))
+        parents.add(tuple(path[:-1]))
+        if len(path) < max_depth:
+            offer_children(path, logprobs, matching)
+    leaves = [(path, logprobs) for path, logprobs in grown if tuple(path) not in parents]
+    return sorted(leaves, key=lambda chain: -sum(chain[1]))

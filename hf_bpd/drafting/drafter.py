@@ -40,7 +40,14 @@ from .eagle import EagleContext, EagleDraftLayer, grow_tree
 from .expansion import GrownTree, chain_lattice, expand_tree, grow_on_device
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
-from .lookup import lookup_continuation, merge_chain, merge_lookup
+from .lookup import (
+    lookup_continuation,
+    lookup_source,
+    lookup_tree,
+    merge_chain,
+    merge_lookup,
+    merge_lookups_after_drafts,
+)
 from .tree import DraftTree
 
 RECENT_STEPS = 16  # steps whose trees' kept grown nodes bound how far "previous" heads grow a tree that will be cut
@@ -97,6 +104,13 @@ class BlockDrafter:
                      (`lookup.py`: prompt-lookup's long copies inside the tree, competing with the heads'
                      nodes on calibrated probability, or on raw probability with calibrate=False);
                      0 turns it off.
+    context_lookup_nodes: None: the chain after the context n-gram's most recent occurrence (the one that
+                     has `context_lookup` tokens after it); an integer: the tree of what followed every
+                     occurrence, up to that many nodes, each path estimated by how many occurrences it
+                     continues (`lookup.lookup_tree`). The captured step drafts the chain either way.
+    lookup_after_drafts: the most probable drafted nodes (0: none) below which the chain looked up with the
+                     node's path appended to the context is merged too (`lookup.merge_lookups_after_drafts`);
+                     not in the captured step.
     corpus:          optional `CorpusIndex` of the base model's own answers (`corpus.py`), or the path of
                      one its `save` wrote: the `corpus_nodes` most frequent nodes of what followed the
                      context's last tokens there (up to `context_lookup` tokens deep, 10 where that is
@@ -144,6 +158,8 @@ class BlockDrafter:
         calibrate: bool = True,
         packed_linear: bool | None = None,
         context_lookup: int = 10,
+        context_lookup_nodes: int | None = None,
+        lookup_after_drafts: int = 0,
         corpus: CorpusIndex | str | Path | None = None,
         corpus_nodes: int = 10,
         compact_weights: bool = False,
@@ -158,6 +174,10 @@ class BlockDrafter:
             raise ValueError(f"max_tree_tokens must be an integer >= 1 or 'auto', got {max_tree_tokens!r}")
         if not isinstance(context_lookup, int) or context_lookup < 0:
             raise ValueError(f"context_lookup must be an integer >= 0 (0: off), got {context_lookup!r}")
+        if context_lookup_nodes is not None and (not isinstance(context_lookup_nodes, int) or context_lookup_nodes < 1):
+            raise ValueError(f"context_lookup_nodes must be None or an integer >= 1, got {context_lookup_nodes!r}")
+        if not isinstance(lookup_after_drafts, int) or lookup_after_drafts < 0:
+            raise ValueError(f"lookup_after_drafts must be an integer >= 0 (0: off), got {lookup_after_drafts!r}")
         if not isinstance(corpus_nodes, int) or corpus_nodes < 1:
             raise ValueError(f"corpus_nodes must be an integer >= 1, got {corpus_nodes!r}")
         if packed_linear not in (None, True, False):
@@ -187,6 +207,8 @@ class BlockDrafter:
         self.forward_cost = forward_cost
         self.packed_linear = packed_linear
         self.context_lookup = context_lookup
+        self.context_lookup_nodes = context_lookup_nodes
+        self.lookup_after_drafts = lookup_after_drafts
         if isinstance(corpus, (str, Path)):
             corpus = CorpusIndex.load(corpus)
         elif corpus is not None and not isinstance(corpus, CorpusIndex):
@@ -501,9 +523,18 @@ class BlockDrafter:
                 longest = self.context_lookup or 10
                 limit = longest if max_depth is None else min(longest, max_depth)
                 tokens = context[b].cpu().numpy() if row is None else np.asarray(row)
-                if self.context_lookup:
+                if self.context_lookup and self.context_lookup_nodes:
+                    chains, ngram = lookup_tree(tokens, limit, self.context_lookup_nodes)
+                    for chain, logprobs in chains:
+                        chain_arcs = [Arc(lp, lookup_source(ngram)) for lp in logprobs]
+                        tree, arcs = merge_chain(tree, arcs, chain, chain_arcs, self.calibration, budget)
+                elif self.context_lookup:
                     chain, ngram = lookup_continuation(tokens, limit)
                     tree, arcs = merge_lookup(tree, arcs, chain, ngram, self.calibration, budget)
+                if self.context_lookup and self.lookup_after_drafts:
+                    tree, arcs = merge_lookups_after_drafts(
+                        tree, arcs, tokens, self.lookup_after_drafts, limit, self.calibration, budget
+                    )
                 if self.corpus is not None:
                     chains, ngram = self.corpus.continuations(tokens, limit, self.corpus_nodes)
                     for chain, logprobs in chains:

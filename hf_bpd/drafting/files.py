@@ -29,6 +29,8 @@ def drafter_settings(drafter: BlockDrafter) -> dict:
         "top_k": drafter.top_k,
         "max_tree_tokens": drafter.max_tree_tokens,
         "context_lookup": drafter.context_lookup,
+        **({"context_lookup_nodes": drafter.context_lookup_nodes} if drafter.context_lookup_nodes else {}),
+        **({"lookup_after_drafts": drafter.lookup_after_drafts} if drafter.lookup_after_drafts else {}),
         "calibrate": drafter.calibration is not None,
         "packed_linear": drafter.packed_linear,
         **({"compact_weights": True} if drafter.compact_weights else {}),

@@ -21,34 +21,65 @@ import numpy as np
 import torch
 
 from .calibration import AcceptanceCalibration, Arc, calibrated_logprob
+from .corpus import SEPARATOR, continuation_tree
 from .tree import DraftTree
 
 LOOKUP_PROBABILITY = 0.5  # raw acceptance estimate of one chain arc before calibration has evidence
 MAX_NGRAM = 3
 
 
+LOOKUP = "lookup"
+
+
 def lookup_source(ngram: int) -> str:
     """Calibration source of chain arcs found by an n-gram match of length `ngram`."""
-    return f"lookup{ngram}"
+    return f"{LOOKUP}{ngram}"
 
 
-def lookup_continuation(tokens: np.ndarray, max_tokens: int, max_ngram: int = MAX_NGRAM) -> tuple[list[int], int]:
-    """The tokens that followed an earlier occurrence of the context's last n tokens, for the longest
-    n <= `max_ngram` that occurs (most recent occurrence with `max_tokens` tokens after it, else the most
-    recent one). Returns (continuation, n); ([], 0) when not even the last token occurs before."""
+def context_matches(tokens: np.ndarray, max_ngram: int = MAX_NGRAM) -> tuple[np.ndarray, int]:
+    """Where the context's last n tokens occurred before, for the longest n <= `max_ngram` that did: the
+    ascending indices of those occurrences' last tokens, and n; (empty, 0) when not even the last token
+    occurs before."""
     length = len(tokens)
-    if max_tokens < 1 or length < 2:
-        return [], 0
     for n in range(min(max_ngram, length - 1), 0, -1):
         # ends[i]: index of the last token of a match; a match must end before the context's last token
         ends = np.flatnonzero(tokens[n - 1 : length - 1] == tokens[-1]) + (n - 1)
         for k in range(1, n):
             ends = ends[tokens[ends - k] == tokens[length - 1 - k]]
         if ends.size:
-            full = ends[ends + max_tokens < length]
-            start = int(full[-1] if full.size else ends[-1]) + 1
-            return tokens[start : start + max_tokens].tolist(), n
-    return [], 0
+            return ends, n
+    return np.zeros(0, np.int64), 0
+
+
+def lookup_continuation(tokens: np.ndarray, max_tokens: int, max_ngram: int = MAX_NGRAM) -> tuple[list[int], int]:
+    """The tokens that followed an earlier occurrence of the context's last n tokens, for the longest
+    n <= `max_ngram` that occurs (most recent occurrence with `max_tokens` tokens after it, else the most
+    recent one). Returns (continuation, n); ([], 0) when not even the last token occurs before."""
+    if max_tokens < 1 or len(tokens) < 2:
+        return [], 0
+    ends, n = context_matches(tokens, max_ngram)
+    if not ends.size:
+        return [], 0
+    full = ends[ends + max_tokens < len(tokens)]
+    start = int(full[-1] if full.size else ends[-1]) + 1
+    return tokens[start : start + max_tokens].tolist(), n
+
+
+def lookup_tree(
+    tokens: np.ndarray, max_depth: int, max_nodes: int, max_ngram: int = MAX_NGRAM
+) -> tuple[list[tuple[list[int], list[float]]], int]:
+    """What followed every earlier occurrence of the context's last n tokens (the longest n <= `max_ngram`
+    that occurs), as a tree of up to `max_nodes` nodes grown by how many occurrences each path continues
+    (`corpus.continuation_tree`: each arc estimated by its token's add-one smoothed share, so one occurrence
+    gives `LOOKUP_PROBABILITY`'s 0.5 an arc, as the single chain's arcs have). Returns its root-to-leaf
+    chains (tokens, arc log-probabilities), most probable first, and n; ([], 0) where nothing occurs."""
+    if max_depth < 1 or max_nodes < 1 or len(tokens) < 2:
+        return [], 0
+    ends, n = context_matches(tokens, max_ngram)
+    if not ends.size:
+        return [], 0
+    ended = np.append(np.asarray(tokens, dtype=np.int64), SEPARATOR)  # no chain runs past the context's end
+    return continuation_tree(ended, ends, max_depth, max_nodes), n
 
 
 def merge_lookup(
@@ -95,6 +126,37 @@ def merge_chain(
             arcs[child] = copy
         node = child
     return tree.by_path_probability(arcs, calibration, max_nodes)
+
+
+def merge_lookups_after_drafts(
+    tree: DraftTree,
+    arcs: list[Arc],
+    tokens: np.ndarray,
+    count: int,
+    max_depth: int,
+    calibration: AcceptanceCalibration | None,
+    max_nodes: int,
+) -> tuple[DraftTree, list[Arc]]:
+    """Merge, below each of the `count` most probable nodes of `tree` (in path-probability order) that a
+    lookup did not draft, the chain looked up with that node's path appended to the context: the drafted
+    tokens can tell which earlier passage is being repeated where the context's own last tokens occur in
+    many. Chains end at `max_depth` tokens past the root; their arcs are estimated as `merge_lookup`'s."""
+    paths = tree.node_paths()
+    drafted = [node for node in range(1, len(tree)) if not arcs[node].source.startswith(LOOKUP)][:count]
+    grafts = []
+    for node in drafted:
+        path = paths[node]
+        if len(path) >= max_depth:
+            continue
+        chain, ngram = lookup_continuation(
+            np.concatenate([tokens, np.asarray(path, tokens.dtype)]), max_depth - len(path)
+        )
+        if chain:
+            copy = Arc(math.log(LOOKUP_PROBABILITY), lookup_source(ngram))
+            grafts.append(([*path, *chain], [arcs[i] for i in tree.path_to(node)[1:]] + [copy] * len(chain)))
+    for chain, chain_arcs in grafts:  # node indices change with every merge: the paths were read first
+        tree, arcs = merge_chain(tree, arcs, chain, chain_arcs, calibration, max_nodes)
+    return tree, arcs
 
 
 def lookup_on_device(

@@ -280,6 +280,20 @@ def main(argv: list[str] | None = None) -> int:
         "--context-lookup", type=int, nargs="+", default=[10], help="longest context-lookup chains (0: off)"
     )
     parser.add_argument(
+        "--lookup-nodes",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="context lookup as a tree of what followed every occurrence, up to this many nodes (0: one chain)",
+    )
+    parser.add_argument(
+        "--lookup-after-drafts",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="most probable drafted nodes below which the context is looked up with their path appended (0: off)",
+    )
+    parser.add_argument(
         "--rescorers",
         nargs="+",
         default=["none"],
@@ -307,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     check_data_file(args.data)
     if args.max_turns is not None and args.max_turns < 1:
         raise SystemExit(f"--max-turns must be at least 1, got {args.max_turns}")
+    if min(args.lookup_nodes) < 0 or min(args.lookup_after_drafts) < 0:
+        raise SystemExit("--lookup-nodes and --lookup-after-drafts must be at least 0")
 
     from ..io.models import load_model
     from ..io.packaged import check_shipped_rescorers, packaged_rescorer, resolve_packaged_name
@@ -326,12 +342,24 @@ def main(argv: list[str] | None = None) -> int:
     for heads in args.heads:
         for k in args.top_k:
             for size in args.max_tree_tokens:
-                for lookup, rescorer in itertools.product(args.context_lookup, args.rescorers):
+                settings = itertools.product(
+                    args.context_lookup, args.lookup_nodes, args.lookup_after_drafts, args.rescorers
+                )
+                for lookup, nodes, after, rescorer in settings:
                     name = f"k{k} n{size}" + (f" lookup{lookup}" if len(args.context_lookup) > 1 else "")
+                    name += f" tree{nodes}" if len(args.lookup_nodes) > 1 else ""
+                    name += f" after{after}" if len(args.lookup_after_drafts) > 1 else ""
                     name = f"{Path(heads).name} {name}" if len(args.heads) > 1 else name
                     name += f" +{rescorer}" if len(args.rescorers) > 1 else ""
                     drafter = load_drafter(
-                        heads, model, packaged_model=packaged, top_k=k, max_tree_tokens=size, context_lookup=lookup
+                        heads,
+                        model,
+                        packaged_model=packaged,
+                        top_k=k,
+                        max_tree_tokens=size,
+                        context_lookup=lookup,
+                        context_lookup_nodes=nodes or None,
+                        lookup_after_drafts=after,
                     )
                     if rescorer != "none":
                         drafter = drafter.with_rescorer(packaged_rescorer(rescorer, tokenizer, model=packaged))
