@@ -141,6 +141,25 @@ def render_replay(report: dict) -> list[str]:
     return lines
 
 
+def render_calibration_reliability(report: dict) -> list[str]:
+    """`research.calibration_reliability`: calibrated acceptance estimates against measured acceptance, by
+    source, depth and raw-estimate bin."""
+    lines = [
+        f"τ {report['tau']['tau']:.2f} ({report['args']['heads']}, {report['args']['max_tree_tokens']} nodes, "
+        f"context lookup {report['args']['context_lookup']})",
+        "",
+        "| source | depth | raw estimate ≥ | arcs | mean calibrated | accepted | accepted / calibrated |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in report["cells"]:
+        ratio = c["accepted"] / c["calibrated"] if c["calibrated"] else float("nan")
+        lines.append(
+            f"| {c['source']} | {c['depth']} | {c['raw_at_least']} | {c['arcs']} | {c['calibrated']:.3f} | "
+            f"{c['accepted']:.3f} | {ratio:.2f} |"
+        )
+    return lines
+
+
 def render_sampling_estimates(report: dict) -> list[str]:
     """`research.ablate_sampling_estimates`: a seeded sampled run and a greedy run on the same rows."""
     sampled, greedy = report["sampled"], report["greedy"]
@@ -792,6 +811,7 @@ def render_compiled_plan_forward(report: dict) -> list[str]:
 
 
 RENDERERS = {
+    "calibration_reliability": render_calibration_reliability,
     "compiled_plan_forward": render_compiled_plan_forward,
     "growing_cache": render_growing_cache,
     "int8_head": render_int8_head,

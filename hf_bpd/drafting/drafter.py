@@ -107,10 +107,10 @@ class BlockDrafter:
     context_lookup_nodes: None: the chain after the context n-gram's most recent occurrence (the one that
                      has `context_lookup` tokens after it); an integer: the tree of what followed every
                      occurrence, up to that many nodes, each path estimated by how many occurrences it
-                     continues (`lookup.lookup_tree`). The captured step drafts the chain either way.
+                     continues (`lookup.lookup_tree`). The captured step refuses it (one chain).
     lookup_after_drafts: the most probable drafted nodes (0: none) below which the chain looked up with the
                      node's path appended to the context is merged too (`lookup.merge_lookups_after_drafts`);
-                     not in the captured step.
+                     the captured step refuses it.
     corpus:          optional `CorpusIndex` of the base model's own answers (`corpus.py`), or the path of
                      one its `save` wrote: the `corpus_nodes` most frequent nodes of what followed the
                      context's last tokens there (up to `context_lookup` tokens deep, 10 where that is
