@@ -11,6 +11,10 @@ Its nodes compete with the heads' nodes on calibrated path probability: every ch
 really accepted (sources "lookup1", "lookup2", ...). The forward-cost curve then decides, per step, how
 much of the merged tree is worth verifying, so a chain that keeps being rejected stops costing anything.
 Like every draft it only decides what is verified, never a token.
+
+Two options branch it (`BlockDrafter`'s `context_lookup_nodes` and `lookup_after_drafts`): a tree of what
+followed every earlier occurrence (`lookup_tree`), and chains looked up below the heads' most probable
+nodes, with their drafted tokens appended to the context (`merge_lookups_after_drafts`).
 """
 
 from __future__ import annotations
@@ -26,9 +30,7 @@ from .tree import DraftTree
 
 LOOKUP_PROBABILITY = 0.5  # raw acceptance estimate of one chain arc before calibration has evidence
 MAX_NGRAM = 3
-
-
-LOOKUP = "lookup"
+LOOKUP = "lookup"  # the prefix of every lookup arc's calibration source
 
 
 def lookup_source(ngram: int) -> str:
