@@ -112,11 +112,11 @@ class CorpusIndex:
 def continuation_tree(
     tokens: np.ndarray, ends: np.ndarray, max_depth: int, max_nodes: int
 ) -> list[tuple[list[int], list[float]]]:
-    """The tree of what followed the positions `ends` (ascending) of `tokens` (one token sequence, `SEPARATOR` where no
-    chain may cross, and after its end), grown best first by path frequency up to `max_nodes` nodes and
-    `max_depth` tokens, as its root-to-leaf chains (tokens, each arc's log-probability estimate: the
-    token's share of the positions still matching, add-one smoothed), most probable first. Equally frequent
-    children go to the one that followed the latest of `ends` first."""
+    """The tree of what followed the positions `ends` (ascending) of `tokens` (one token sequence, with
+    `SEPARATOR` where no chain may cross and after its end), grown best first by path frequency up to
+    `max_nodes` nodes and `max_depth` tokens, as its root-to-leaf chains (tokens, each arc's log-probability
+    estimate: the token's share of the positions still matching, add-one smoothed), most probable first.
+    Equally frequent children go to the one that followed the latest of `ends` first."""
     candidates: list = []  # heap of (-path logprob, tie order, tokens, arc logprobs, match ends)
     order = itertools.count()
 

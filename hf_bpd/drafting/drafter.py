@@ -44,7 +44,7 @@ from .lookup import (
     lookup_continuation,
     lookup_source,
     lookup_tree,
-    merge_chain,
+    merge_chains,
     merge_lookup,
     merge_lookups_after_drafts,
 )
@@ -525,9 +525,7 @@ class BlockDrafter:
                 tokens = context[b].cpu().numpy() if row is None else np.asarray(row)
                 if self.context_lookup and self.context_lookup_nodes:
                     chains, ngram = lookup_tree(tokens, limit, self.context_lookup_nodes)
-                    for chain, logprobs in chains:
-                        chain_arcs = [Arc(lp, lookup_source(ngram)) for lp in logprobs]
-                        tree, arcs = merge_chain(tree, arcs, chain, chain_arcs, self.calibration, budget)
+                    tree, arcs = merge_chains(tree, arcs, chains, lookup_source(ngram), self.calibration, budget)
                 elif self.context_lookup:
                     chain, ngram = lookup_continuation(tokens, limit)
                     tree, arcs = merge_lookup(tree, arcs, chain, ngram, self.calibration, budget)
@@ -537,9 +535,7 @@ class BlockDrafter:
                     )
                 if self.corpus is not None:
                     chains, ngram = self.corpus.continuations(tokens, limit, self.corpus_nodes)
-                    for chain, logprobs in chains:
-                        chain_arcs = [Arc(lp, corpus_source(ngram)) for lp in logprobs]
-                        tree, arcs = merge_chain(tree, arcs, chain, chain_arcs, self.calibration, budget)
+                    tree, arcs = merge_chains(tree, arcs, chains, corpus_source(ngram), self.calibration, budget)
             trees.append(tree)
             node_arcs.append(arcs)
         if sized:

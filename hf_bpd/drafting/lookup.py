@@ -130,6 +130,22 @@ def merge_chain(
     return tree.by_path_probability(arcs, calibration, max_nodes)
 
 
+def merge_chains(
+    tree: DraftTree,
+    arcs: list[Arc],
+    chains: list[tuple[list[int], list[float]]],
+    source: str,
+    calibration: AcceptanceCalibration | None,
+    max_nodes: int,
+) -> tuple[DraftTree, list[Arc]]:
+    """Merge every chain of `chains` ((tokens after the root, their arcs' log-probabilities), as
+    `lookup_tree` and `CorpusIndex.continuations` give them) as `merge_chain` does, its arcs of calibration
+    source `source`."""
+    for chain, logprobs in chains:
+        tree, arcs = merge_chain(tree, arcs, chain, [Arc(lp, source) for lp in logprobs], calibration, max_nodes)
+    return tree, arcs
+
+
 def merge_lookups_after_drafts(
     tree: DraftTree,
     arcs: list[Arc],
