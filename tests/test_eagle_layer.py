@@ -561,3 +561,60 @@ def test_drafting_runs_the_stacked_linears_as_training_runs_the_separate_ones_an
         layer.mlp.up_proj.weight.add_(0.1)
     after = both()
     assert not torch.allclose(before[1], after[1])
+
+
+def test_context_vocab_drafts_the_context_s_tokens_outside_the_draft_vocabulary_in_one_softmax():
+    """With context_vocab the layer's candidates are its draft vocabulary and the context's tokens outside it
+    (each once, in the order they came), scored by the base model's LM-head rows in one softmax: the top-k
+    and log-probabilities of the full vocabulary's logits restricted to those tokens."""
+    model = tiny_model()
+    vocab = model.config.vocab_size
+    layer = random_layer(model)
+    draft_vocab = torch.arange(0, vocab, 2)  # the even tokens
+    narrow = EagleDraftLayer.for_base_model(model, draft_vocab=draft_vocab, start_as_identity=False)
+    narrow.load_state_dict(layer.state_dict(), strict=False)
+    narrow.eval()
+    tokens, features = sequence(12, model, 4)
+    tokens[3], tokens[7], tokens[9] = 11, 13, 11  # odd tokens in the context, one of them twice
+    context = EagleContext(context_vocab=True)
+    context.extend(narrow, features[:6], tokens[1:7])
+    context.extend(narrow, features[6:11], tokens[7:12])
+    odd = list(dict.fromkeys(t for t in tokens[1:12].tolist() if t % 2))
+    assert context.vocab_extension.ids.tolist() == draft_vocab.tolist() + odd
+    assert context.extension_tokens == set(odd)
+    lm_head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        full = context.prediction @ lm_head.T
+        allowed = torch.full_like(full, float("-inf"))
+        allowed[:, draft_vocab] = full[:, draft_vocab]
+        allowed[:, odd] = full[:, odd]
+        expected_lp, expected_ids = allowed.log_softmax(-1).topk(5)
+        ids, logprobs = narrow.top_tokens(context.prediction, 5, context.vocab_extension)
+    assert ids.tolist() == expected_ids.tolist()
+    torch.testing.assert_close(logprobs, expected_lp, rtol=1e-5, atol=1e-5)
+    tree, _ = grow_tree(narrow, context, int(tokens[11]), top_k=5, budget=40)
+    assert set(tree.tokens[1:]) & set(odd)  # the tree drafts context tokens the draft vocabulary lacks
+    plain = EagleContext()
+    plain.extend(narrow, features[:11], tokens[1:12])
+    assert plain.vocab_extension is None
+    tree, _ = grow_tree(narrow, plain, int(tokens[11]), top_k=5, budget=40)
+    assert all(t % 2 == 0 for t in tree.tokens[1:])
+
+
+def test_context_vocab_decodes_greedy_s_tokens_saves_with_the_drafter_and_is_refused_for_heads(tmp_path):
+    model = tiny_model(eos_token_id=None)
+    layer = random_layer(model, std=0.1)
+    narrow = EagleDraftLayer.for_base_model(model, draft_vocab=torch.arange(0, 97, 3), start_as_identity=False)
+    narrow.load_state_dict(layer.state_dict(), strict=False)
+    narrow.eval()
+    ids = torch.tensor([[5, 10, 17, 4, 22, 31]])
+    drafter = BlockDrafter(narrow, top_k=3, max_tree_tokens=10, context_vocab=True)
+    ours = greedy(model, ids, 30, custom_generate=hf_bpd.generate, assistant=drafter)
+    assert torch.equal(ours, greedy(model, ids, 30))
+    assert drafter._context.vocab_extension is not None
+    drafter.save_pretrained(tmp_path)
+    assert BlockDrafter.from_pretrained(tmp_path).context_vocab is True
+    with pytest.raises(ValueError, match="context_vocab must be True or False"):
+        BlockDrafter(narrow, context_vocab="yes")
+    with pytest.raises(ValueError, match="context_vocab extends an EAGLE draft layer"):
+        BlockDrafter(random_heads(model), context_vocab=True)

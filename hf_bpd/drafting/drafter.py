@@ -131,6 +131,9 @@ class BlockDrafter:
                      one (`decode/support.serving_drafter`). The call's stats are then its, copied here.
                      It keeps its own settings (its `drafter.json` in the saved folder's `fallback/`):
                      `from_pretrained`'s keyword arguments set the layer's.
+    context_vocab:   an EAGLE layer's drafter only: the layer may also draft the context's tokens (the prompt's
+                     and the answer's so far) outside its draft vocabulary, scored by the base model's LM-head
+                     rows in the same softmax (`eagle.EagleContext`). Off by default.
 
     What the decoding loops (`hf_bpd/decode/`) use, and nothing else:
     - `draft(...)`: one step's trees (`step_cost`: the cost to size one row's trees by, `batch_cost` a
@@ -164,6 +167,7 @@ class BlockDrafter:
         corpus_nodes: int = 10,
         compact_weights: bool = False,
         fallback: BlockDrafter | None = None,
+        context_vocab: bool = False,
     ) -> None:
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
@@ -184,6 +188,13 @@ class BlockDrafter:
             raise ValueError(f"packed_linear must be True, False or None (auto), got {packed_linear!r}")
         if compact_weights not in (True, False):
             raise ValueError(f"compact_weights must be True or False, got {compact_weights!r}")
+        if context_vocab not in (True, False):
+            raise ValueError(f"context_vocab must be True or False, got {context_vocab!r}")
+        if context_vocab and not isinstance(heads, EagleDraftLayer):
+            raise ValueError(
+                "context_vocab extends an EAGLE draft layer's vocabulary; draft heads reach the context's tokens "
+                "through their context copy (context_copy.py)"
+            )
         if rescorer is not None and isinstance(heads, EagleDraftLayer):
             raise ValueError("a rescorer re-ranks the heads' lattice, and an EAGLE draft layer has none: rescorer=None")
         if rescorer is not None and not isinstance(rescorer, Rescorer):
@@ -198,6 +209,7 @@ class BlockDrafter:
         self.fallback = fallback
         self.heads = heads
         self.compact_weights = compact_weights
+        self.context_vocab = context_vocab
         if compact_weights:
             round_linear_weights(heads)
         self.top_k = top_k
@@ -230,7 +242,7 @@ class BlockDrafter:
         self.fused_sampling: bool | None = None
         self._recent_grown: deque[int] = deque(maxlen=RECENT_STEPS)  # grown nodes the last sized trees kept
         # an EAGLE layer's context: its KV cache, and the accepted positions' features not yet run through it
-        self._context = EagleContext()
+        self._context = EagleContext(context_vocab=self.context_vocab)
         self._pending: list[tuple[torch.Tensor, list[int]]] = []
         self._in_use = threading.Lock()
 
@@ -280,7 +292,7 @@ class BlockDrafter:
         after each position (the prompt's own, then the first new token). Nothing for heads. The prompt's rows
         run through the layer now, beside the prefill: run at the first draft, their cost would be that step's,
         and the step chooser, judging drafting by it, would take plain steps for a while."""
-        self._context = EagleContext()
+        self._context = EagleContext(context_vocab=self.context_vocab)
         self._pending = []
         self.extend_context(features, next_tokens)
         if self.reads_context:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -309,6 +309,7 @@ class EagleDraftLayer(PreTrainedModel):
         weight = _output_embeddings(model).weight.detach()
         rows = weight[self.draft_vocab.to(weight.device)] if self.config.draft_vocab_size else weight
         self.__dict__["_tied_weight"] = rows
+        self.__dict__["_lm_head"] = weight  # every row: a context's tokens outside the draft vocabulary
         embedding = model.get_input_embeddings()
         if embedding is None or embedding.weight.shape[1] != self.config.hidden_size:
             raise ValueError("an EAGLE draft layer reads the base model's token embeddings: it has none of its width")
@@ -366,11 +367,37 @@ class EagleDraftLayer(PreTrainedModel):
         rows = self.__dict__["_tied_weight"]
         return tuple(w for w, _ in self.fused_weights().values()) + (() if rows is None else (rows,))
 
-    def top_tokens(self, feature: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Predicted features `[n, H]` -> top-k token ids and log-probabilities `[n, k]`."""
+    def top_tokens(
+        self, feature: torch.Tensor, top_k: int, extension: VocabExtension | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Predicted features `[n, H]` -> top-k token ids and log-probabilities `[n, k]`, over the draft
+        vocabulary and, with an `extension` (`EagleContext.vocab_extension`), the context's tokens outside
+        it, all in one softmax."""
         logits = self.logits(feature).float()
+        ids = self.draft_vocab
+        if extension is not None and extension.rows.shape[0]:
+            extra = F.linear(feature, extension.rows.to(feature.dtype)).float()
+            logits, ids = torch.cat([logits, extra], -1), extension.ids
         values, index = logits.topk(top_k, dim=-1)
-        return self.draft_vocab[index], values - logits.logsumexp(-1, keepdim=True)
+        return ids[index], values - logits.logsumexp(-1, keepdim=True)
+
+    def outside_draft_vocab(self, tokens: list[int]) -> list[int]:
+        """The tokens of `tokens` this layer's draft vocabulary lacks, each once, in order (none for a layer
+        drafting the whole vocabulary)."""
+        if not self.config.draft_vocab_size:
+            return []
+        inside = self.__dict__.get("_draft_vocab_set")
+        if inside is None:
+            inside = self.__dict__["_draft_vocab_set"] = frozenset(self.draft_vocab.tolist())
+        return [t for t in dict.fromkeys(tokens) if t not in inside]
+
+    def lm_head_rows(self, tokens: list[int]) -> torch.Tensor:
+        """The base model's LM-head rows of `tokens` `[n, H]`, in this layer's dtype and on its device."""
+        weight = self.__dict__.get("_lm_head")
+        if weight is None:
+            raise RuntimeError("bind the EAGLE draft layer to its base model first: layer.bind(model)")
+        index = torch.tensor(tokens, dtype=torch.long, device=weight.device)
+        return weight[index].to(self.draft_vocab.device, self.dtype)
 
     def step(
         self,
@@ -438,16 +465,33 @@ class EagleDraftLayer(PreTrainedModel):
 
 
 @dataclass
+class VocabExtension:
+    """The tokens a layer may draft beyond its draft vocabulary: `ids [S + E]`, the draft vocabulary followed
+    by the E context tokens outside it, and those E tokens' LM-head rows `[E, H]`."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+
+
+@dataclass
 class EagleContext:
     """The draft layer's KV cache over one sequence's context rows (row t: feature t, token t+1), and the
     prediction of its last row (the root's children's feature). `rows` is the number of rows cached: the
     context's length minus one. `keys` and `values` `[1, kv, room, d]` are buffers written in place: the
-    context's rows first, then a step's tree nodes as scratch, which the next `extend` overwrites."""
+    context's rows first, then a step's tree nodes as scratch, which the next `extend` overwrites.
+
+    With `context_vocab`, the layer may also draft every token of the context its draft vocabulary lacks
+    (`vocab_extension`): most of the tokens a draft vocabulary misses are names, numbers and words of the
+    prompt or of the answer so far, and their rows are the base model's LM head's, which the layer's
+    predicted features were trained to match."""
 
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     rows: int = 0
     prediction: torch.Tensor | None = None  # [1, H]
+    context_vocab: bool = False
+    vocab_extension: VocabExtension | None = None
+    extension_tokens: set[int] = field(default_factory=set)  # vocab_extension's tokens, on the host
 
     def reserve(self, layer: EagleDraftLayer, room: int) -> None:
         """Buffers of room for at least `room` rows, the cached ones kept (grown by doubling)."""
@@ -479,6 +523,22 @@ class EagleContext:
             out, _, _ = layer.step(features, next_tokens, position, self.keys, self.values, mask, self.rows)
         self.rows += n
         self.prediction = out[0, -1:]
+        if self.context_vocab:
+            self._add_to_vocab(layer, next_tokens[0].tolist())
+
+    def _add_to_vocab(self, layer: EagleDraftLayer, tokens: list[int]) -> None:
+        """Extend the drafted vocabulary by the context tokens `tokens` outside it (and not added before)."""
+        new = [t for t in layer.outside_draft_vocab(tokens) if t not in self.extension_tokens]
+        if not new:
+            return
+        self.extension_tokens.update(new)
+        extension = self.vocab_extension
+        ids = torch.tensor(new, dtype=torch.long, device=layer.draft_vocab.device)
+        rows = layer.lm_head_rows(new)
+        if extension is None:
+            self.vocab_extension = VocabExtension(torch.cat([layer.draft_vocab, ids]), rows)
+        else:
+            self.vocab_extension = VocabExtension(torch.cat([extension.ids, ids]), torch.cat([extension.rows, rows]))
 
 
 def grow_tree(
@@ -525,7 +585,7 @@ def grow_tree(
                 counter += 1
 
     with torch.no_grad():
-        ids, lps = host_lists(*layer.top_tokens(context.prediction, top_k))
+        ids, lps = host_lists(*layer.top_tokens(context.prediction, top_k, context.vocab_extension))
     push_children([0], ids, lps)
     per_round = round_size(budget)
     while heap and len(tree) < budget:
@@ -562,7 +622,7 @@ def grow_tree(
         with torch.no_grad():  # the nodes' keys go after the context's and the expanded nodes' in the buffers
             write_at = context.rows + expanded
             out, _, _ = layer.step(parent_features, tokens, position, context.keys, context.values, mask, write_at)
-            ids, lps = host_lists(*layer.top_tokens(out[0], top_k))
+            ids, lps = host_lists(*layer.top_tokens(out[0], top_k, context.vocab_extension))
         for i, n in enumerate(expand):
             expanded_index[n] = expanded + i
             features[n] = out[0, i : i + 1]
