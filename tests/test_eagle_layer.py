@@ -294,16 +294,22 @@ def test_seeded_sampling_with_the_layer_gives_plain_sampling_s_tokens():
     assert torch.equal(plain, ours)
 
 
-def test_replay_matches_the_decoding_loop_with_the_layer():
+@pytest.mark.parametrize("context_vocab", [False, True])
+def test_replay_matches_the_decoding_loop_with_the_layer(context_vocab):
     model = tiny_model(eos_token_id=None)
     layer = random_layer(model, std=0.1)
+    if context_vocab:  # a draft vocabulary the context's tokens reach beyond
+        narrow = EagleDraftLayer.for_base_model(model, draft_vocab=torch.arange(0, 97, 3), start_as_identity=False)
+        narrow.load_state_dict(layer.state_dict(), strict=False)
+        layer = narrow.eval()
     g = torch.Generator().manual_seed(4)
     for trial in range(3):
         ids = torch.randint(3, 97, (1, int(torch.randint(2, 12, (1,), generator=g))), generator=g)
-        decoding = BlockDrafter(layer, top_k=3, max_tree_tokens=12)
+        decoding = BlockDrafter(layer, top_k=3, max_tree_tokens=12, context_vocab=context_vocab)
         out = greedy(model, ids, 40, custom_generate=hf_bpd.generate, assistant=decoding)
         answer = out[0, ids.shape[1] :].tolist()
-        replayed = replay_turn(model, BlockDrafter(layer, top_k=3, max_tree_tokens=12), ids, answer)
+        drafter = BlockDrafter(layer, top_k=3, max_tree_tokens=12, context_vocab=context_vocab)
+        replayed = replay_turn(model, drafter, ids, answer)
         assert replayed.accepted_lengths == decoding.stats.accepted_lengths, trial
         assert replayed.tree_sizes == decoding.stats.tree_sizes
 

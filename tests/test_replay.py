@@ -127,3 +127,12 @@ def test_max_turns_keeps_each_row_s_first_turns_and_zero_is_refused_before_the_m
     monkeypatch.setattr("hf_bpd.io.models.load_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(SystemExit, match="--max-turns must be at least 1"):
         main(["--answers", "unused.jsonl", "--max-turns", "0"])
+
+
+def test_context_vocab_is_refused_for_heads_before_the_model_loads(monkeypatch, tmp_path):
+    heads = tmp_path / "heads"
+    random_heads(tiny_model()).save_pretrained(heads)
+    monkeypatch.setattr("hf_bpd.io.models.load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    for folders in (["packaged"], [str(heads)]):
+        with pytest.raises(SystemExit, match="--context-vocab: .* hold draft heads, not an EAGLE layer"):
+            main(["--answers", "unused.jsonl", "--heads", *folders, "--context-vocab", "0", "1"])

@@ -294,6 +294,15 @@ def main(argv: list[str] | None = None) -> int:
         help="most probable drafted nodes below which the context is looked up with their path appended (0: off)",
     )
     parser.add_argument(
+        "--context-vocab",
+        type=int,
+        nargs="+",
+        choices=[0, 1],
+        default=None,
+        help="EAGLE layers: 1 also drafts the context's tokens outside the draft vocabulary (default: the "
+        "folder's drafter.json)",
+    )
+    parser.add_argument(
         "--rescorers",
         nargs="+",
         default=["none"],
@@ -323,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--max-turns must be at least 1, got {args.max_turns}")
     if min(args.lookup_nodes) < 0 or min(args.lookup_after_drafts) < 0:
         raise SystemExit("--lookup-nodes and --lookup-after-drafts must be at least 0")
+    if args.context_vocab is not None:
+        from ..drafting.files import holds_eagle_layer
+
+        heads_folders = [h for h in args.heads if h == "packaged" or not holds_eagle_layer(h)]
+        if heads_folders:
+            raise SystemExit(f"--context-vocab: {', '.join(heads_folders)} hold draft heads, not an EAGLE layer")
 
     from ..io.models import load_model
     from ..io.packaged import check_shipped_rescorers, packaged_rescorer, resolve_packaged_name
@@ -342,13 +357,16 @@ def main(argv: list[str] | None = None) -> int:
     for heads in args.heads:
         for k in args.top_k:
             for size in args.max_tree_tokens:
+                vocabs = args.context_vocab or [None]
                 settings = itertools.product(
-                    args.context_lookup, args.lookup_nodes, args.lookup_after_drafts, args.rescorers
+                    args.context_lookup, args.lookup_nodes, args.lookup_after_drafts, vocabs, args.rescorers
                 )
-                for lookup, nodes, after, rescorer in settings:
+                for lookup, nodes, after, vocab, rescorer in settings:
                     name = f"k{k} n{size}" + (f" lookup{lookup}" if len(args.context_lookup) > 1 else "")
                     name += f" tree{nodes}" if len(args.lookup_nodes) > 1 else ""
                     name += f" after{after}" if len(args.lookup_after_drafts) > 1 else ""
+                    name += f" vocab{vocab}" if len(vocabs) > 1 else ""
+                    vocab_setting = {} if vocab is None else {"context_vocab": bool(vocab)}
                     name = f"{Path(heads).name} {name}" if len(args.heads) > 1 else name
                     name += f" +{rescorer}" if len(args.rescorers) > 1 else ""
                     drafter = load_drafter(
@@ -360,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                         context_lookup=lookup,
                         context_lookup_nodes=nodes or None,
                         lookup_after_drafts=after,
+                        **vocab_setting,
                     )
                     if rescorer != "none":
                         drafter = drafter.with_rescorer(packaged_rescorer(rescorer, tokenizer, model=packaged))
