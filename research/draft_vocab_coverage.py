@@ -1,0 +1,84 @@
+"""How much of greedy's text a draft vocabulary can draft, and how much of the rest the context holds.
+
+A drafter with a draft vocabulary (the shipped heads' and the EAGLE layers': 8,192 of SmolLM2's 49,152 tokens)
+can never propose a token outside it, except by copying the context (the context lookup, or an EAGLE layer's
+`context_vocab`). Over every turn of the Spec-Bench dev rows' cached greedy answers, per category: the share of
+answer tokens inside the draft vocabulary, the share of the others that the context already held (the prompt,
+with its chat template, or the answer before them), and how many distinct tokens outside the vocabulary a
+turn's context holds (what `context_vocab` adds to the layer's softmax).
+
+    python -m research.draft_vocab_coverage --output benchmarks/eagle/draft_vocab_coverage_dev.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from hf_bpd.drafting.files import drafting_module
+from hf_bpd.io.models import load_model
+from hf_bpd.tools.bench import environment, read_prompts, select_rows
+from hf_bpd.tools.replay import answered_turns, read_answers
+from research import SPEC_BENCH_DEV
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default=SPEC_BENCH_DEV)
+    parser.add_argument("--answers", default="benchmarks/replay/spec_bench_dev_greedy128.jsonl")
+    parser.add_argument("--heads", default="hf_bpd/assets/smollm2/heads", help="heads or layer folder")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+
+    env = environment("cpu", "float32")
+    module = drafting_module(args.heads)
+    if not module.config.draft_vocab_size:
+        raise SystemExit(f"{args.heads} drafts the whole vocabulary: every token is inside it")
+    inside = set(module.draft_vocab.tolist())
+    _, tokenizer = load_model("packaged")
+    rows = select_rows(read_prompts(args.data), None, None, None, None)
+    _, answers = read_answers(args.answers)
+    counts = defaultdict(lambda: {"tokens": 0, "outside": 0, "outside_in_context": 0, "turns": 0, "context_extra": 0})
+    for row, prompt, answer in answered_turns(tokenizer, rows, answers):
+        for key in (row["category"], "overall"):
+            c = counts[key]
+            context = set(prompt[0].tolist())
+            for token in answer:
+                c["tokens"] += 1
+                if token not in inside:
+                    c["outside"] += 1
+                    c["outside_in_context"] += token in context
+                context.add(token)
+            c["turns"] += 1
+            c["context_extra"] += len(context - inside)
+    report = {}
+    for key, c in counts.items():
+        report[key] = {
+            "tokens": c["tokens"],
+            "inside_share": 1 - c["outside"] / c["tokens"],
+            "outside_in_context_share": c["outside_in_context"] / max(c["outside"], 1),
+            "context_tokens_outside_per_turn": c["context_extra"] / c["turns"],
+        }
+    lines = [
+        "| category | answer tokens | in the draft vocabulary | of the rest, in the context | "
+        "context tokens outside it, a turn |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for key in sorted(report, key=lambda k: (k == "overall", k)):
+        r = report[key]
+        lines.append(
+            f"| {key} | {r['tokens']} | {r['inside_share']:.3f} | {r['outside_in_context_share']:.3f} | "
+            f"{r['context_tokens_outside_per_turn']:.1f} |"
+        )
+    print("\n".join(lines))
+    if args.output:
+        Path(args.output).write_text(
+            json.dumps({"environment": env, "args": vars(args), "categories": report}, indent=1) + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
