@@ -160,6 +160,24 @@ def render_calibration_reliability(report: dict) -> list[str]:
     return lines
 
 
+def render_draft_vocab_coverage(report: dict) -> list[str]:
+    """`research.draft_vocab_coverage`: greedy's answer tokens inside a draft vocabulary, and of the rest the
+    share the context held, by category."""
+    lines = [
+        "| category | answer tokens | in the draft vocabulary | of the rest, in the context | "
+        "context tokens outside it, a turn |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    categories = report["categories"]
+    for key in sorted(categories, key=lambda k: (k == "overall", k)):
+        r = categories[key]
+        lines.append(
+            f"| {key} | {r['tokens']} | {r['inside_share']:.3f} | {r['outside_in_context_share']:.3f} | "
+            f"{r['context_tokens_outside_per_turn']:.1f} |"
+        )
+    return lines
+
+
 def render_sampling_estimates(report: dict) -> list[str]:
     """`research.ablate_sampling_estimates`: a seeded sampled run and a greedy run on the same rows."""
     sampled, greedy = report["sampled"], report["greedy"]
@@ -812,6 +830,7 @@ def render_compiled_plan_forward(report: dict) -> list[str]:
 
 RENDERERS = {
     "calibration_reliability": render_calibration_reliability,
+    "draft_vocab_coverage": render_draft_vocab_coverage,
     "compiled_plan_forward": render_compiled_plan_forward,
     "growing_cache": render_growing_cache,
     "int8_head": render_int8_head,

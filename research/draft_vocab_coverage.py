@@ -61,18 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             "outside_in_context_share": c["outside_in_context"] / max(c["outside"], 1),
             "context_tokens_outside_per_turn": c["context_extra"] / c["turns"],
         }
-    lines = [
-        "| category | answer tokens | in the draft vocabulary | of the rest, in the context | "
-        "context tokens outside it, a turn |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for key in sorted(report, key=lambda k: (k == "overall", k)):
-        r = report[key]
-        lines.append(
-            f"| {key} | {r['tokens']} | {r['inside_share']:.3f} | {r['outside_in_context_share']:.3f} | "
-            f"{r['context_tokens_outside_per_turn']:.1f} |"
-        )
-    print("\n".join(lines))
+    for key, r in sorted(report.items(), key=lambda kv: (kv[0] == "overall", kv[0])):  # the table: results.py
+        print(f"{key}: {r['inside_share']:.3f} inside, {r['outside_in_context_share']:.3f} of the rest in context")
     if args.output:
         Path(args.output).write_text(
             json.dumps({"environment": env, "args": vars(args), "categories": report}, indent=1) + "\n"
