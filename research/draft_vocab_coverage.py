@@ -8,6 +8,8 @@ with its chat template, or the answer before them), and how many distinct tokens
 turn's context holds (what `context_vocab` adds to the layer's softmax).
 
     python -m research.draft_vocab_coverage --output benchmarks/eagle/draft_vocab_coverage_dev.json
+    python -m research.draft_vocab_coverage --model gemma-3-270m --heads hf_bpd/assets/gemma3_270m/heads \
+        --answers benchmarks/replay/gemma3_270m_dev_greedy128.jsonl
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=SPEC_BENCH_DEV)
     parser.add_argument("--answers", default="benchmarks/replay/spec_bench_dev_greedy128.jsonl")
+    parser.add_argument("--model", default="packaged", help="the packaged model the answers are greedy's of")
     parser.add_argument("--heads", default="hf_bpd/assets/smollm2/heads", help="heads or layer folder")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
@@ -37,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if not module.config.draft_vocab_size:
         raise SystemExit(f"{args.heads} drafts the whole vocabulary: every token is inside it")
     inside = set(module.draft_vocab.tolist())
-    _, tokenizer = load_model("packaged")
+    _, tokenizer = load_model(args.model)
     rows = select_rows(read_prompts(args.data), None, None, None, None)
     _, answers = read_answers(args.answers)
     counts = defaultdict(lambda: {"tokens": 0, "outside": 0, "outside_in_context": 0, "turns": 0, "context_extra": 0})
