@@ -474,7 +474,7 @@ def test_calls_the_captured_step_cannot_serve_are_refused_before_any_forward_or_
         model.generate(
             ids, cache_implementation="static", do_sample=False, captured_step=True, **{**gen, "assistant": with_corpus}
         )
-    for option in ({"context_lookup_nodes": 8}, {"lookup_after_drafts": 2}):
+    for option in ({"context_lookup_nodes": 8}, {"lookup_after_drafts": 2}, {"context_vocab": True}):
         branching = BlockDrafter(drafter.heads, top_k=3, max_tree_tokens=8, **option)
         with pytest.raises(ValueError, match=next(iter(option))):
             model.generate(

@@ -587,7 +587,7 @@ def test_context_vocab_drafts_the_context_s_tokens_outside_the_draft_vocabulary_
     context.extend(narrow, features[6:11], tokens[7:12])
     odd = list(dict.fromkeys(t for t in tokens[1:12].tolist() if t % 2))
     assert context.vocab_extension.ids.tolist() == draft_vocab.tolist() + odd
-    assert context.extension_tokens == set(odd)
+    assert context.vocab.tokens == set(odd)
     lm_head = model.get_output_embeddings().weight
     with torch.no_grad():
         full = context.prediction @ lm_head.T
@@ -607,7 +607,7 @@ def test_context_vocab_drafts_the_context_s_tokens_outside_the_draft_vocabulary_
     assert all(t % 2 == 0 for t in tree.tokens[1:])
 
 
-def test_context_vocab_decodes_greedy_s_tokens_saves_with_the_drafter_and_is_refused_for_heads(tmp_path):
+def test_context_vocab_decodes_greedy_s_tokens_saves_with_the_drafter_and_is_refused_for_lattice_heads(tmp_path):
     model = tiny_model(eos_token_id=None)
     layer = random_layer(model, std=0.1)
     narrow = EagleDraftLayer.for_base_model(model, draft_vocab=torch.arange(0, 97, 3), start_as_identity=False)
@@ -622,5 +622,5 @@ def test_context_vocab_decodes_greedy_s_tokens_saves_with_the_drafter_and_is_ref
     assert BlockDrafter.from_pretrained(tmp_path).context_vocab is True
     with pytest.raises(ValueError, match="context_vocab must be True or False"):
         BlockDrafter(narrow, context_vocab="yes")
-    with pytest.raises(ValueError, match="context_vocab extends an EAGLE draft layer"):
+    with pytest.raises(ValueError, match="context_vocab: it serves EAGLE layers and heads that read the drafted"):
         BlockDrafter(random_heads(model), context_vocab=True)

@@ -129,10 +129,10 @@ def test_max_turns_keeps_each_row_s_first_turns_and_zero_is_refused_before_the_m
         main(["--answers", "unused.jsonl", "--max-turns", "0"])
 
 
-def test_context_vocab_is_refused_for_heads_before_the_model_loads(monkeypatch, tmp_path):
+def test_context_vocab_is_refused_for_heads_it_cannot_serve_before_the_model_loads(monkeypatch, tmp_path):
     heads = tmp_path / "heads"
     random_heads(tiny_model()).save_pretrained(heads)
     monkeypatch.setattr("hf_bpd.io.models.load_model", lambda *a, **k: pytest.fail("the model loaded"))
-    for folders in (["packaged"], [str(heads)]):
-        with pytest.raises(SystemExit, match="--context-vocab: .* hold draft heads, not an EAGLE layer"):
+    for folders, why in (["packaged"], "context copy"), ([str(heads)], "token_input=''"):
+        with pytest.raises(SystemExit, match=f"--context-vocab 1: .*{why}"):
             main(["--answers", "unused.jsonl", "--heads", *folders, "--context-vocab", "0", "1"])

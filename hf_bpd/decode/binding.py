@@ -82,6 +82,7 @@ class ModelBinding:
             self.measure_forward_cost(drafter, model)
             self.remeasure_cost, self.cost_remeasured = False, True
         drafter.stats = DecodingStats()
+        drafter.start_call()
         if drafter.rescorer is not None and hasattr(drafter.rescorer, "reset"):
             drafter.rescorer.reset()
         self.step_cost = self.corrected_cost(drafter)

@@ -831,6 +831,8 @@ def captured_refusal(call, input_ids: torch.Tensor, model_kwargs: dict) -> str |
         return "its trees are grown by heads on the device, not by an EAGLE draft layer"
     if drafter.corpus is not None:
         return "its tree has no retrieval chains: the drafter has a corpus"
+    if drafter.context_vocab:
+        return "its heads draft their draft vocabulary alone: the drafter sets context_vocab"
     if drafter.context_lookup and (drafter.context_lookup_nodes or drafter.lookup_after_drafts):
         return "its context lookup is one chain: the drafter sets context_lookup_nodes or lookup_after_drafts"
     return None

@@ -35,6 +35,7 @@ from .assembly import (
     size_trees,
 )
 from .calibration import GREEDY, HEADS, SAMPLED, AcceptanceCalibration, Arc, SamplingWarp
+from .context_vocab import ContextVocab, VocabExtension, context_vocab_refusal
 from .corpus import CorpusIndex, corpus_source
 from .eagle import EagleContext, EagleDraftLayer, grow_tree
 from .expansion import GrownTree, chain_lattice, expand_tree, grow_on_device
@@ -131,9 +132,12 @@ class BlockDrafter:
                      one (`decode/support.serving_drafter`). The call's stats are then its, copied here.
                      It keeps its own settings (its `drafter.json` in the saved folder's `fallback/`):
                      `from_pretrained`'s keyword arguments set the layer's.
-    context_vocab:   an EAGLE layer's drafter only: the layer may also draft the context's tokens (the prompt's
-                     and the answer's so far) outside its draft vocabulary, scored by the base model's LM-head
-                     rows in the same softmax (`eagle.EagleContext`). Off by default.
+    context_vocab:   the drafting module may also draft the context's tokens (the prompt's and the answer's so
+                     far) outside its draft vocabulary, scored by the base model's LM-head rows in the same
+                     softmax (`context_vocab.py`): an EAGLE layer, or "previous" heads tied to that LM head
+                     without a context copy. Heads draft with the tokens of the context as their last drafted
+                     step saw it (the first: the prompt's), which is what a tree grown inside the step before
+                     can know. Off by default; the captured step refuses it.
 
     What the decoding loops (`hf_bpd/decode/`) use, and nothing else:
     - `draft(...)`: one step's trees (`step_cost`: the cost to size one row's trees by, `batch_cost` a
@@ -190,11 +194,8 @@ class BlockDrafter:
             raise ValueError(f"compact_weights must be True or False, got {compact_weights!r}")
         if context_vocab not in (True, False):
             raise ValueError(f"context_vocab must be True or False, got {context_vocab!r}")
-        if context_vocab and not isinstance(heads, EagleDraftLayer):
-            raise ValueError(
-                "context_vocab extends an EAGLE draft layer's vocabulary; draft heads reach the context's tokens "
-                "through their context copy (context_copy.py)"
-            )
+        if context_vocab and context_vocab_refusal(heads.config.to_dict()):
+            raise ValueError(f"context_vocab: {context_vocab_refusal(heads.config.to_dict())}")
         if rescorer is not None and isinstance(heads, EagleDraftLayer):
             raise ValueError("a rescorer re-ranks the heads' lattice, and an EAGLE draft layer has none: rescorer=None")
         if rescorer is not None and not isinstance(rescorer, Rescorer):
@@ -244,6 +245,10 @@ class BlockDrafter:
         # an EAGLE layer's context: its KV cache, and the accepted positions' features not yet run through it
         self._context = EagleContext(context_vocab=self.context_vocab)
         self._pending: list[tuple[torch.Tensor, list[int]]] = []
+        # heads' context_vocab: the context's tokens outside the draft vocabulary, and how many positions of
+        # the context they were gathered from (`start_call` empties them)
+        self._heads_vocab = ContextVocab()
+        self._heads_vocab_positions = 0
         self._in_use = threading.Lock()
 
     @classmethod
@@ -411,9 +416,12 @@ class BlockDrafter:
             calibrate=self.calibration is not None,
             packed_linear=self.packed_linear,
             context_lookup=self.context_lookup,
+            context_lookup_nodes=self.context_lookup_nodes,
+            lookup_after_drafts=self.lookup_after_drafts,
             corpus=self.corpus,
             corpus_nodes=self.corpus_nodes,
             fallback=None if self.fallback is None else self.fallback.with_rescorer(self.fallback.rescorer),
+            context_vocab=self.context_vocab,
         )
 
     def root_trees(self, roots: list[int]) -> list[DraftTree]:
@@ -481,6 +489,8 @@ class BlockDrafter:
         sized = self.forward_cost is not None
         growth = growth_budget(budget, self._recent_grown, sized, 8 if batch_cost is None else 2)
         roots = context[:, -1].tolist() if host_context is None else [row[-1] for row in host_context]  # one copy
+        if self._heads_vocab_positions == 0:  # the call's first drafted step: the prompt's tokens
+            self._gather_heads_vocab(context, host_context)
         if self.heads.conditions_on_draft and grown is None and self.grows_on_device and not rescored:
             # every row's tree grown in one call and read in one copy: a batch reads the heads' and the
             # softmax layer's weights once per round, not once per row
@@ -523,6 +533,7 @@ class BlockDrafter:
                     context[b],
                     warp,
                     before_root=None if row is None or len(row) < 2 else row[-2],
+                    extension=self.heads_vocab_extension,
                 )
                 self.stats.time_heads += time.perf_counter() - t0  # its rounds read their children on the host
             else:
@@ -557,7 +568,29 @@ class BlockDrafter:
         for tree, arcs in zip(trees, node_arcs):
             known = arcs is not None and self.calibration is not None
             self._verified.append((tree, arcs[: len(tree)]) if known else None)  # a prefix keeps node indices
+        self._gather_heads_vocab(context, host_context)  # for the next step's tree
         return trees
+
+    @property
+    def heads_vocab_extension(self) -> VocabExtension | None:
+        """The context tokens outside the draft vocabulary that heads with `context_vocab` may draft: those of
+        the context as the last drafted step saw it."""
+        return self._heads_vocab.extension
+
+    def _gather_heads_vocab(self, context: torch.Tensor, host_context: Sequence[Sequence[int]] | None) -> None:
+        """Add the context's positions not gathered yet (every row's) to heads' `context_vocab`."""
+        start = self._heads_vocab_positions
+        if not self.context_vocab or self.reads_context or context.shape[1] <= start:
+            return
+        rows = [row[start:] for row in host_context] if host_context is not None else context[:, start:].tolist()
+        self._heads_vocab.add(self.heads, [t for row in rows for t in row])
+        self._heads_vocab_positions = context.shape[1]
+
+    def start_call(self) -> None:
+        """Empty the state one `generate` call gathers and the next must not inherit (heads' `context_vocab`);
+        `binding.prepare` calls it."""
+        self._heads_vocab = ContextVocab()
+        self._heads_vocab_positions = 0
 
     def cut(self, trees: Sequence[DraftTree], limit: int | None) -> list[DraftTree]:
         """`trees` cut to at most `limit` nodes each (None: as they are), with what `observe` will score cut
@@ -605,7 +638,8 @@ class BlockDrafter:
         log_scales = self.log_scales(sampled=warp is not None)
         with self.heads_context:
             hidden = hidden.to(self.heads.device, self.heads.dtype)
-            return grow_on_device(self.heads, hidden, root, self.top_k, budget, log_scales, warp, max_depth)
+            extension = self.heads_vocab_extension
+            return grow_on_device(self.heads, hidden, root, self.top_k, budget, log_scales, warp, max_depth, extension)
 
     def log_scales(self, sampled: bool = False) -> list[float]:
         """The calibration's log multiplier of the heads' arcs at each depth (index 0 unused; all 0 without a

@@ -39,6 +39,7 @@ from transformers.activations import ACT2FN
 
 from ..cpu.packed_linear import packed_or_plain_linear
 from .calibration import HEADS, AcceptanceCalibration, Arc
+from .context_vocab import ContextVocab, VocabExtension, extended_top_k
 from .expansion import round_size
 from .heads import (
     FeatureFusion,
@@ -187,6 +188,7 @@ class EagleDraftLayer(PreTrainedModel):
         self.register_buffer("draft_vocab", torch.arange(size), persistent=c.draft_vocab_size > 0)
         self.register_buffer("inv_freq", rotary_frequencies(c), persistent=False)
         self.__dict__["_tied_weight"] = None  # LM-head rows borrowed at `bind` (named as the heads'), not saved
+        self.__dict__["_lm_head"] = None  # the whole LM head, borrowed at `bind`: `context_vocab.py`
         self.__dict__["_embedding"] = None
         self.__dict__["_fused"] = None  # (weights' identities and versions, `fused_weights`)
         self.post_init()
@@ -371,33 +373,8 @@ class EagleDraftLayer(PreTrainedModel):
         self, feature: torch.Tensor, top_k: int, extension: VocabExtension | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Predicted features `[n, H]` -> top-k token ids and log-probabilities `[n, k]`, over the draft
-        vocabulary and, with an `extension` (`EagleContext.vocab_extension`), the context's tokens outside
-        it, all in one softmax."""
-        logits = self.logits(feature).float()
-        ids = self.draft_vocab
-        if extension is not None and extension.rows.shape[0]:
-            extra = F.linear(feature, extension.rows.to(feature.dtype)).float()
-            logits, ids = torch.cat([logits, extra], -1), extension.ids
-        values, index = logits.topk(top_k, dim=-1)
-        return ids[index], values - logits.logsumexp(-1, keepdim=True)
-
-    def outside_draft_vocab(self, tokens: list[int]) -> list[int]:
-        """The tokens of `tokens` this layer's draft vocabulary lacks, each once, in order (none for a layer
-        drafting the whole vocabulary)."""
-        if not self.config.draft_vocab_size:
-            return []
-        inside = self.__dict__.get("_draft_vocab_set")
-        if inside is None:
-            inside = self.__dict__["_draft_vocab_set"] = frozenset(self.draft_vocab.tolist())
-        return [t for t in dict.fromkeys(tokens) if t not in inside]
-
-    def lm_head_rows(self, tokens: list[int]) -> torch.Tensor:
-        """The base model's LM-head rows of `tokens` `[n, H]`, in this layer's dtype and on its device."""
-        weight = self.__dict__.get("_lm_head")
-        if weight is None:
-            raise RuntimeError("bind the EAGLE draft layer to its base model first: layer.bind(model)")
-        index = torch.tensor(tokens, dtype=torch.long, device=weight.device)
-        return weight[index].to(self.draft_vocab.device, self.dtype)
+        vocabulary and an `extension`'s context tokens (`context_vocab.py`), in one softmax."""
+        return extended_top_k(self.logits(feature), feature, self.draft_vocab, extension, top_k)
 
     def step(
         self,
@@ -465,15 +442,6 @@ class EagleDraftLayer(PreTrainedModel):
 
 
 @dataclass
-class VocabExtension:
-    """The tokens a layer may draft beyond its draft vocabulary: `ids [S + E]`, the draft vocabulary followed
-    by the E context tokens outside it, and those E tokens' LM-head rows `[E, H]`."""
-
-    ids: torch.Tensor
-    rows: torch.Tensor
-
-
-@dataclass
 class EagleContext:
     """The draft layer's KV cache over one sequence's context rows (row t: feature t, token t+1), and the
     prediction of its last row (the root's children's feature). `rows` is the number of rows cached: the
@@ -481,17 +449,15 @@ class EagleContext:
     context's rows first, then a step's tree nodes as scratch, which the next `extend` overwrites.
 
     With `context_vocab`, the layer may also draft every token of the context its draft vocabulary lacks
-    (`vocab_extension`): most of the tokens a draft vocabulary misses are names, numbers and words of the
-    prompt or of the answer so far, and their rows are the base model's LM head's, which the layer's
-    predicted features were trained to match."""
+    (`vocab`, `context_vocab.py`): their rows are the base model's LM head's, which the layer's predicted
+    features were trained to match."""
 
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     rows: int = 0
     prediction: torch.Tensor | None = None  # [1, H]
     context_vocab: bool = False
-    vocab_extension: VocabExtension | None = None
-    extension_tokens: set[int] = field(default_factory=set)  # vocab_extension's tokens, on the host
+    vocab: ContextVocab = field(default_factory=ContextVocab)
 
     def reserve(self, layer: EagleDraftLayer, room: int) -> None:
         """Buffers of room for at least `room` rows, the cached ones kept (grown by doubling)."""
@@ -524,21 +490,11 @@ class EagleContext:
         self.rows += n
         self.prediction = out[0, -1:]
         if self.context_vocab:
-            self._add_to_vocab(layer, next_tokens[0].tolist())
+            self.vocab.add(layer, next_tokens[0].tolist())
 
-    def _add_to_vocab(self, layer: EagleDraftLayer, tokens: list[int]) -> None:
-        """Extend the drafted vocabulary by the context tokens `tokens` outside it (and not added before)."""
-        new = [t for t in layer.outside_draft_vocab(tokens) if t not in self.extension_tokens]
-        if not new:
-            return
-        self.extension_tokens.update(new)
-        extension = self.vocab_extension
-        ids = torch.tensor(new, dtype=torch.long, device=layer.draft_vocab.device)
-        rows = layer.lm_head_rows(new)
-        if extension is None:
-            self.vocab_extension = VocabExtension(torch.cat([layer.draft_vocab, ids]), rows)
-        else:
-            self.vocab_extension = VocabExtension(torch.cat([extension.ids, ids]), torch.cat([extension.rows, rows]))
+    @property
+    def vocab_extension(self) -> VocabExtension | None:
+        return self.vocab.extension
 
 
 def grow_tree(

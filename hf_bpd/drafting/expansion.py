@@ -28,6 +28,7 @@ import torch
 
 from .calibration import HEADS, RESCORER, AcceptanceCalibration, Arc, SamplingWarp, calibrated_logprob
 from .context_copy import CopyMemory
+from .context_vocab import VocabExtension
 from .heads import BlockDraftHeads
 from .lattice import Lattice, host_lists
 from .tree import DraftTree
@@ -51,10 +52,12 @@ def _top_children(
     memory: CopyMemory | None = None,
     warp: SamplingWarp | None = None,
     parent_states: dict[int, torch.Tensor] | None = None,
+    extension: VocabExtension | None = None,
 ) -> tuple[dict[int, tuple[list[list[int]], list[list[float]]]], list[torch.Tensor]]:
     """For nodes grouped by depth ({depth: (their tokens, their parents' tokens)}), head depth+1's top-k
     (token ids, log-probs; warped when sampling), and each group's head states (what chained heads' children
-    read); parents' tokens feed the context-copy pointer (`memory`, None without one). `parent_states`:
+    read); parents' tokens feed the context-copy pointer (`memory`, None without one); `extension`: context
+    tokens outside the draft vocabulary the heads may draft (`context_vocab.py`). `parent_states`:
     chained heads' parents' states per group `[len(group), H]` (None for unchained heads).
     On a CPU the cost is reading weights, not arithmetic: every depth's residual block runs once on its
     group, and the shared softmax layer (the largest weight by far) once on all of them."""
@@ -70,7 +73,7 @@ def _top_children(
         ]
         head_index = torch.tensor([d for d, (tokens, _) in groups.items() for _ in tokens])
         before = torch.tensor([b for _, (_, parents) in groups.items() for b in parents])
-        ids, values = heads.top_tokens(torch.cat(states), top_k, head_index, before, memory)
+        ids, values = heads.top_tokens(torch.cat(states), top_k, head_index, before, memory, extension)
         if warp is not None:
             values = warp(values)
     ids_list, values_list = host_lists(ids, values)  # one copy per expansion round
@@ -116,14 +119,16 @@ def expand_tree(
     context: torch.Tensor | None = None,
     warp: SamplingWarp | None = None,
     before_root: int | None = None,
+    extension: VocabExtension | None = None,
 ) -> list[Arc]:
     """Grow `tree` (a root, maybe with drafts already merged) in place up to `budget` nodes, best-first on
     calibrated path probability, from "previous" heads on `hidden [1, hidden]` and the rescorer's
     `estimates` ({draft prefix: log-probability of its last token}). `context [L]`: the accepted tokens,
     ending with the root, for context-copy heads (others ignore it). `warp`: a sampled call's, applied to
     the heads' children (`calibration.SamplingWarp`); `before_root`: `context[-2]` where the caller holds it on
-    the host. Returns every node's arc (the
-    estimate that ordered it; -inf for a node merged before that the search never reached)."""
+    the host; `extension`: context tokens outside the draft vocabulary the heads may draft
+    (`context_vocab.py`). Returns every node's arc (the estimate that ordered it; -inf for a node merged
+    before that the search never reached)."""
     memory = heads.copy_memory(context[None]) if context is not None else None
     if before_root is None:  # the token before the root, read from the device unless the caller has it
         before_root = int(context[-2]) if context is not None and context.numel() > 1 else tree.tokens[0]
@@ -159,7 +164,7 @@ def expand_tree(
         if heads.chained:  # each node below the root reads its parent's state
             parent_states = {d: torch.cat([node_states[tree.parents[n]] for n in g]) for d, g in by_depth.items() if d}
         children, states = (
-            _top_children(heads, hidden, groups, top_k, memory, warp, parent_states) if groups else ({}, [])
+            _top_children(heads, hidden, groups, top_k, memory, warp, parent_states, extension) if groups else ({}, [])
         )
         if heads.chained:
             for group, group_states in zip(by_depth.values(), states):
@@ -251,6 +256,7 @@ def grow_on_device(
     log_scales: list[float] | torch.Tensor,
     warp: SamplingWarp | None = None,
     depth_limit: int | None = None,
+    extension: VocabExtension | None = None,
 ) -> GrownTree:
     """`expand_tree` on root-only trees without a rescorer's estimates or a context-copy pointer, with
     every decision on the device: the same best-first rounds (`round_size`), the same order, but no
@@ -259,7 +265,8 @@ def grow_on_device(
     per row, all grown together, so a batch reads each head's weights and the softmax layer once per round
     rather than once per row; `log_scales[d]`: the calibration's log multiplier of heads' arcs at depth d
     (index 0 unused), for d up to the heads' number; `depth_limit`: the deepest node (default and at most:
-    the heads' number).
+    the heads' number); `extension`: context tokens outside the draft vocabulary every row may draft
+    (`context_vocab.py`).
 
     Each round adds each row's `round_size` best candidates by calibrated path log-probability (`topk`),
     then expands them: the nodes of round r sit at depths 1..r, so heads 1..r run on all of them and each
@@ -277,7 +284,7 @@ def grow_on_device(
     with torch.no_grad():
         root_state = heads.step(0, hidden, root)
         node_states = [root_state[:, None]]  # chained heads: each expanded node's state, tree order [B, n, H]
-        ids, values = heads.top_tokens(root_state, top_k)  # [B, k]
+        ids, values = heads.top_tokens(root_state, top_k, extension=extension)  # [B, k]
         if warp is not None:
             values = warp(values)
         cand_tokens, cand_logprobs = ids, values
@@ -321,7 +328,7 @@ def grow_on_device(
             states = states[which, torch.arange(rows * take, device=device)]
             if chained:
                 node_states.append(states.view(rows, take, -1))
-            ids, values = heads.top_tokens(states, top_k)  # [B * take, k]
+            ids, values = heads.top_tokens(states, top_k, extension=extension)  # [B * take, k]
             if warp is not None:
                 values = warp(values)
             ids, values = ids.view(rows, take, top_k), values.view(rows, take, top_k)

@@ -75,6 +75,7 @@ from .context_copy import (
     mixture_top_k,
     target_logprob,
 )
+from .context_vocab import VocabExtension, extended_top_k
 from .saved import DraftingModuleConfig, load_saved, saved_config, set_draft_vocab
 
 MAX_HEADS = 32
@@ -402,6 +403,7 @@ class BlockDraftHeads(PreTrainedModel):
         layers = config.feature_layers
         self.fusion = FeatureFusion(config.hidden_size, len(layers)) if layers else None
         self.__dict__["_tied_weight"] = None
+        self.__dict__["_lm_head"] = None
         self.__dict__["_token_embedding"] = None
         self.post_init()
 
@@ -507,6 +509,7 @@ class BlockDraftHeads(PreTrainedModel):
                     f"but the base model has {depth} decoder layers (hidden states 0..{depth}, the last one -1)"
                 )
         weight = _output_embeddings(model).weight
+        self.__dict__["_lm_head"] = weight.detach()  # every row: `context_vocab.py`
         if self.config.draft_vocab_size:  # a copy of the draft rows: S x hidden, not the full V x hidden
             weight = weight.detach()[self.draft_vocab.to(weight.device)]
         self.__dict__["_tied_weight"] = weight
@@ -546,6 +549,7 @@ class BlockDraftHeads(PreTrainedModel):
             heads = type(self)(config).to(device=self.device, dtype=self.dtype)
         result = heads.load_state_dict(state, strict=strict)
         heads.__dict__["_tied_weight"] = self.__dict__["_tied_weight"]
+        heads.__dict__["_lm_head"] = self.__dict__["_lm_head"]
         heads.__dict__["_token_embedding"] = self.__dict__["_token_embedding"]
         return heads, result
 
@@ -758,17 +762,19 @@ class BlockDraftHeads(PreTrainedModel):
         i: torch.Tensor | None = None,
         before: torch.Tensor | None = None,
         memory: CopyMemory | None = None,
+        extension: VocabExtension | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Head states `[n, hidden]` -> their top-k token ids and log-probabilities, `[n, k]` each. With
         context copy (`memory` given): the mixture of each head's own distribution and its pointer into the
         context, over the whole vocabulary; `i [n]` is each row's head (0-based) and `before [n]` the token
-        before the one it read."""
-        logits = self.project(states).float()
+        before the one it read. With an `extension` (heads tied to the base model's LM head, no context
+        copy): over the draft vocabulary and the extension's context tokens, in one softmax
+        (`context_vocab.py`)."""
+        logits = self.project(states)
         ids = self.draft_vocab if self.config.draft_vocab_size else None
         if memory is None or self.context_copy is None:
-            values, index = logits.topk(top_k, dim=-1)
-            values = values - logits.logsumexp(dim=-1, keepdim=True)  # log-softmax of the top-k only
-            return (index if ids is None else ids.to(index.device)[index]), values
+            return extended_top_k(logits, states, ids, extension, top_k)
+        logits = logits.float()
         sink, keys = self.copy_weights(i, states, before, memory)
         if memory.values.shape[0] == 1:  # one memory for every row (drafting): no [n, V] tensor
             ids = None if ids is None else ids.to(logits.device)

@@ -332,12 +332,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--max-turns must be at least 1, got {args.max_turns}")
     if min(args.lookup_nodes) < 0 or min(args.lookup_after_drafts) < 0:
         raise SystemExit("--lookup-nodes and --lookup-after-drafts must be at least 0")
-    if args.context_vocab is not None:
-        from ..drafting.files import holds_eagle_layer
+    if args.context_vocab is not None and 1 in args.context_vocab:
+        from ..drafting.context_vocab import context_vocab_refusal
+        from ..drafting.saved import DraftingModuleConfig
+        from ..io.packaged import packaged_heads_dir, resolve_packaged_name
 
-        heads_folders = [h for h in args.heads if h == "packaged" or not holds_eagle_layer(h)]
-        if heads_folders:
-            raise SystemExit(f"--context-vocab: {', '.join(heads_folders)} hold draft heads, not an EAGLE layer")
+        for heads in args.heads:
+            folder = packaged_heads_dir(resolve_packaged_name(args.model)) if heads == "packaged" else heads
+            why = context_vocab_refusal(DraftingModuleConfig.get_config_dict(str(folder))[0])
+            if why:
+                raise SystemExit(f"--context-vocab 1: {heads}: {why}")
 
     from ..io.models import load_model
     from ..io.packaged import check_shipped_rescorers, packaged_rescorer, resolve_packaged_name
