@@ -288,3 +288,13 @@ hf-bpd train-eagle --data training/data/distilled/distill2 training/data/distill
   --samples 16171 --heads hf_bpd/assets/smollm2/heads --features-cache "$RUNS/eagle/features" --depth 3 \
   --epochs 1 --lr 3e-4 --init training/candidates/smollm2_eagle_d3_all --feature-layers 2,15,-1 --save-every 500 \
   --output "$RUNS/eagle/layer_all_fused" $( [ -f "$RUNS/eagle/layer_all_fused/checkpoint.pt" ] && echo --resume )
+# 10f. issue #59's training-time test deeper: 10e's layer continued at --depth 5 (its drafts trained on its own
+#      predictions five deep, as deep as it drafts) for one epoch at lr 1e-4 over the first 2,048 answers of
+#      distill2_end (the answers 10e saw once and 10b never), features of layers 2, 15 and the final state cached
+#      afresh (~40 min on the 2-core dev machine), 512 steps (~3 s a step beside other jobs). Claim
+#      eagle_fused_depth5_spread40: +0.6 % at 8 nodes; not kept.
+hf-bpd train-eagle --data training/data/distilled/distill2_end training/data/distilled/distill_instr --samples 2048 \
+  --heads hf_bpd/assets/smollm2/heads --features-cache "$RUNS/eagle/features_tail" --depth 5 --epochs 1 --lr 1e-4 \
+  --init training/candidates/smollm2_eagle_d3_all_fused --feature-layers 2,15,-1 --save-every 256 \
+  --output "$RUNS/eagle/fused_tail2k_d5" $( [ -f "$RUNS/eagle/fused_tail2k_d5/checkpoint.pt" ] && echo --resume )
+cp training/candidates/smollm2_eagle_d3_all_fused/drafter.json "$RUNS/eagle/fused_tail2k_d5/"
