@@ -120,3 +120,19 @@ def tiny_distilled(model, n=24, prompt_len=6, new=24, seed=0):
         rows["prompt_ids"].append(prompt[0].tolist())
         rows["response_ids"].append(out[0, prompt_len:].tolist())
     return datasets.Dataset.from_dict(rows)
+
+
+def assert_replay_matches_loop(model, make_drafter, ids, new_tokens: int = 40, trial=None):
+    """Replay (`tools.replay.replay_turn`) of greedy's answer with a fresh `make_drafter()` takes the steps the
+    decoding loop took with another: the same accepted lengths and tree sizes. Returns the loop's drafter."""
+    import hf_bpd
+    from hf_bpd.tools.replay import replay_turn
+
+    decoding = make_drafter()
+    out = model.generate(
+        ids, do_sample=False, max_new_tokens=new_tokens, custom_generate=hf_bpd.generate, assistant=decoding
+    )
+    replayed = replay_turn(model, make_drafter(), ids, out[0, ids.shape[1] :].tolist())
+    assert replayed.accepted_lengths == decoding.stats.accepted_lengths, trial
+    assert replayed.tree_sizes == decoding.stats.tree_sizes, trial
+    return decoding

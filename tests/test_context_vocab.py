@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_heads, tiny_model
+from conftest import assert_replay_matches_loop, random_heads, tiny_model
 
 import hf_bpd
 from hf_bpd import BlockDrafter
 from hf_bpd.decode.binding import prepare
 from hf_bpd.drafting.context_vocab import ContextVocab
-from hf_bpd.tools.replay import replay_turn
 
 DRAFT_VOCAB = torch.arange(0, 97, 3)  # a third of the tiny model's tokens
 
@@ -81,13 +80,9 @@ def test_replay_matches_the_loop_and_each_call_starts_with_an_empty_context_voca
     outside_drafted = 0
     for trial in range(3):
         ids = torch.randint(3, 97, (1, int(torch.randint(4, 14, (1,), generator=g))), generator=g)
-        decoding = BlockDrafter(heads, top_k=3, max_tree_tokens=12, context_vocab=True)
-        out = greedy(model, ids, 40, custom_generate=hf_bpd.generate, assistant=decoding)
-        answer = out[0, ids.shape[1] :].tolist()
-        replaying = BlockDrafter(heads, top_k=3, max_tree_tokens=12, context_vocab=True)
-        replayed = replay_turn(model, replaying, ids, answer)
-        assert replayed.accepted_lengths == decoding.stats.accepted_lengths, trial
-        assert replayed.tree_sizes == decoding.stats.tree_sizes
+        decoding = assert_replay_matches_loop(
+            model, lambda: BlockDrafter(heads, top_k=3, max_tree_tokens=12, context_vocab=True), ids, trial=trial
+        )
         outside_drafted += len(decoding._heads_vocab.tokens)
         prepare(decoding, model)  # the next call's start
         assert decoding._heads_vocab.extension is None and decoding._heads_vocab_positions == 0

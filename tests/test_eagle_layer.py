@@ -14,7 +14,7 @@ from hf_bpd.drafting.eagle import EagleContext, EagleDraftLayer, grow_tree
 from hf_bpd.drafting.files import drafting_module
 from hf_bpd.tools.replay import replay_turn
 from hf_bpd.training.train_eagle import eagle_loss, padded_batch
-from tests.conftest import random_heads, tiny_model
+from tests.conftest import assert_replay_matches_loop, random_heads, tiny_model
 
 
 def random_layer(model, seed: int = 0, std: float = 0.3) -> EagleDraftLayer:
@@ -305,13 +305,12 @@ def test_replay_matches_the_decoding_loop_with_the_layer(context_vocab):
     g = torch.Generator().manual_seed(4)
     for trial in range(3):
         ids = torch.randint(3, 97, (1, int(torch.randint(2, 12, (1,), generator=g))), generator=g)
-        decoding = BlockDrafter(layer, top_k=3, max_tree_tokens=12, context_vocab=context_vocab)
-        out = greedy(model, ids, 40, custom_generate=hf_bpd.generate, assistant=decoding)
-        answer = out[0, ids.shape[1] :].tolist()
-        drafter = BlockDrafter(layer, top_k=3, max_tree_tokens=12, context_vocab=context_vocab)
-        replayed = replay_turn(model, drafter, ids, answer)
-        assert replayed.accepted_lengths == decoding.stats.accepted_lengths, trial
-        assert replayed.tree_sizes == decoding.stats.tree_sizes
+        assert_replay_matches_loop(
+            model,
+            lambda: BlockDrafter(layer, top_k=3, max_tree_tokens=12, context_vocab=context_vocab),
+            ids,
+            trial=trial,
+        )
 
 
 def test_the_prompt_s_rows_run_with_the_prefill_and_each_step_s_at_the_next_draft():
