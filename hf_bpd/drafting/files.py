@@ -68,22 +68,15 @@ def load_drafter(cls: type[BlockDrafter], path: str | Path, base_tokenizer=None,
 def drafting_module(path: str | Path, **hub) -> BlockDraftHeads | EagleDraftLayer:
     """The drafting module saved at `path`: an EAGLE draft layer where its config says so, else draft heads
     (whose loader names a folder that is neither)."""
-    from .eagle import EagleDraftLayer
-
-    if holds_eagle_layer(path, **hub):
-        return EagleDraftLayer.from_pretrained(path, **hub)
-    return BlockDraftHeads.from_pretrained(path, **hub)
-
-
-def holds_eagle_layer(path: str | Path, **hub) -> bool:
-    """Whether the config saved at `path` is an EAGLE draft layer's (read without loading any weights)."""
-    from .eagle import EagleDraftLayerConfig
+    from .eagle import EagleDraftLayer, EagleDraftLayerConfig
 
     try:
         config, _ = EagleDraftLayerConfig.get_config_dict(path, **hub)
     except OSError:
-        return False
-    return config.get("model_type") == EagleDraftLayerConfig.model_type
+        config = {}
+    if config.get("model_type") == EagleDraftLayerConfig.model_type:
+        return EagleDraftLayer.from_pretrained(path, **hub)
+    return BlockDraftHeads.from_pretrained(path, **hub)
 
 
 def save_drafter(drafter: BlockDrafter, path: str | Path, repo_id: str = "<repo_id>", **card_kwargs) -> Path:

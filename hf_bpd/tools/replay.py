@@ -299,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=[0, 1],
         default=None,
-        help="EAGLE layers: 1 also drafts the context's tokens outside the draft vocabulary (default: the "
-        "folder's drafter.json)",
+        help="1: also draft the context's tokens outside the draft vocabulary (EAGLE layers, and 'previous' heads "
+        "tied to the LM head without a context copy; default: the folder's drafter.json)",
     )
     parser.add_argument(
         "--rescorers",
@@ -332,21 +332,20 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--max-turns must be at least 1, got {args.max_turns}")
     if min(args.lookup_nodes) < 0 or min(args.lookup_after_drafts) < 0:
         raise SystemExit("--lookup-nodes and --lookup-after-drafts must be at least 0")
-    if args.context_vocab is not None and 1 in args.context_vocab:
+
+    from ..io.models import load_model
+    from ..io.packaged import check_shipped_rescorers, packaged_heads_dir, packaged_rescorer, resolve_packaged_name
+
+    packaged = resolve_packaged_name(args.model)
+    if args.context_vocab is not None and 1 in args.context_vocab:  # before the model loads
         from ..drafting.context_vocab import context_vocab_refusal
         from ..drafting.saved import DraftingModuleConfig
-        from ..io.packaged import packaged_heads_dir, resolve_packaged_name
 
         for heads in args.heads:
-            folder = packaged_heads_dir(resolve_packaged_name(args.model)) if heads == "packaged" else heads
+            folder = packaged_heads_dir(packaged) if heads == "packaged" else heads
             why = context_vocab_refusal(DraftingModuleConfig.get_config_dict(str(folder))[0])
             if why:
                 raise SystemExit(f"--context-vocab 1: {heads}: {why}")
-
-    from ..io.models import load_model
-    from ..io.packaged import check_shipped_rescorers, packaged_rescorer, resolve_packaged_name
-
-    packaged = resolve_packaged_name(args.model)
     try:  # before the model loads
         check_shipped_rescorers([name for name in args.rescorers if name != "none"], packaged)
     except ValueError as err:
