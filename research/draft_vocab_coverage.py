@@ -45,17 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     _, answers = read_answers(args.answers)
     counts = defaultdict(lambda: {"tokens": 0, "outside": 0, "outside_in_context": 0, "turns": 0, "context_extra": 0})
     for row, prompt, answer in answered_turns(tokenizer, rows, answers):
+        context = set(prompt[0].tolist())
+        turn = {"tokens": len(answer), "outside": 0, "outside_in_context": 0, "turns": 1}
+        for token in answer:
+            if token not in inside:
+                turn["outside"] += 1
+                turn["outside_in_context"] += token in context
+            context.add(token)
+        turn["context_extra"] = len(context - inside)
         for key in (row["category"], "overall"):
-            c = counts[key]
-            context = set(prompt[0].tolist())
-            for token in answer:
-                c["tokens"] += 1
-                if token not in inside:
-                    c["outside"] += 1
-                    c["outside_in_context"] += token in context
-                context.add(token)
-            c["turns"] += 1
-            c["context_extra"] += len(context - inside)
+            for name, value in turn.items():
+                counts[key][name] += value
     report = {}
     for key, c in counts.items():
         report[key] = {

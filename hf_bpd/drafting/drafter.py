@@ -194,8 +194,8 @@ class BlockDrafter:
             raise ValueError(f"compact_weights must be True or False, got {compact_weights!r}")
         if context_vocab not in (True, False):
             raise ValueError(f"context_vocab must be True or False, got {context_vocab!r}")
-        if context_vocab and context_vocab_refusal(heads.config.to_dict()):
-            raise ValueError(f"context_vocab: {context_vocab_refusal(heads.config.to_dict())}")
+        if context_vocab and (why := context_vocab_refusal(heads.config.to_dict())):
+            raise ValueError(f"context_vocab: {why}")
         if rescorer is not None and isinstance(heads, EagleDraftLayer):
             raise ValueError("a rescorer re-ranks the heads' lattice, and an EAGLE draft layer has none: rescorer=None")
         if rescorer is not None and not isinstance(rescorer, Rescorer):
@@ -489,7 +489,7 @@ class BlockDrafter:
         sized = self.forward_cost is not None
         growth = growth_budget(budget, self._recent_grown, sized, 8 if batch_cost is None else 2)
         roots = context[:, -1].tolist() if host_context is None else [row[-1] for row in host_context]  # one copy
-        if self._heads_vocab_positions == 0:  # the call's first drafted step: the prompt's tokens
+        if self.context_vocab and self._heads_vocab_positions == 0:  # the call's first drafted step: the prompt
             self._gather_heads_vocab(context, host_context)
         if self.heads.conditions_on_draft and grown is None and self.grows_on_device and not rescored:
             # every row's tree grown in one call and read in one copy: a batch reads the heads' and the
@@ -568,7 +568,8 @@ class BlockDrafter:
         for tree, arcs in zip(trees, node_arcs):
             known = arcs is not None and self.calibration is not None
             self._verified.append((tree, arcs[: len(tree)]) if known else None)  # a prefix keeps node indices
-        self._gather_heads_vocab(context, host_context)  # for the next step's tree
+        if self.context_vocab:
+            self._gather_heads_vocab(context, host_context)  # for the next step's tree
         return trees
 
     @property
@@ -580,7 +581,7 @@ class BlockDrafter:
     def _gather_heads_vocab(self, context: torch.Tensor, host_context: Sequence[Sequence[int]] | None) -> None:
         """Add the context's positions not gathered yet (every row's) to heads' `context_vocab`."""
         start = self._heads_vocab_positions
-        if not self.context_vocab or self.reads_context or context.shape[1] <= start:
+        if self.reads_context or context.shape[1] <= start:  # a layer gathers its own (`EagleContext`)
             return
         rows = [row[start:] for row in host_context] if host_context is not None else context[:, start:].tolist()
         self._heads_vocab.add(self.heads, [t for row in rows for t in row])
