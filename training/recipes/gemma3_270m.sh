@@ -109,3 +109,20 @@ OMP_NUM_THREADS=1 nice -n 10 hf-bpd distill --model gemma-3-270m --prompt-templa
 #   training/candidates/gemma3_270m_eagle_d3_4k_e1 runs/eagle_gemma/layer_4k_e3 \
 #   --answers benchmarks/replay/gemma3_270m_spread40_greedy128_tf525.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
 #   --context-lookup 0 --max-new-tokens 128 --no-progress --output benchmarks/eagle/replay_gemma3_270m_layer_e3_spread40_lookup0.json
+# 10. issue #59, EAGLE's loss balance for Gemma's layer: Gemma's final hidden states are ~5x SmolLM2's in scale
+#     (RMS ~9.9 against ~2.1), so the layer's smooth-L1 feature loss weighs ~8x more against its cross-entropy
+#     than on SmolLM2. The epoch-1 layer continued one epoch (500 steps, lr 3e-4) over step 7's 2,000 chat-kind
+#     answers, at --cls-weight 1 (as every layer so far) and 8, then both beside the shipped heads v2 and the
+#     epoch-1 layer on the 40 spread dev rows (claim eagle_gemma3_270m_cls_weight_spread40: no difference).
+#     Measured on a 2-core AMD EPYC (2 threads): ~10 min of features, ~9 min a run.
+# for w in 1 8; do
+#   hf-bpd train-eagle --model gemma-3-270m --data training/data/distilled_gemma3_270m_self --samples 2000 \
+#     --heads hf_bpd/assets/gemma3_270m/heads --features-cache runs/eagle_gemma/features_self --depth 3 --epochs 1 \
+#     --lr 3e-4 --cls-weight $w --init training/candidates/gemma3_270m_eagle_d3_4k_e1 --save-every 250 \
+#     --output runs/eagle_gemma/self2k_cls$w
+#   cp training/candidates/gemma3_270m_eagle_d3_4k_e1/drafter.json runs/eagle_gemma/self2k_cls$w/
+# done
+# hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --spread 40 --heads packaged \
+#   training/candidates/gemma3_270m_eagle_d3_4k_e1 runs/eagle_gemma/self2k_cls1 runs/eagle_gemma/self2k_cls8 \
+#   --answers benchmarks/replay/gemma3_270m_spread40_greedy128_tf525.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
+#   --context-lookup 0 --max-new-tokens 128 --no-progress --output benchmarks/eagle/replay_gemma3_270m_layer_cls_spread40.json
