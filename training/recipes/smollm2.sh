@@ -298,3 +298,17 @@ hf-bpd train-eagle --data training/data/distilled/distill2_end training/data/dis
   --init training/candidates/smollm2_eagle_d3_all_fused --feature-layers 2,15,-1 --save-every 256 \
   --output "$RUNS/eagle/fused_tail2k_d5" $( [ -f "$RUNS/eagle/fused_tail2k_d5/checkpoint.pt" ] && echo --resume )
 cp training/candidates/smollm2_eagle_d3_all_fused/drafter.json "$RUNS/eagle/fused_tail2k_d5/"
+# 10g. issue #59, EAGLE's loss balance (as Gemma's recipe step 10): 10e's layer continued at depth 3 for one epoch at
+#      lr 3e-4 over the same 2,048 answers as 10f (its features cache reused), at --cls-weight 1 and 8, then both
+#      beside 10e's layer on the 40 spread dev rows (claim eagle_fused_cls_weight_spread40). ~35 min a run on the
+#      2-core dev machine beside another job.
+for w in 1 8; do
+  hf-bpd train-eagle --data training/data/distilled/distill2_end training/data/distilled/distill_instr --samples 2048 \
+    --heads hf_bpd/assets/smollm2/heads --features-cache "$RUNS/eagle/features_tail" --depth 3 --epochs 1 --lr 3e-4 \
+    --cls-weight $w --init training/candidates/smollm2_eagle_d3_all_fused --feature-layers 2,15,-1 --save-every 256 \
+    --output "$RUNS/eagle/fused_tail2k_cls$w" $( [ -f "$RUNS/eagle/fused_tail2k_cls$w/checkpoint.pt" ] && echo --resume )
+  cp training/candidates/smollm2_eagle_d3_all_fused/drafter.json "$RUNS/eagle/fused_tail2k_cls$w/"
+done
+hf-bpd replay ../shared/data/spec_bench_dev.jsonl --answers benchmarks/replay/spec_bench_dev_greedy128.jsonl --spread 40 \
+  --heads training/candidates/smollm2_eagle_d3_all_fused "$RUNS/eagle/fused_tail2k_cls1" "$RUNS/eagle/fused_tail2k_cls8" \
+  --max-tree-tokens 8 --context-lookup 0 10 --no-progress --output benchmarks/eagle/replay_fused_tail2k_cls_spread40.json
