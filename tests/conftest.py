@@ -31,6 +31,8 @@ TINY = dict(
 def tiny_model(arch: str = "llama", attn: str = "sdpa", seed: int = 0, **overrides):
     """A tiny random causal LM of architecture `arch` in eval mode (deterministic per seed)."""
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -43,15 +45,26 @@ def tiny_model(arch: str = "llama", attn: str = "sdpa", seed: int = 0, **overrid
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     kwargs = dict(TINY, **overrides)
     if arch == "mistral":
         kwargs.setdefault("sliding_window", 4096)
+    if arch == "gemma3":  # Gemma-3-270M's shape of layer: query, key and output norms, a query scale of its own
+        kwargs.setdefault("head_dim", 8)
+        kwargs.setdefault("query_pre_attn_scalar", 12)
+        kwargs.setdefault("sliding_window", 4)
+        kwargs.setdefault("layer_types", ["sliding_attention", "full_attention"])
     torch.manual_seed(seed)
     config = config_cls(**kwargs)
     config._attn_implementation = attn
     model = model_cls(config).eval()
+    if arch == "gemma3":  # its norms start as the identity: random ones, so that copying the wrong one shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(torch.randn(p.shape) * 0.5)
     # Sharpen the random model's distributions so greedy choices are far from ties.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0) if not config.tie_word_embeddings else None

@@ -16,8 +16,10 @@ features); a draft of depth j > 1 reads the feature its parent predicted, never 
 
 `grow_tree` grows a step's `DraftTree` best-first on path probability from those predictions, in rounds (one
 layer call per round), as `expansion.expand_tree` grows "previous" heads' trees. The layer's block is a
-Llama-style decoder layer built from the base model's dimensions and initialised from its last layer
-(`for_base_model`); its rotary embedding is the default one with the base model's theta.
+decoder layer built from the base model's dimensions and initialised from its last layer (`for_base_model`):
+a Llama-style block with the base layer's own extra norms where it has them (Gemma's per-head query and key
+norms and the norms of the attention's and the MLP's outputs); its rotary embedding is the default one with
+the base model's theta.
 
 With `feature_layers` (EAGLE-3's fusion, e.g. `[2, 15, -1]`), feature t of a context row is a learned fusion
 of those layers' hidden states at t (`heads.FeatureFusion`, the heads' own, starting as the identity on the
@@ -72,6 +74,9 @@ class EagleDraftLayerConfig(DraftingModuleConfig):
         mlp_bias: bool = False,
         max_depth: int = 5,
         feature_layers: list[int] | None = None,
+        qk_norm: bool = False,
+        sandwich_norms: bool = False,
+        attention_scale: float = 0.0,
         **kwargs,
     ) -> None:
         self.num_attention_heads = num_attention_heads
@@ -85,6 +90,11 @@ class EagleDraftLayerConfig(DraftingModuleConfig):
         self.mlp_bias = mlp_bias
         self.max_depth = max_depth  # the deepest draft a tree holds
         self.feature_layers = check_feature_layers(feature_layers)  # None: the final hidden state alone
+        # the base layer's own norms, kept where it has them (`base_layer_norms`); a layer saved before them
+        # loads as the Llama-style block it was trained as
+        self.qk_norm = qk_norm  # per-head RMS norms of queries and keys, before the rotation
+        self.sandwich_norms = sandwich_norms  # norms of the attention's and the MLP's outputs (Gemma's)
+        self.attention_scale = attention_scale  # 0: 1 / sqrt(head_dim)
         super().__init__(**kwargs)
 
 
@@ -130,6 +140,28 @@ def norm_scale(norm: nn.Module | None) -> torch.Tensor | None:
     if not isinstance(weight, torch.Tensor):
         return None
     return weight.detach() + 1 if "Gemma" in type(norm).__name__ else weight.detach()
+
+
+def base_layer_norms(last: nn.Module, head_dim: int) -> dict[str, nn.Module | None]:
+    """The norms of the base model's last decoder layer that a draft layer's block keeps, by the draft layer's
+    names: "input_norm" (before attention), "post_norm" (before the MLP: Gemma's pre_feedforward_layernorm,
+    a Llama's post_attention_layernorm), and where the layer has them the per-head query and key norms ("q_norm",
+    "k_norm") and the norms of the attention's and the MLP's outputs ("attention_out_norm", "mlp_out_norm")."""
+    attention = getattr(last, "self_attn", None)
+    pre_mlp = getattr(last, "pre_feedforward_layernorm", None)
+    post_mlp = getattr(last, "post_feedforward_layernorm", None)
+    sandwich = pre_mlp is not None and post_mlp is not None
+    norms = {
+        "input_norm": getattr(last, "input_layernorm", None),
+        "post_norm": pre_mlp if sandwich else getattr(last, "post_attention_layernorm", None),
+    }
+    if sandwich:
+        norms["attention_out_norm"] = getattr(last, "post_attention_layernorm", None)
+        norms["mlp_out_norm"] = post_mlp
+    q_scale, k_scale = (norm_scale(getattr(attention, n, None)) for n in ("q_norm", "k_norm"))
+    if q_scale is not None and k_scale is not None and q_scale.shape == k_scale.shape == (head_dim,):
+        norms["q_norm"], norms["k_norm"] = attention.q_norm, attention.k_norm  # per head (OLMo-2's span all heads)
+    return norms
 
 
 def base_layer_parts(model) -> tuple[nn.Module, nn.Module, nn.Module]:
@@ -181,8 +213,12 @@ class EagleDraftLayer(PreTrainedModel):
         self.k_proj = nn.Linear(hidden, kv_size, bias=c.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=c.attention_bias)
-        self.post_norm = RMSNorm(hidden, eps)
+        self.post_norm = RMSNorm(hidden, eps)  # before the MLP
         self.mlp = GatedMLP(hidden, c.intermediate_size, c.hidden_act, c.mlp_bias)
+        self.q_norm = RMSNorm(c.head_dim, eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, eps) if c.qk_norm else None
+        self.attention_out_norm = RMSNorm(hidden, eps) if c.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(hidden, eps) if c.sandwich_norms else None
         self.out_norm = RMSNorm(hidden, eps)
         size = c.draft_vocab_size or c.vocab_size
         self.register_buffer("draft_vocab", torch.arange(size), persistent=c.draft_vocab_size > 0)
@@ -204,14 +240,18 @@ class EagleDraftLayer(PreTrainedModel):
         max_depth: int = 5,
         start_as_identity: bool = True,
         feature_layers: list[int] | None = None,
+        base_norms: bool = True,
     ) -> EagleDraftLayer:
         """An untrained draft layer for `model`, bound to it: its block a copy of the base model's last
         decoder layer (`base_layer_parts` refuses models without a Llama-style one), its norms the base
-        model's. `draft_vocab`: the token ids it may draft (default: all). `start_as_identity`: fc passes the
-        feature through and the attention and MLP outputs start at zero, so the first prediction is the
-        feature itself (what made training start well on SmolLM2). `feature_layers` (e.g. `[2, 15, -1]`,
+        layer's (`base_layer_norms`: Gemma's query, key and output norms included). `draft_vocab`: the token
+        ids it may draft (default: all). `start_as_identity`: fc passes the feature through and the attention
+        and MLP outputs start at zero, so the first prediction is the feature itself (what made training start
+        well on SmolLM2). `feature_layers` (e.g. `[2, 15, -1]`,
         resolved against `model` by `normalise_feature_layers`): the context rows read a fusion of those
-        hidden states, which starts as the identity on the final one."""
+        hidden states, which starts as the identity on the final one. `base_norms=False`: a Llama-style block
+        without the base layer's query, key and output norms, what layers saved before them were (for
+        `train-eagle --init` to continue one)."""
         attention, mlp, last = base_layer_parts(model)
         if feature_layers is not None:
             from .layer_features import decoder_layers
@@ -226,6 +266,9 @@ class EagleDraftLayer(PreTrainedModel):
         if "full_attention" in rope:  # per-layer-type parameters (Gemma-3): the global layers'
             rope = rope["full_attention"]
         theta = rope.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0
+        kept = base_layer_norms(last, head_dim)
+        if not base_norms:
+            kept = {name: kept[name] for name in ("input_norm", "post_norm")}
         config = EagleDraftLayerConfig(
             base_model_name=getattr(cfg, "_name_or_path", "") or "",
             base_model_type=getattr(cfg, "model_type", "") or "",
@@ -243,6 +286,9 @@ class EagleDraftLayer(PreTrainedModel):
             draft_vocab_size=0 if draft_vocab is None else int(draft_vocab.numel()),
             max_depth=max_depth,
             feature_layers=feature_layers,
+            qk_norm="q_norm" in kept,
+            sandwich_norms="mlp_out_norm" in kept,
+            attention_scale=float(getattr(attention, "scaling", None) or head_dim**-0.5),
             **lm_head_identity(lm_head.weight),
         )
         with torch.random.fork_rng(devices=[]):  # fc's default initialisation must not move a user's stream
@@ -254,13 +300,9 @@ class EagleDraftLayer(PreTrainedModel):
                 getattr(layer, name).load_state_dict(getattr(attention, name).state_dict())
             for name in ("gate_proj", "up_proj", "down_proj"):
                 getattr(layer.mlp, name).load_state_dict(getattr(mlp, name).state_dict())
-            # the norms around the block and the output norm start as the base model's (its final norm last)
-            norms = [
-                (layer.input_norm, getattr(last, "input_layernorm", None)),
-                (layer.post_norm, getattr(last, "post_attention_layernorm", None)),
-                (layer.out_norm, getattr(model.model, "norm", None)),
-            ]
-            for mine, theirs in norms:
+            # the block's norms start as the base layer's, the output norm as its final norm
+            norms = [(getattr(layer, name), theirs) for name, theirs in kept.items()]
+            for mine, theirs in norms + [(layer.out_norm, getattr(model.model, "norm", None))]:
                 scale = norm_scale(theirs)
                 if scale is not None and scale.shape == mine.weight.shape:
                     mine.weight.copy_(scale)
@@ -271,8 +313,14 @@ class EagleDraftLayer(PreTrainedModel):
                 layer.fc.weight.zero_()
                 layer.fc.weight[:, hidden:].copy_(torch.eye(hidden))
                 layer.fc.bias.zero_()
-                layer.o_proj.weight.zero_()
-                layer.mlp.down_proj.weight.zero_()
+                # the attention's and the MLP's contributions start at zero: where a norm follows them, its scale
+                # (a normed zero is no smooth start: the norm undoes any small step away from it)
+                if config.sandwich_norms:
+                    layer.attention_out_norm.weight.zero_()
+                    layer.mlp_out_norm.weight.zero_()
+                else:
+                    layer.o_proj.weight.zero_()
+                    layer.mlp.down_proj.weight.zero_()
         layer = layer.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
         return layer.bind(model)
 
@@ -404,6 +452,9 @@ class EagleDraftLayer(PreTrainedModel):
             qkv = packed_or_plain_linear(h, *fused["qkv"])
         qkv = qkv.view(b, r, heads + 2 * kv_heads, c.head_dim).transpose(1, 2)
         qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
+        if self.q_norm is not None:
+            q, k = qk.split([heads, kv_heads], 1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], 1)
         angles = position.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None]
         angles = torch.cat([angles, angles], -1)
         cos, sin = angles.cos().to(qk.dtype), angles.sin().to(qk.dtype)
@@ -415,9 +466,14 @@ class EagleDraftLayer(PreTrainedModel):
         else:
             keys = seen_keys = k if keys is None else torch.cat([keys, k], 2)
             values = seen_values = v if values is None else torch.cat([values, v], 2)
-        attended = F.scaled_dot_product_attention(q, seen_keys, seen_values, attn_mask=mask, enable_gqa=True)
-        x = x + self.o_proj(attended.transpose(1, 2).reshape(b, r, -1))
-        x = x + self.mlp(self.post_norm(x), None if fused is None else fused["gate_up"])
+        scale = c.attention_scale or None
+        attended = F.scaled_dot_product_attention(
+            q, seen_keys, seen_values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        attention_out = self.o_proj(attended.transpose(1, 2).reshape(b, r, -1))
+        x = x + (attention_out if self.attention_out_norm is None else self.attention_out_norm(attention_out))
+        mlp_out = self.mlp(self.post_norm(x), None if fused is None else fused["gate_up"])
+        x = x + (mlp_out if self.mlp_out_norm is None else self.mlp_out_norm(mlp_out))
         return self.out_norm(x), keys, values
 
     def unroll(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
