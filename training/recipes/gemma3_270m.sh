@@ -126,3 +126,24 @@ OMP_NUM_THREADS=1 nice -n 10 hf-bpd distill --model gemma-3-270m --prompt-templa
 #   training/candidates/gemma3_270m_eagle_d3_4k_e1 runs/eagle_gemma/self2k_cls1 runs/eagle_gemma/self2k_cls8 \
 #   --answers benchmarks/replay/gemma3_270m_spread40_greedy128_tf525.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
 #   --context-lookup 0 --max-new-tokens 128 --no-progress --output benchmarks/eagle/replay_gemma3_270m_layer_cls_spread40.json
+# 11. issue #59, the EAGLE layer's block for Gemma: until commit 93e2e41 it was Llama-style, so it dropped Gemma's
+#     per-head query and key norms and the norms of the attention's and MLP's outputs, and its pre-MLP norm
+#     started as Gemma's post_attention_layernorm (a scale of ~136 where the base layer's pre-MLP norm has ~2).
+#     Since 93e2e41 the block keeps the base layer's own norms and query scale (`eagle.base_layer_norms`). Both
+#     blocks trained from the base model's last layer, two epochs (1,000 steps, lr 1e-3, depth 3) over step 7's
+#     2,000 chat-kind answers, with the same features, order and steps: the old one from a worktree of commit
+#     59ca7d2, side by side at one thread each (~2.1 s a step each on a 2-core AMD EPYC). Then both beside the
+#     shipped heads v2 on the 40 spread dev rows (claim eagle_gemma3_270m_block_norms_spread40).
+# git worktree add /tmp/wt_old 59ca7d2
+# ARGS="--model gemma-3-270m --data $PWD/training/data/distilled_gemma3_270m_self --samples 2000 \
+#   --heads $PWD/hf_bpd/assets/gemma3_270m/heads --features-cache $PWD/runs/eagle_gemma/features_self --depth 3 \
+#   --epochs 2 --save-every 250"
+# (cd /tmp/wt_old && OMP_NUM_THREADS=1 PYTHONPATH=/tmp/wt_old python -c "import sys; from hf_bpd.cli import main; \
+#   sys.exit(main(sys.argv[1:]))" train-eagle $ARGS --output $OLDPWD/runs/eagle_gemma/ab_old) &
+# OMP_NUM_THREADS=1 hf-bpd train-eagle $ARGS --output runs/eagle_gemma/ab_norms; wait
+# cp training/candidates/gemma3_270m_eagle_d3_4k_e1/drafter.json runs/eagle_gemma/ab_old/
+# cp training/candidates/gemma3_270m_eagle_d3_4k_e1/drafter.json runs/eagle_gemma/ab_norms/
+# hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --spread 40 --heads packaged \
+#   runs/eagle_gemma/ab_old runs/eagle_gemma/ab_norms \
+#   --answers benchmarks/replay/gemma3_270m_spread40_greedy128_tf525.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
+#   --context-lookup 0 --max-new-tokens 128 --no-progress --output benchmarks/eagle/replay_gemma3_270m_block_norms_spread40.json
