@@ -147,3 +147,12 @@ OMP_NUM_THREADS=1 nice -n 10 hf-bpd distill --model gemma-3-270m --prompt-templa
 #   runs/eagle_gemma/ab_old runs/eagle_gemma/ab_norms \
 #   --answers benchmarks/replay/gemma3_270m_spread40_greedy128_tf525.jsonl --top-k 10 --max-tree-tokens 4 8 16 64 \
 #   --context-lookup 0 --max-new-tokens 128 --no-progress --output benchmarks/eagle/replay_gemma3_270m_block_norms_spread40.json
+# 12. issue #59, the layer with Gemma's own norms (step 11) on every answer the model has written: the 8,171
+#     distilled answers then step 7's 2,000, with EAGLE-3's fusion of layers 2, 9 and the last, from the base
+#     model's last layer, two epochs (5,086 steps). ~124 s of features per 256 answers on a 2-core AMD EPYC (40
+#     chunks, ~9.8 GB), then ~2 s a step. Started in session 76, resumable: rerun with --resume once
+#     runs/eagle_gemma/norms_all_fused/checkpoint.pt exists (the features resume at the first missing chunk).
+# hf-bpd train-eagle --model gemma-3-270m --data training/data/distilled_gemma3_270m \
+#   training/data/distilled_gemma3_270m_self --samples 10171 --heads hf_bpd/assets/gemma3_270m/heads \
+#   --features-cache runs/eagle_gemma/features_all --depth 3 --epochs 2 --feature-layers 2,9,-1 --save-every 250 \
+#   --output runs/eagle_gemma/norms_all_fused [--resume]
