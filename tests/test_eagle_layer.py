@@ -261,18 +261,22 @@ def test_train_eagle_starts_from_an_init_layer(tmp_path, monkeypatch):
 @pytest.mark.parametrize("init_base_norms", [None, False, True])  # no --init, a Llama-style block, Gemma's own
 def test_train_eagle_keeps_the_block_kind_of_the_layer_it_continues(tmp_path, monkeypatch, init_base_norms):
     """A new Gemma-3 layer keeps its base layer's query, key and output norms; `--init` from a layer saved
-    before them continues it as the Llama-style block it is."""
+    before them continues it as the Llama-style block it is, and `--resume` continues the run's own kind."""
     from hf_bpd.io import models
     from hf_bpd.training import train_eagle
 
     model = tiny_model("gemma3")
     random_heads(model).save_pretrained(tmp_path / "heads")
     monkeypatch.setattr(models, "load_model", lambda name, device: (model, None))
-    monkeypatch.setattr(train_eagle, "training_items", lambda model, args: [])
+    monkeypatch.setattr(train_eagle, "training_items", lambda model, args: [(torch.zeros(3), None, 0)])
     kinds = []
-    monkeypatch.setattr(
-        train_eagle, "train", lambda layer, *a, **kw: kinds.append((layer.config.qk_norm, layer.config.sandwich_norms))
-    )
+
+    def one_saved_step(layer, items, args, save, state):  # the run's first step, saved as a run saves it
+        kinds.append((layer.config.qk_norm, layer.config.sandwich_norms))
+        optimizer = torch.optim.AdamW(layer.parameters())
+        save([1.0], optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+
+    monkeypatch.setattr(train_eagle, "train", one_saved_step)
     argv = ["--data", "d", "--samples", "4", "--heads", str(tmp_path / "heads"), "--features-cache", "c"]
     argv += ["--output", str(tmp_path / "o")]
     if init_base_norms is not None:
@@ -281,8 +285,9 @@ def test_train_eagle_keeps_the_block_kind_of_the_layer_it_continues(tmp_path, mo
         start.save_pretrained(tmp_path / "layer")
         argv += ["--init", str(tmp_path / "layer")]
     assert train_eagle.main(argv) == 0
+    assert train_eagle.main([*argv, "--resume"]) == 0  # loads the saved weights into a block of their kind
     expected = (init_base_norms is not False,) * 2
-    assert kinds == [expected]
+    assert kinds == [expected, expected]
 
 
 def test_a_layer_saved_before_the_base_layer_s_norms_loads_as_the_llama_style_block_it_was():
