@@ -39,6 +39,8 @@ def tiny_model(arch: str = "llama", attn: str = "sdpa", seed: int = 0, **overrid
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     classes = {
@@ -46,11 +48,14 @@ def tiny_model(arch: str = "llama", attn: str = "sdpa", seed: int = 0, **overrid
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),  # per-head query and key norms, no output norms
     }
     config_cls, model_cls = classes[arch]
     kwargs = dict(TINY, **overrides)
     if arch == "mistral":
         kwargs.setdefault("sliding_window", 4096)
+    if arch == "qwen3":
+        kwargs.setdefault("head_dim", 8)
     if arch == "gemma3":  # Gemma-3-270M's shape of layer: query, key and output norms, a query scale of its own
         kwargs.setdefault("head_dim", 8)
         kwargs.setdefault("query_pre_attn_scalar", 12)
@@ -60,7 +65,7 @@ def tiny_model(arch: str = "llama", attn: str = "sdpa", seed: int = 0, **overrid
     config = config_cls(**kwargs)
     config._attn_implementation = attn
     model = model_cls(config).eval()
-    if arch == "gemma3":  # its norms start as the identity: random ones, so that copying the wrong one shows
+    if arch in ("gemma3", "qwen3"):  # its norms start as the identity: random ones, so a wrong copy shows
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):

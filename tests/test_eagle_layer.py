@@ -34,11 +34,11 @@ def sequence(length: int, model, seed: int):
     return tokens, torch.randn(length, model.config.hidden_size, generator=g)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # Gemma-3's: its query, key and output norms kept
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])  # Gemma-3's query, key and output norms kept
 def test_depth_one_is_the_base_model_s_last_decoder_layer_then_the_final_norm(arch):
     model = tiny_model(arch)
     layer = EagleDraftLayer.for_base_model(model, start_as_identity=False)
-    assert (layer.config.qk_norm, layer.config.sandwich_norms) == ((arch == "gemma3"),) * 2
+    assert (layer.config.qk_norm, layer.config.sandwich_norms) == (arch != "llama", arch == "gemma3")
     tokens, features = sequence(9, model, 0)
     with torch.no_grad():
         ours = layer.unroll(features[None], tokens[None], 1)[0]
@@ -54,7 +54,7 @@ def test_depth_one_is_the_base_model_s_last_decoder_layer_then_the_final_norm(ar
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
 def test_a_new_layer_s_first_prediction_is_the_normed_feature_itself(arch):
     """The identity start: fc passes the feature through and the block adds nothing (Gemma's output norms
     scale its attention and MLP to zero, a Llama's output projections are zero)."""
