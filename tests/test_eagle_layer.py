@@ -165,7 +165,8 @@ def test_training_loss_falls_and_reaches_every_trained_weight(arch):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    assert losses[-1] < 0.9 * losses[0]
+    # the tiny Gemma's tied LM head is not sharpened (conftest): its cross-entropy part barely moves
+    assert losses[-1] < (0.85 if arch == "llama" else 0.9) * losses[0]
     # the block starts as the identity (zero output projections or output norms): its inner weights learn once
     # those move
     assert [name for name, p in layer.named_parameters() if torch.equal(p, start[name])] == []
