@@ -283,9 +283,10 @@ def main(argv: list[str] | None = None) -> int:
             )
     # the block a run continues (`--init`'s, or `--resume`'s own) keeps its kind: a layer saved before the base
     # layer's own norms were kept is a Llama-style block
-    continued = init_config if args.init is not None and state is None else None
     if state is not None:
         continued = EagleDraftLayer.saved_config(output)
+    else:
+        continued = init_config if args.init is not None else None
     base_norms = continued is None or continued.qk_norm or continued.sandwich_norms
     layer = EagleDraftLayer.for_base_model(
         model, heads.draft_vocab, args.max_depth, feature_layers=args.feature_layers, base_norms=base_norms
