@@ -480,6 +480,49 @@ def test_training_a_fusion_layer_reads_the_layers_and_targets_the_final_state():
         torch.testing.assert_close(eagle_loss(fused, wide_items, 2, 1.0), eagle_loss(layer, plain_items, 2, 1.0))
 
 
+def test_features_beyond_float16_s_range_are_cached_in_bfloat16_and_stale_inf_chunks_are_refused(tmp_path):
+    # Gemma-3's middle layers exceed float16's 65,504: a float16 cache held inf, and every loss was nan
+    from hf_bpd.training.train_eagle import cached_sequences, sequence_features
+
+    model = tiny_model()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(1e6)  # a residual stream beyond float16, as Gemma-3's
+    seqs = [[5, 9, 11, 4, 7], [3, 8, 20]]
+    wide = sequence_features(model, seqs, feature_layers=[1, -1])
+    final = sequence_features(model, seqs)
+    assert [f.dtype for f in final] == [torch.float16] * 2  # the final state is normed: float16 holds it
+    for seq, got in zip(seqs, wide):
+        with torch.no_grad():
+            states = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        want = torch.cat([states[1][0], states[-1][0]], -1)
+        dtype = torch.bfloat16 if want.abs().max() > torch.finfo(torch.float16).max else torch.float16
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.to(dtype).float())
+    assert wide[0].dtype == torch.bfloat16
+    # what a float16 cache held before: inf, refused on load rather than trained on
+    folder = tmp_path / "layers-1-final"
+    folder.mkdir()
+    torch.save([w.half() for w in wide], folder / "train-000000-000002.pt")
+    with pytest.raises(ValueError, match="holds inf or nan"):
+        cached_sequences(model, "train", seqs, [1, 1], tmp_path, feature_layers=[1, -1])
+
+
+def test_training_stops_at_a_non_finite_loss_before_it_changes_a_weight():
+    import argparse
+
+    from hf_bpd.training.train_eagle import train
+
+    model = tiny_model()
+    items = [(t, f.half(), 3) for t, f in (sequence(8 + i, model, i) for i in range(4))]
+    items[3][1][2, 0] = float("inf")
+    args = argparse.Namespace(lr=1e-2, seed=0, batch_samples=4, epochs=1, depth=2, cls_weight=1.0, save_every=0)
+    layer = EagleDraftLayer.for_base_model(model).requires_grad_(True)
+    start = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    with pytest.raises(FloatingPointError, match="step 1: the loss is nan"):
+        train(layer, items, args)
+    assert all(torch.equal(p, start[name]) for name, p in layer.named_parameters())
+
+
 def test_train_eagle_gives_an_init_layer_a_fusion_and_refuses_other_feature_layers(tmp_path, monkeypatch):
     from hf_bpd.io import models
     from hf_bpd.training import train_eagle

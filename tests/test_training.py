@@ -589,3 +589,22 @@ def test_load_distilled_concatenates_several_runs_in_order(tmp_path):
     train_heads.add_args(parser)
     assert parser.parse_args(["--data", "x", "y", "--output", "o"]).data == ["x", "y"]
     assert args.data == ["unused"]
+
+
+def test_cached_head_features_keep_values_beyond_float16_in_bfloat16_and_join_chunks_of_both():
+    fits, beyond = torch.tensor([[1.5, -2.0]]), torch.tensor([[1e6, 3.0]])
+    assert train_heads.stored_features(fits).dtype == torch.float16
+    assert train_heads.stored_features(beyond).dtype == torch.bfloat16
+    parts = [
+        train_heads.Features(
+            train_heads.stored_features(x),
+            torch.zeros(1, 2, dtype=torch.long),
+            torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, dtype=torch.bool),
+        )
+        for x in (fits, beyond)
+    ]
+    joined = train_heads.Features.concat(parts).hidden
+    assert joined.dtype == torch.bfloat16 and torch.isfinite(joined).all()
+    assert joined.float().tolist() == [[1.5, -2.0], [999424.0, 3.0]]  # 1e6 at bfloat16's step

@@ -4,7 +4,8 @@
         --features-cache runs/eagle/features --depth 3 --epochs 3 --output runs/eagle/layer
 
 The base model's final hidden states over whole sequences (prompt and answer) are computed once and cached in
-float16 chunks (`--features-cache`, resumable). The layer is trained with EAGLE's losses at every row with a
+float16 chunks (bfloat16 where a value exceeds float16's range: `train_heads.stored_features`;
+`--features-cache`, resumable). The layer is trained with EAGLE's losses at every row with a
 target: smooth L1 from its predicted feature to the base model's next one, plus `--cls-weight` times the
 cross-entropy to the base model's next-token distribution over the draft vocabulary; `--depth` > 1 unrolls
 it on its own predictions (EAGLE-3's training-time test), the losses of every depth summed. With
@@ -30,7 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from ..drafting.eagle import EagleDraftLayer
-from .train_heads import parse_feature_layers
+from .train_heads import parse_feature_layers, stored_features
 
 CHECKPOINT = "checkpoint.pt"  # beside the saved layer: the optimizer's and schedule's state, for --resume
 
@@ -40,8 +41,9 @@ def sequence_features(
     model, seqs: list[list[int]], batch_tokens: int = 4096, feature_layers: list[int] | None = None
 ) -> list[torch.Tensor]:
     """The base model's final hidden state (after its final norm: what its LM head reads) at every position of
-    each token sequence, float16 `[len, hidden]`; with `feature_layers`, those hidden states concatenated
-    `[len, k * hidden]` (the final one last), captured by hooks. Length-sorted, right-padded batches."""
+    each token sequence, `[len, hidden]` as `train_heads.stored_features` keeps them; with `feature_layers`,
+    those hidden states concatenated `[len, k * hidden]` (the final one last), captured by hooks.
+    Length-sorted, right-padded batches."""
     from ..compat import last_hidden_state_request
     from ..drafting.heads import check_feature_layers
     from ..drafting.layer_features import LayerFeatures
@@ -62,7 +64,7 @@ def sequence_features(
             else:
                 hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
             for b, i in enumerate(batch):
-                out[i] = hidden[b, : len(seqs[i])].half().clone()
+                out[i] = stored_features(hidden[b, : len(seqs[i])])
     return out  # type: ignore[return-value]
 
 
@@ -75,7 +77,7 @@ def cached_sequences(
     chunk: int = 256,
     feature_layers: list[int] | None = None,
 ):
-    """[(tokens [L], features [L, H] float16, answer start)] for `seqs` (`[L, k * H]` with `feature_layers`),
+    """[(tokens [L], features [L, H] (`stored_features`), answer start)] for `seqs` ([L, k * H] with `feature_layers`),
     computed in chunks of `chunk` sequences cached under `cache/<name>-<first>-<end>.pt` (a rerun resumes at
     the first missing chunk; a chunk is named by its sequences' indices, so one cache serves one list of
     sequences and its extensions); the features of `feature_layers` in a folder of their own under `cache`
@@ -98,6 +100,8 @@ def cached_sequences(
             print(f"{name} features {first}-{end}: {tokens} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
         if any(f.shape[0] != len(s) for s, f in zip(seqs[first:end], part)):
             raise ValueError(f"{path} holds features of other sequences: delete it or use another --features-cache")
+        if not all(torch.isfinite(f).all() for f in part):  # float16 chunks written before `stored_features`
+            raise ValueError(f"{path} holds inf or nan (float16 overflowed): delete it to compute it again")
         items += [(torch.tensor(s), f, a) for s, f, a in zip(seqs[first:end], part, starts[first:end])]
     return items
 
@@ -161,6 +165,8 @@ def train(layer: EagleDraftLayer, items, args, save=None, resume: dict | None = 
         shuffled = torch.randperm(len(batches), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
         for i in shuffled[len(losses) - epoch * len(batches) :]:  # a resumed epoch: from its next batch
             loss = eagle_loss(layer, [items[j] for j in batches[i]], args.depth, args.cls_weight)
+            if not torch.isfinite(loss):  # one nan step would leave every weight nan: stop before it lands
+                raise FloatingPointError(f"step {len(losses) + 1}: the loss is {float(loss)}; no weight was changed")
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()

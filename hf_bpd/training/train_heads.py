@@ -84,6 +84,22 @@ from hf_bpd.training.objective import (
 TOKEN_INPUT_CHOICES = ("previous", "next", "none")  # --token-input; "none" is token_input ""
 
 
+FLOAT16_MAX = torch.finfo(torch.float16).max
+
+
+def stored_features(hidden: torch.Tensor) -> torch.Tensor:
+    """Hidden states as training caches keep them: float16 where every value fits, else bfloat16 (float32's
+    range at a coarser step). A raw residual stream can exceed float16's 65,504 (Gemma-3's middle layers do),
+    and float16 would store inf there: the fusion's norm of an inf row is nan, and so is every loss after it."""
+    return hidden.half() if hidden.abs().amax() <= FLOAT16_MAX else hidden.bfloat16()
+
+
+def joined_features(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat` of stored hidden states, all in bfloat16 where any part needed it (`stored_features`)."""
+    dtype = torch.bfloat16 if any(p.dtype == torch.bfloat16 for p in parts) else torch.float16
+    return torch.cat([p.to(dtype) for p in parts])
+
+
 @dataclass
 class Features:
     """Cached training positions: hidden [n, H] (base last hidden state at t; with feature layers [n, k*H],
@@ -110,7 +126,8 @@ class Features:
 
     @staticmethod
     def concat(parts: list[Features]) -> Features:
-        return Features(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Features)))
+        join = {"hidden": joined_features}
+        return Features(*(join.get(f.name, torch.cat)([getattr(p, f.name) for p in parts]) for f in fields(Features)))
 
 
 def teacher_rows(feats: Features, num_heads: int) -> torch.Tensor:
@@ -172,7 +189,7 @@ def compute_features(
                 else:
                     t = head_targets(seqs[r], start, num_heads)
                 n = t.shape[0]
-                hidden.append(last[r, first : first + n].half())
+                hidden.append(stored_features(last[r, first : first + n]))
                 targets.append(t)
                 next_token.append(torch.tensor(seqs[r][first + 1 : first + 1 + n], dtype=torch.long))
                 sample.append(torch.full((n,), first_sample + j, dtype=torch.long))
@@ -180,7 +197,7 @@ def compute_features(
             bar.update(len(batch))
     bar.close()
     return Features(
-        torch.cat(hidden), torch.cat(targets), torch.cat(next_token), torch.cat(sample), torch.cat(in_prompt)
+        joined_features(hidden), torch.cat(targets), torch.cat(next_token), torch.cat(sample), torch.cat(in_prompt)
     )
 
 
