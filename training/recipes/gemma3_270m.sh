@@ -152,6 +152,9 @@ OMP_NUM_THREADS=1 nice -n 10 hf-bpd distill --model gemma-3-270m --prompt-templa
 #     model's last layer, two epochs (5,086 steps). ~124 s of features per 256 answers on a 2-core AMD EPYC (40
 #     chunks, ~9.8 GB), then ~2 s a step. Started in session 76, resumable: rerun with --resume once
 #     runs/eagle_gemma/norms_all_fused/checkpoint.pt exists (the features resume at the first missing chunk).
+#     Session 77 found session 76's chunks held inf (Gemma's layers 2 and 9 exceed float16's 65,504) and every
+#     loss nan: chunks written since keep such states in bfloat16 (`train_heads.stored_features`), train-eagle
+#     refuses a chunk holding inf and stops at the first non-finite loss. Started again in session 77.
 # hf-bpd train-eagle --model gemma-3-270m --data training/data/distilled_gemma3_270m \
 #   training/data/distilled_gemma3_270m_self --samples 10171 --heads hf_bpd/assets/gemma3_270m/heads \
 #   --features-cache runs/eagle_gemma/features_all --depth 3 --epochs 2 --feature-layers 2,9,-1 --save-every 250 \
