@@ -480,7 +480,7 @@ def test_training_a_fusion_layer_reads_the_layers_and_targets_the_final_state():
         torch.testing.assert_close(eagle_loss(fused, wide_items, 2, 1.0), eagle_loss(layer, plain_items, 2, 1.0))
 
 
-def test_features_beyond_float16_s_range_are_cached_in_bfloat16_and_stale_inf_chunks_are_refused(tmp_path):
+def test_features_beyond_float16_s_range_are_cached_in_bfloat16_and_stale_inf_chunks_computed_again(tmp_path):
     # Gemma-3's middle layers exceed float16's 65,504: a float16 cache held inf, and every loss was nan
     from hf_bpd.training.train_eagle import cached_sequences, sequence_features
 
@@ -499,12 +499,15 @@ def test_features_beyond_float16_s_range_are_cached_in_bfloat16_and_stale_inf_ch
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), want.to(dtype).float())
     assert wide[0].dtype == torch.bfloat16
-    # what a float16 cache held before: inf, refused on load rather than trained on
+    # what a float16 cache held before: inf, computed again on load rather than trained on
     folder = tmp_path / "layers-1-final"
     folder.mkdir()
     torch.save([w.half() for w in wide], folder / "train-000000-000002.pt")
-    with pytest.raises(ValueError, match="holds inf or nan"):
-        cached_sequences(model, "train", seqs, [1, 1], tmp_path, feature_layers=[1, -1])
+    assert not torch.isfinite(torch.load(folder / "train-000000-000002.pt")[0]).all()
+    items = cached_sequences(model, "train", seqs, [1, 1], tmp_path, feature_layers=[1, -1])
+    for (_, got, _), want in zip(items, wide):
+        assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(torch.load(folder / "train-000000-000002.pt"), wide))
 
 
 def test_training_stops_at_a_non_finite_loss_before_it_changes_a_weight():

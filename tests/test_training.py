@@ -608,3 +608,16 @@ def test_cached_head_features_keep_values_beyond_float16_in_bfloat16_and_join_ch
     joined = train_heads.Features.concat(parts).hidden
     assert joined.dtype == torch.bfloat16 and torch.isfinite(joined).all()
     assert joined.float().tolist() == [[1.5, -2.0], [999424.0, 3.0]]  # 1e6 at bfloat16's step
+
+
+def test_a_cached_head_features_chunk_holding_inf_is_computed_again(tmp_path):
+    model = tiny_model("llama", eos_token_id=None)
+    data = tiny_distilled(model, n=6, new=8)
+    cache = tmp_path / "features"
+    whole = train_heads.cached_features(model, data, 2, cache, chunk=3, progress=False)
+    path = cache / "features-0000000-0000003.pt"
+    saved = torch.load(path)
+    saved["hidden"][0, 0] = float("inf")  # as float16 stored a state beyond its range before `stored_features`
+    torch.save(saved, path)
+    again = train_heads.cached_features(model, data, 2, cache, chunk=3, progress=False)
+    assert torch.equal(again.hidden, whole.hidden) and torch.isfinite(torch.load(path)["hidden"]).all()

@@ -77,11 +77,11 @@ def cached_sequences(
     chunk: int = 256,
     feature_layers: list[int] | None = None,
 ):
-    """[(tokens [L], features [L, H] (`stored_features`), answer start)] for `seqs` ([L, k * H] with `feature_layers`),
-    computed in chunks of `chunk` sequences cached under `cache/<name>-<first>-<end>.pt` (a rerun resumes at
-    the first missing chunk; a chunk is named by its sequences' indices, so one cache serves one list of
-    sequences and its extensions); the features of `feature_layers` in a folder of their own under `cache`
-    (`train_heads.feature_cache_folder`)."""
+    """[(tokens [L], features [L, H] (`stored_features`), answer start)] for `seqs` ([L, k * H] with
+    `feature_layers`), computed in chunks of `chunk` sequences cached under `cache/<name>-<first>-<end>.pt` (a
+    rerun resumes at the first missing chunk and computes a chunk holding inf again; a chunk is named by its
+    sequences' indices, so one cache serves one list of sequences and its extensions); the features of
+    `feature_layers` in a folder of their own under `cache` (`train_heads.feature_cache_folder`)."""
     from .train_heads import feature_cache_folder
 
     cache = feature_cache_folder(cache, feature_layers)
@@ -90,9 +90,11 @@ def cached_sequences(
     for first in range(0, len(seqs), chunk):
         end = min(first + chunk, len(seqs))
         path = cache / f"{name}-{first:06d}-{end:06d}.pt"
-        if path.exists():
-            part = torch.load(path)
-        else:
+        part = torch.load(path) if path.exists() else None
+        if part is not None and not all(torch.isfinite(f).all() for f in part):
+            print(f"{path} holds inf (float16 overflowed before `stored_features`): computing it again", flush=True)
+            part = None
+        if part is None:
             t0 = time.perf_counter()
             part = sequence_features(model, seqs[first:end], feature_layers=feature_layers)
             torch.save(part, path)
@@ -100,8 +102,6 @@ def cached_sequences(
             print(f"{name} features {first}-{end}: {tokens} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
         if any(f.shape[0] != len(s) for s, f in zip(seqs[first:end], part)):
             raise ValueError(f"{path} holds features of other sequences: delete it or use another --features-cache")
-        if not all(torch.isfinite(f).all() for f in part):  # float16 chunks written before `stored_features`
-            raise ValueError(f"{path} holds inf or nan (float16 overflowed): delete it to compute it again")
         items += [(torch.tensor(s), f, a) for s, f, a in zip(seqs[first:end], part, starts[first:end])]
     return items
 

@@ -228,7 +228,8 @@ def cached_features(
     """`compute_features` for all of `data`, cached on disk in chunks of samples
     (`features-<first>-<end>.pt`). An interrupted run resumes at the first missing chunk, and a grown data
     set only computes its new samples: existing chunk files are reused when they tile the data from
-    sample 0 and hold the same samples (token digest) with enough heads; any other chunk is recomputed.
+    sample 0 and hold the same samples (token digest) with enough heads and no inf; any other chunk is
+    recomputed.
     Features of `feature_layers` are cached in their own folder (`feature_cache_folder`)."""
     cache_dir = feature_cache_folder(cache_dir, feature_layers, prompt_positions)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -248,7 +249,8 @@ def cached_features(
             if saved["digest"] == rows_digest(rows(covered, end)) and saved["targets"].shape[1] >= num_heads:
                 width = saved["hidden"].shape[1] // layers  # the final state: the last of them
                 saved["hidden"] = saved["hidden"][:, -width:].clone() if layers > 1 else saved["hidden"]
-                return Features.from_saved(saved), end
+                if torch.isfinite(saved["hidden"]).all():  # float16 that overflowed before `stored_features`: stale
+                    return Features.from_saved(saved), end
             if own:
                 path.unlink()  # other samples or fewer heads: stale
         return None, None
