@@ -621,3 +621,14 @@ def test_a_cached_head_features_chunk_holding_inf_is_computed_again(tmp_path):
     torch.save(saved, path)
     again = train_heads.cached_features(model, data, 2, cache, chunk=3, progress=False)
     assert torch.equal(again.hidden, whole.hidden) and torch.isfinite(torch.load(path)["hidden"]).all()
+
+
+def test_heads_training_stops_at_a_non_finite_loss(tmp_path, monkeypatch):
+    model = tiny_model("llama", eos_token_id=None)
+    data = tiny_distilled(model, n=8)
+    feats = train_heads.cached_features(model, data, 2, tmp_path / "cache", progress=False)
+    feats.hidden[:] = float("inf")  # as a model computing in float16 can give
+    monkeypatch.setattr(train_heads, "cached_features", lambda *a, **kw: feats)
+    args = args_for(tmp_path / "run", epochs=1, lr=3e-2, batch_size=64, num_heads=2)
+    with pytest.raises(FloatingPointError, match="epoch 0 step 1: the loss is nan; training stopped before this step"):
+        train_heads.train_frozen(model, data, args)

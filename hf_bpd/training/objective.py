@@ -203,8 +203,10 @@ def heads_loss(
         tgt = targets[:, i] if vocab_index is None else vocab_index[targets[:, i].clamp(min=0)]
         tgt = torch.where(targets[:, i] == IGNORE, IGNORE, tgt)
         logits = project(states[:, i]).float()
-        loss = torch.nn.functional.cross_entropy(logits, tgt, ignore_index=IGNORE)
-        loss = torch.nan_to_num(loss)  # a batch with no target for this head
+        # the mean over the rows with a target, 0 for a batch with none; a non-finite logit stays nan (nan_to_num
+        # once turned it into a silent loss of 0)
+        loss = torch.nn.functional.cross_entropy(logits, tgt, ignore_index=IGNORE, reduction="sum")
+        loss = loss / (tgt != IGNORE).sum().clamp(min=1)
         if teacher_weight:
             loss = (1 - teacher_weight) * loss + teacher_weight * teacher_loss(bare, logits, teacher_hidden[:, i])
         per_head.append(loss.detach())

@@ -31,7 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from ..drafting.eagle import EagleDraftLayer
-from .train_heads import parse_feature_layers, stored_features
+from .train_heads import checked_loss, parse_feature_layers, stored_features
 
 CHECKPOINT = "checkpoint.pt"  # beside the saved layer: the optimizer's and schedule's state, for --resume
 
@@ -165,9 +165,7 @@ def train(layer: EagleDraftLayer, items, args, save=None, resume: dict | None = 
         shuffled = torch.randperm(len(batches), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
         for i in shuffled[len(losses) - epoch * len(batches) :]:  # a resumed epoch: from its next batch
             loss = eagle_loss(layer, [items[j] for j in batches[i]], args.depth, args.cls_weight)
-            if not torch.isfinite(loss):  # one nan step would leave every weight nan: stop before it lands
-                raise FloatingPointError(f"step {len(losses) + 1}: the loss is {float(loss)}; no weight was changed")
-            loss.backward()
+            checked_loss(loss, f"step {len(losses) + 1}").backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             schedule.step()

@@ -100,6 +100,14 @@ def joined_features(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.to(dtype) for p in parts])
 
 
+def checked_loss(loss: torch.Tensor, step: str) -> torch.Tensor:
+    """`loss`, or FloatingPointError where it is not finite: one nan step would make every weight nan (and
+    saved so at the next save), so training stops before the optimizer takes it."""
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"{step}: the loss is {float(loss)}; training stopped before this step")
+    return loss
+
+
 @dataclass
 class Features:
     """Cached training positions: hidden [n, H] (base last hidden state at t; with feature layers [n, k*H],
@@ -464,7 +472,7 @@ def train_frozen(model, data, args) -> tuple[BlockDraftHeads, list[dict]]:
                         own_top_k=args.own_top_k,
                     )
                 loss = loss + own
-            accelerator.backward(loss)
+            accelerator.backward(checked_loss(loss, f"epoch {epoch} step {steps + 1}"))
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
