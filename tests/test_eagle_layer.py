@@ -130,67 +130,6 @@ def test_every_tree_node_drafts_what_the_unroll_drafts_along_its_path(seed):
             assert arcs[child].logprob == pytest.approx(float(expected), abs=1e-4)
 
 
-def test_a_looked_up_chain_grows_into_the_tree_and_the_layer_drafts_below_it_as_along_any_path():
-    """lookup_in_growth: chain tokens the layer would not draft enter the tree as candidates at their arc, the
-    layer expands them (a node added in its parent's round waits a round), and every node's children are still
-    the top-k of the unroll along the node's own path."""
-    from hf_bpd.drafting.calibration import Arc
-
-    model = tiny_model()
-    layer = random_layer(model, 2)
-    n = 10
-    tokens, features = sequence(n + 1, model, 7)
-    context = EagleContext()
-    context.extend(layer, features[:n], tokens[1 : n + 1])
-    with torch.no_grad():
-        drafted = set(layer.top_tokens(context.prediction, 3)[0][0].tolist())
-    chain = [t for t in range(3, 97) if t not in drafted][:3]
-    tree, arcs = grow_tree(layer, context, int(tokens[n]), 3, 24, chain=chain, chain_arc=Arc(0.0, "lookup3"))
-    assert tree.tokens[1:4] == chain and tree.parents[1:4] == [0, 1, 2]  # the surest candidates, in order
-    assert [a.source for a in arcs[1:4]] == ["lookup3"] * 3
-    below = [c for c in range(1, len(tree)) if tree.parents[c] == 3]
-    # drafted past the chain's end, once its expansion's round came (a chain node waits for its parent's)
-    assert below and all(arcs[c].source == "heads" for c in below)
-    paths = tree.node_paths()
-    for node in range(len(tree)):
-        children = [c for c in range(1, len(tree)) if tree.parents[c] == node and arcs[c].source == "heads"]
-        if not children:
-            continue
-        depth = tree.depths[node] + 1
-        path_tokens = torch.cat([tokens, torch.tensor(paths[node], dtype=torch.long)])
-        with torch.no_grad():
-            predicted = layer.unroll(features[None, : n + 1], path_tokens[None], depth)[depth - 1][0, n - 1]
-            ids, logprobs = layer.top_tokens(predicted[None], 3)
-        for child in children:
-            expected = logprobs[0, ids[0].tolist().index(tree.tokens[child])]
-            assert arcs[child].logprob == pytest.approx(float(expected), abs=1e-4)
-    plain, _ = grow_tree(layer, context, int(tokens[n]), 3, 24)
-    assert plain.tokens[1] in drafted and not set(chain) & set(plain.tokens[1:4])
-
-
-def test_lookup_in_growth_decodes_greedy_s_tokens_replays_as_the_loop_saves_and_is_refused_where_it_cannot_grow(
-    tmp_path,
-):
-    model = tiny_model(eos_token_id=None)
-    layer = random_layer(model, std=0.1)
-    ids = torch.tensor([[5, 10, 17, 4, 5, 10, 17, 4, 22]])  # a context that repeats: its lookup finds chains
-    drafter = BlockDrafter(layer, top_k=3, max_tree_tokens=10, lookup_in_growth=True)
-    ours = greedy(model, ids, 30, custom_generate=hf_bpd.generate, assistant=drafter)
-    assert torch.equal(ours, greedy(model, ids, 30))
-    assert_replay_matches_loop(
-        model, lambda: BlockDrafter(layer, top_k=3, max_tree_tokens=10, lookup_in_growth=True), ids
-    )
-    drafter.save_pretrained(tmp_path)
-    assert BlockDrafter.from_pretrained(tmp_path).lookup_in_growth is True
-    with pytest.raises(ValueError, match="lookup_in_growth must be True or False"):
-        BlockDrafter(layer, lookup_in_growth="yes")
-    for refused in (dict(context_lookup=0), dict(context_lookup_nodes=4)):
-        with pytest.raises(ValueError, match="needs an EAGLE layer, context_lookup > 0"):
-            BlockDrafter(layer, lookup_in_growth=True, **refused)
-    with pytest.raises(ValueError, match="needs an EAGLE layer"):
-        BlockDrafter(random_heads(model), lookup_in_growth=True)
-
-
 def test_saved_layer_loads_with_its_outputs_and_as_a_drafter(tmp_path):
     model = tiny_model()
     layer = random_layer(model)

@@ -42,7 +42,6 @@ from .expansion import GrownTree, chain_lattice, expand_tree, grow_on_device
 from .heads import BlockDraftHeads
 from .lattice import Lattice, ScoredPath
 from .lookup import (
-    lookup_arc,
     lookup_continuation,
     lookup_source,
     lookup_tree,
@@ -139,10 +138,6 @@ class BlockDrafter:
                      without a context copy. Heads draft with the tokens of the context as their last drafted
                      step saw it (the first: the prompt's), which is what a tree grown inside the step before
                      can know. Off by default; the captured step refuses it.
-    lookup_in_growth: an EAGLE layer's tree grows from the context lookup's chain too: each chain token is
-                     a candidate beside the layer's own, and the layer drafts below chain nodes as below its
-                     own (`eagle.grow_tree`), instead of the chain being merged into the grown tree after.
-                     Needs an EAGLE layer and one chain (`context_lookup` > 0, no `context_lookup_nodes`).
 
     What the decoding loops (`hf_bpd/decode/`) use, and nothing else:
     - `draft(...)`: one step's trees (`step_cost`: the cost to size one row's trees by, `batch_cost` a
@@ -177,7 +172,6 @@ class BlockDrafter:
         compact_weights: bool = False,
         fallback: BlockDrafter | None = None,
         context_vocab: bool = False,
-        lookup_in_growth: bool = False,
     ) -> None:
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
@@ -202,14 +196,6 @@ class BlockDrafter:
             raise ValueError(f"context_vocab must be True or False, got {context_vocab!r}")
         if context_vocab and (why := context_vocab_refusal(heads.config.to_dict())):
             raise ValueError(f"context_vocab: {why}")
-        if lookup_in_growth not in (True, False):
-            raise ValueError(f"lookup_in_growth must be True or False, got {lookup_in_growth!r}")
-        one_chain = context_lookup and not context_lookup_nodes
-        if lookup_in_growth and not (isinstance(heads, EagleDraftLayer) and one_chain):
-            raise ValueError(
-                "lookup_in_growth grows an EAGLE draft layer's tree from the context lookup's one chain: it needs "
-                "an EAGLE layer, context_lookup > 0 and context_lookup_nodes=None"
-            )
         if rescorer is not None and isinstance(heads, EagleDraftLayer):
             raise ValueError("a rescorer re-ranks the heads' lattice, and an EAGLE draft layer has none: rescorer=None")
         if rescorer is not None and not isinstance(rescorer, Rescorer):
@@ -225,7 +211,6 @@ class BlockDrafter:
         self.heads = heads
         self.compact_weights = compact_weights
         self.context_vocab = context_vocab
-        self.lookup_in_growth = lookup_in_growth
         if compact_weights:
             round_linear_weights(heads)
         self.top_k = top_k
@@ -527,24 +512,10 @@ class BlockDrafter:
                 tree, arcs = grown[b]  # grown on the device during the last step, read with its tokens
             elif self.reads_context:
                 t0 = time.perf_counter()
-                chain, chain_arc = [], None
-                if self.lookup_in_growth:
-                    limit = self.context_lookup if max_depth is None else min(self.context_lookup, max_depth)
-                    tokens = context[b].cpu().numpy() if row is None else np.asarray(row)
-                    chain, ngram = lookup_continuation(tokens, limit)
-                    chain_arc = lookup_arc(ngram)
                 with self.heads_context:
                     layer_context = self._context_prediction(context.shape[1])
                     tree, arcs = grow_tree(
-                        self.heads,
-                        layer_context,
-                        root,
-                        self.top_k,
-                        growth,
-                        max_depth,
-                        self.calibration,
-                        chain,
-                        chain_arc,
+                        self.heads, layer_context, root, self.top_k, growth, max_depth, self.calibration
                     )
                 self.stats.time_heads += time.perf_counter() - t0
             elif self.heads.conditions_on_draft:

@@ -30,7 +30,7 @@ rows still read their parents' predictions, and every prediction still targets t
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from ..cpu.packed_linear import packed_or_plain_linear
-from .calibration import HEADS, AcceptanceCalibration, Arc, calibrated_logprob
+from .calibration import HEADS, AcceptanceCalibration, Arc
 from .context_vocab import ContextVocab, VocabExtension, extended_top_k
 from .expansion import round_size
 from .heads import (
@@ -561,18 +561,13 @@ def grow_tree(
     budget: int,
     max_depth: int | None = None,
     calibration: AcceptanceCalibration | None = None,
-    chain: Sequence[int] = (),
-    chain_arc: Arc | None = None,
 ) -> tuple[DraftTree, list[Arc]]:
     """A step's tree of at most `budget` nodes, grown best-first on (calibrated) path probability from the
     layer's predictions: the root's children from the context's last prediction, then rounds of the best
     candidates (`expansion.round_size`, the heads' rounds: each reads the layer's weights and the LM-head rows
     once, so small trees take few; EAGLE-2's one depth a round drafts barely better at 8-16 nodes for twice the
     rounds), each round's nodes run through the layer together (each attending
-    to the context and its own ancestors) to give their children. `chain`: tokens after the root looked up
-    in the context, each a candidate at `chain_arc` beside the layer's own (the better of the two where both
-    draft a token), which the layer then expands like its own nodes, so it drafts on past a chain's end and
-    below a chain token it would not have drafted. Returns the tree and every node's arc."""
+    to the context and its own ancestors) to give their children. Returns the tree and every node's arc."""
     tree, arcs = DraftTree.root_only(root), [Arc(0.0, HEADS)]
     depth_limit = min(layer.config.max_depth, max_depth if max_depth is not None else layer.config.max_depth)
     if budget < 2 or depth_limit < 1 or context.prediction is None:
@@ -583,50 +578,38 @@ def grow_tree(
     features = {0: context.prediction}  # node -> the feature it predicts for its children [1, H]
     expanded_index: dict[int, int] = {}  # tree node -> its row among the expanded ones, after the context's
     context.reserve(layer, context.rows + budget)
-    heap: list[tuple[float, int, int, int, Arc]] = []
+    heap: list[tuple[float, int, int, int, float]] = []
     counter = 0
-    on_chain = {0}  # the nodes whose path is a prefix of `chain`
 
-    def push(parent: int, token: int, arc: Arc) -> None:
-        nonlocal counter
-        key = path_logprob[parent] + calibrated_logprob(arc, tree.depths[parent] + 1, calibration)
-        heapq.heappush(heap, (-key, counter, parent, token, arc))
-        counter += 1
+    def log_scale(depth: int) -> float:
+        return 0.0 if calibration is None else math.log(calibration.scale(HEADS, depth))
 
     def push_children(nodes: list[int], ids: list[list[int]], lps: list[list[float]]) -> None:
+        nonlocal counter
         room = budget - len(tree)
         for node, node_ids, node_lps in zip(nodes, ids, lps):
             if tree.depths[node] >= depth_limit:
                 continue
+            scale = log_scale(tree.depths[node] + 1)
             for token, lp in zip(node_ids[:room], node_lps[:room]):
-                push(node, token, Arc(lp, HEADS))
+                key = path_logprob[node] + min(0.0, lp + scale)
+                heapq.heappush(heap, (-key, counter, node, token, lp))
+                counter += 1
 
     with torch.no_grad():
         ids, lps = host_lists(*layer.top_tokens(context.prediction, top_k, context.vocab_extension))
     push_children([0], ids, lps)
-    if chain:
-        push(0, chain[0], chain_arc)
     per_round = round_size(budget)
-    waiting: list[int] = []  # nodes added in the same round as their parent: expanded a round later
     while heap and len(tree) < budget:
         added = []
         while heap and len(added) < per_round and len(tree) < budget:
-            neg, _, parent, token, arc = heapq.heappop(heap)
-            if tree.child(parent, token) is not None:  # drafted by the layer and the chain: the better came first
-                continue
+            neg, _, parent, token, lp = heapq.heappop(heap)
             node = tree.add_child(parent, token)
             path_logprob[node] = -neg
-            arcs.append(arc)
+            arcs.append(Arc(lp, HEADS))
             added.append(node)
-            depth = tree.depths[node]
-            if depth <= len(chain) and parent in on_chain and token == chain[depth - 1]:
-                on_chain.add(node)
-                if depth < len(chain):
-                    push(node, chain[depth], chain_arc)
-        ready = [n for n in waiting + added if tree.depths[n] < depth_limit]
-        expand = [n for n in ready if tree.parents[n] in features]
-        waiting = [n for n in ready if tree.parents[n] not in features]
-        if not expand or len(tree) >= budget:  # (a node waits only on a parent expanded in this round)
+        expand = [n for n in added if tree.depths[n] < depth_limit]
+        if not expand or len(tree) >= budget:
             break
         # each node reads its parent's predicted feature and its own token at position p + depth, and
         # attends to the context and the rows of its expanded ancestors (and itself)

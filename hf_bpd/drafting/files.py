@@ -35,7 +35,6 @@ def drafter_settings(drafter: BlockDrafter) -> dict:
         "packed_linear": drafter.packed_linear,
         **({"compact_weights": True} if drafter.compact_weights else {}),
         **({"context_vocab": True} if drafter.context_vocab else {}),
-        **({"lookup_in_growth": True} if drafter.lookup_in_growth else {}),
         **({"corpus": CORPUS_FILE, "corpus_nodes": drafter.corpus_nodes} if drafter.corpus is not None else {}),
         **({"fallback": FALLBACK_FOLDER} if drafter.fallback is not None else {}),
     }

@@ -53,12 +53,6 @@ def context_matches(tokens: np.ndarray, max_ngram: int = MAX_NGRAM) -> tuple[np.
     return np.zeros(0, np.int64), 0
 
 
-def lookup_arc(ngram: int) -> Arc:
-    """The arc of every token of a chain found by an n-gram match of length `ngram`: estimated at
-    `LOOKUP_PROBABILITY` before calibration."""
-    return Arc(math.log(LOOKUP_PROBABILITY), lookup_source(ngram))
-
-
 def lookup_continuation(tokens: np.ndarray, max_tokens: int, max_ngram: int = MAX_NGRAM) -> tuple[list[int], int]:
     """The tokens that followed an earlier occurrence of the context's last n tokens, for the longest
     n <= `max_ngram` that occurs (most recent occurrence with `max_tokens` tokens after it, else the most
@@ -100,7 +94,8 @@ def merge_lookup(
 ) -> tuple[DraftTree, list[Arc]]:
     """Merge the context's `chain` (tokens after the root, found by an n-gram match of length `ngram`) into
     `tree` as `merge_chain` does, every chain arc estimated at `LOOKUP_PROBABILITY`."""
-    return merge_chain(tree, arcs, chain, [lookup_arc(ngram)] * len(chain), calibration, max_nodes)
+    copy = Arc(math.log(LOOKUP_PROBABILITY), lookup_source(ngram))
+    return merge_chain(tree, arcs, chain, [copy] * len(chain), calibration, max_nodes)
 
 
 def merge_chain(
@@ -175,7 +170,7 @@ def merge_lookups_after_drafts(
             np.concatenate([tokens, np.asarray(path, tokens.dtype)]), max_depth - len(path)
         )
         if chain:
-            copy = lookup_arc(ngram)
+            copy = Arc(math.log(LOOKUP_PROBABILITY), lookup_source(ngram))
             grafts.append(([*path, *chain], [arcs[i] for i in tree.path_to(node)[1:]] + [copy] * len(chain)))
     for chain, chain_arcs in grafts:  # node indices change with every merge: the paths were read first
         tree, arcs = merge_chain(tree, arcs, chain, chain_arcs, calibration, max_nodes)

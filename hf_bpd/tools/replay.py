@@ -303,14 +303,6 @@ def main(argv: list[str] | None = None) -> int:
         "tied to the LM head without a context copy; default: the folder's drafter.json)",
     )
     parser.add_argument(
-        "--lookup-in-growth",
-        type=int,
-        nargs="+",
-        choices=[0, 1],
-        default=None,
-        help="1: an EAGLE layer grows its tree from the context lookup's chain too (default: its drafter.json)",
-    )
-    parser.add_argument(
         "--rescorers",
         nargs="+",
         default=["none"],
@@ -369,19 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         for k in args.top_k:
             for size in args.max_tree_tokens:
                 vocabs = args.context_vocab or [None]
-                growths = args.lookup_in_growth or [None]
                 settings = itertools.product(
-                    args.context_lookup, args.lookup_nodes, args.lookup_after_drafts, vocabs, growths, args.rescorers
+                    args.context_lookup, args.lookup_nodes, args.lookup_after_drafts, vocabs, args.rescorers
                 )
-                for lookup, nodes, after, vocab, growth, rescorer in settings:
+                for lookup, nodes, after, vocab, rescorer in settings:
                     name = f"k{k} n{size}" + (f" lookup{lookup}" if len(args.context_lookup) > 1 else "")
                     name += f" tree{nodes}" if len(args.lookup_nodes) > 1 else ""
                     name += f" after{after}" if len(args.lookup_after_drafts) > 1 else ""
                     name += f" vocab{vocab}" if len(vocabs) > 1 else ""
-                    name += f" growth{growth}" if len(growths) > 1 else ""
                     vocab_setting = {} if vocab is None else {"context_vocab": bool(vocab)}
-                    if growth is not None:
-                        vocab_setting["lookup_in_growth"] = bool(growth and lookup)  # nothing to grow without one
                     name = f"{Path(heads).name} {name}" if len(args.heads) > 1 else name
                     name += f" +{rescorer}" if len(args.rescorers) > 1 else ""
                     drafter = load_drafter(
