@@ -154,8 +154,15 @@ OMP_NUM_THREADS=1 nice -n 10 hf-bpd distill --model gemma-3-270m --prompt-templa
 #     runs/eagle_gemma/norms_all_fused/checkpoint.pt exists (the features resume at the first missing chunk).
 #     Session 77 found session 76's chunks held inf (Gemma's layers 2 and 9 exceed float16's 65,504) and every
 #     loss nan: chunks written since keep such states in bfloat16 (`train_heads.stored_features`), train-eagle
-#     computes a chunk holding inf again and stops at the first non-finite loss. Started again in session 77.
+#     computes a chunk holding inf again and stops at the first non-finite loss. Started again in session 77;
+#     session 78 finished its features (all 40 chunks finite) and trained on at ~1.7 s a step.
 # hf-bpd train-eagle --model gemma-3-270m --data training/data/distilled_gemma3_270m \
 #   training/data/distilled_gemma3_270m_self --samples 10171 --heads hf_bpd/assets/gemma3_270m/heads \
 #   --features-cache runs/eagle_gemma/features_all --depth 3 --epochs 2 --feature-layers 2,9,-1 --save-every 250 \
 #   --output runs/eagle_gemma/norms_all_fused [--resume]
+# 12b. the layer at step 1,000, copied to runs/eagle_gemma/norms_all_fused_s1000 with the 4k layer's drafter.json,
+#     screened beside the shipped heads v2 and step 11's layer (claim eagle_gemma3_270m_all_fused_s1000_spread40):
+# hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --spread 40 --heads packaged \
+#   runs/eagle_gemma/ab_norms runs/eagle_gemma/norms_all_fused_s1000 \
+#   --answers benchmarks/replay/gemma3_270m_spread40_greedy128_tf525.jsonl --top-k 10 --max-tree-tokens 8 \
+#   --context-lookup 0 10 --max-new-tokens 128 --no-progress --output benchmarks/eagle/replay_gemma3_270m_all_fused_s1000_spread40.json
