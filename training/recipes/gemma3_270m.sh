@@ -155,7 +155,8 @@ OMP_NUM_THREADS=1 nice -n 10 hf-bpd distill --model gemma-3-270m --prompt-templa
 #     Session 77 found session 76's chunks held inf (Gemma's layers 2 and 9 exceed float16's 65,504) and every
 #     loss nan: chunks written since keep such states in bfloat16 (`train_heads.stored_features`), train-eagle
 #     computes a chunk holding inf again and stops at the first non-finite loss. Started again in session 77;
-#     session 78 finished its features (all 40 chunks finite) and trained on at ~1.7 s a step.
+#     session 78 finished its features (all 40 chunks finite) and trained to the end of epoch 1 (~1.7 s a step; kept as
+#     training/candidates/gemma3_270m_eagle_all_fused_e1, claim eagle_gemma3_270m_all_fused_e1_spread40).
 # hf-bpd train-eagle --model gemma-3-270m --data training/data/distilled_gemma3_270m \
 #   training/data/distilled_gemma3_270m_self --samples 10171 --heads hf_bpd/assets/gemma3_270m/heads \
 #   --features-cache runs/eagle_gemma/features_all --depth 3 --epochs 2 --feature-layers 2,9,-1 --save-every 250 \
