@@ -167,3 +167,10 @@ OMP_NUM_THREADS=1 nice -n 10 hf-bpd distill --model gemma-3-270m --prompt-templa
 #   runs/eagle_gemma/ab_norms runs/eagle_gemma/norms_all_fused_s1000 \
 #   --answers benchmarks/replay/gemma3_270m_spread40_greedy128_tf525.jsonl --top-k 10 --max-tree-tokens 8 \
 #   --context-lookup 0 10 --max-new-tokens 128 --no-progress --output benchmarks/eagle/replay_gemma3_270m_all_fused_s1000_spread40.json
+# 12c. the layer at the end of epoch 1 (step 2,543), copied to runs/eagle_gemma/norms_all_fused_e1 with the same
+#     drafter.json (committed as training/candidates/gemma3_270m_eagle_all_fused_e1), beside the shipped heads v2
+#     (claim eagle_gemma3_270m_all_fused_e1_spread40); the end of epoch 2 goes on all of dev at 4/8/16/64 nodes
+# hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --spread 40 --heads packaged \
+#   runs/eagle_gemma/norms_all_fused_e1 --answers benchmarks/replay/gemma3_270m_spread40_greedy128_tf525.jsonl \
+#   --top-k 10 --max-tree-tokens 8 --context-lookup 0 10 --max-new-tokens 128 --no-progress \
+#   --output benchmarks/eagle/replay_gemma3_270m_all_fused_e1_spread40.json
