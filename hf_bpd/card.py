@@ -57,6 +57,31 @@ def accuracy_table(training_log: dict | None) -> str:
     return "\n".join(rows)
 
 
+def layer_training_summary(training_log: dict | None) -> str:
+    """What an EAGLE draft layer's training log (`hf-bpd train-eagle`) says of the run: its steps, data and
+    loss (it records no held-out accuracy; the Spec-Bench τ below is the measure)."""
+    if not training_log or not training_log.get("steps"):
+        return "_not recorded_"
+    args = training_log.get("args") or {}
+    losses = training_log.get("loss_by_50_steps") or []
+    fusion = args.get("feature_layers")
+    lines = [
+        f"`hf-bpd train-eagle`: {training_log['steps']} steps ({training_log.get('epochs_done', '?')} epochs) over "
+        f"{args.get('samples', '?')} distilled answers, batches of {args.get('batch_samples', '?')}, "
+        f"learning rate {args.get('lr', '?')}, trained on its own drafts {args.get('depth', '?')} deep"
+        + (
+            f", reading the base model's layers {', '.join(str(i) for i in fusion if i >= 0)} and its final state fused"
+            if fusion
+            else ""
+        )
+        + (", continuing an earlier layer (`--init`)" if args.get("init") else "")
+        + "."
+    ]
+    if losses:
+        lines.append(f"Loss (mean of 50 steps): {losses[0]:.2f} at the start, {losses[-1]:.2f} at the end.")
+    return "\n".join(lines)
+
+
 def tau_table(bench: dict | None, method: str = "hf_bpd") -> str:
     """Markdown table of τ / speedup per category from an `hf-bpd bench --output` JSON (or its summary,
     `bench_summary`)."""
@@ -212,10 +237,17 @@ def heads_description(cfg) -> str:
 
 def eagle_description(cfg) -> str:
     """The card's opening of an EAGLE draft layer of config `cfg`, up to "drafts are verified"."""
+    fused = getattr(cfg, "feature_layers", None)
+    features = (
+        f"hidden states there after layers {' and '.join(str(i) for i in fused if i >= 0)} and its final state, "
+        "fused as EAGLE-3 does,"
+        if fused
+        else "final hidden state there"
+    )
     return (
         "An EAGLE draft layer (one decoder layer drafting on the base model's own features; Li et al., 2024) for\n"
         "lossless speculative decoding with [hf_bpd](https://pypi.org/project/hf-bpd/). Each position's row reads "
-        "the\nbase model's final hidden state there and the token after it and predicts the next position's state; "
+        f"the\nbase model's {features} and the token after it and predicts the next position's state; "
         "a\ndraft of depth d > 1 reads the state its parent predicted, so each tree branch is drafted from its own "
         f"tokens,\n{cfg.max_depth} deep at most, over a {cfg.draft_vocab_size or cfg.vocab_size}-token draft "
         "vocabulary;"
@@ -244,10 +276,14 @@ def render_card(
     from huggingface_hub import ModelCard, ModelCardData
 
     cfg = getattr(heads, "config", heads)
-    if getattr(cfg, "model_type", "") == "bpd_eagle_draft_layer":
+    layer = getattr(cfg, "model_type", "") == "bpd_eagle_draft_layer"
+    if layer:
         title, description = "EAGLE draft layer", eagle_description(cfg)
+        training_heading, training = "Training", layer_training_summary(training_log)
     else:
         title, description = "Block draft heads", heads_description(cfg)
+        training_heading = "Per-head accuracy (the training run's validation split of the distilled samples)"
+        training = accuracy_table(training_log)
     hub_call = (
         "\nThis repository is a whole drafter (heads, settings in `drafter.json`, `custom_generate/`), so it also "
         "decodes with no drafter object:\n\n```python\nout = model.generate(**inputs, max_new_tokens=128, "
@@ -256,9 +292,11 @@ def render_card(
     base_model = cfg.base_model_name or "unknown"
     if packaged:
         shown = ", ".join(f"{k}={v!r}" for k, v in (settings or {}).items())
+        module = "layer" if layer else "heads"
         usage_note = (
-            f"\nThese heads ship inside hf_bpd for its packaged model `{packaged}`: both load offline, the heads "
-            f"with the drafter settings chosen by measurement (`drafter.json`: {shown}).\n"
+            f"\n{'This layer ships' if layer else 'These heads ship'} inside hf_bpd for its packaged model "
+            f"`{packaged}`: both load offline, the {module} with the drafter settings chosen by measurement "
+            f"(`drafter.json`: {shown}).\n"
         )
         load_model = f'model, tokenizer = hf_bpd.load_packaged_model("{packaged}")'
         load_drafter = f'drafter = hf_bpd.load_packaged_drafter(model="{packaged}")'
@@ -292,7 +330,8 @@ def render_card(
         title=title,
         description=description,
         data_recipe=data_recipe(manifest),
-        accuracy_table=accuracy_table(training_log),
+        training_heading=training_heading,
+        accuracy_table=training,
         tau_table=tau_table(bench),
         precision_note=precision_note(precision),
     )

@@ -192,3 +192,15 @@ def test_continued_heads_say_their_validation_accuracy_is_an_upper_bound():
     continued = accuracy_table({**LOG, "args": {"init": "runs/earlier_heads"}})
     assert "upper bound" not in fresh
     assert continued.startswith(fresh) and "upper bound" in continued
+
+
+def test_a_fused_layer_s_card_says_which_layers_it_reads():
+    from hf_bpd.drafting.eagle import EagleDraftLayer
+
+    model = tiny_model()
+    plain = EagleDraftLayer.for_base_model(model)
+    fused = EagleDraftLayer.for_base_model(model, feature_layers=[1, -1])
+    assert "reads the\nbase model's final hidden state there and the token" in render_card(plain)
+    card = render_card(fused, packaged="gemma-3-270m", settings={"top_k": 10})
+    assert "hidden states there after layers 1 and its final state, fused as EAGLE-3 does" in card
+    assert "This layer ships inside hf_bpd" in card and "## Training\n\n_not recorded_" in card

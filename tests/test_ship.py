@@ -119,3 +119,43 @@ def test_ship_keeps_the_earlier_heads_runs_and_records_the_pointer_stage(tmp_pat
     shipped = hf_bpd.BlockDraftHeads.from_pretrained(dest / "heads").bind(model)
     assert shipped.config.copy_dim == 8
     assert "8-wide attention" in render_card(shipped, manifest=manifest)
+
+
+def test_ship_takes_an_eagle_layer_and_the_packaged_loader_drafts_with_it(tmp_path, monkeypatch):
+    from hf_bpd.drafting.eagle import EagleDraftLayer
+    from hf_bpd.io import packaged
+    from tests.test_eagle_layer import random_layer, sequence
+
+    model = tiny_model()
+    trained = tmp_path / "run"
+    layer = random_layer(model)
+    layer.save_pretrained(trained)
+    log = {"steps": 100, "epochs_done": 2.0, "args": {"samples": 200, "depth": 3}, "loss_by_50_steps": [9.0, 4.5]}
+    (trained / "training_log.json").write_text(json.dumps(log))
+    tiny_distilled(model, n=3).save_to_disk(str(tmp_path / "distill" / "dataset"))
+    (tmp_path / "distill" / "manifest.json").write_text(json.dumps({"num_prompts": 3, "prompts": "p.jsonl"}))
+    (tmp_path / "drafter.json").write_text(json.dumps({"top_k": 4, "max_tree_tokens": 8, "context_lookup": 10}))
+    dest = tmp_path / "assets"
+    argv = [
+        "--heads",
+        str(trained),
+        "--distilled",
+        str(tmp_path / "distill"),
+        "--drafter",
+        str(tmp_path / "drafter.json"),
+    ]
+    assert ship.main([*argv, "--to", str(dest)]) == 0
+    card = (dest / "README.md").read_text()  # the layer's own card: what it reads, how it was trained
+    assert "# EAGLE draft layer" in card and "## Per-head accuracy" not in card
+    assert "`hf-bpd train-eagle`: 100 steps (2.0 epochs) over 200 distilled answers" in card
+    assert "Loss (mean of 50 steps): 9.00 at the start, 4.50 at the end." in card
+    # the packaged loader reads the module the config names, with the shipped settings
+    monkeypatch.setattr(packaged, "packaged_heads_dir", lambda model=None, kind="default": dest / "heads")
+    drafter = packaged.load_packaged_drafter()
+    assert isinstance(drafter.heads, EagleDraftLayer)
+    assert (drafter.top_k, drafter.max_tree_tokens, drafter.context_lookup) == (4, 8, 10)
+    shipped = drafter.heads.bind(model)
+    tokens, features = sequence(8, model, 2)
+    with torch.no_grad():
+        for a, b in zip(layer.unroll(features[None], tokens[None], 3), shipped.unroll(features[None], tokens[None], 3)):
+            torch.testing.assert_close(a, b)

@@ -182,8 +182,9 @@ SHIPPED_ASSETS = {SMOLLM2: "assets/smollm2", GEMMA3_270M: "assets/gemma3_270m"}
 
 
 # the kinds of heads shipped for a packaged model, by folder inside its assets: "default" is what
-# `load_packaged_drafter` drafts with; "medusa" are hidden-state-only heads (no token input, no pointer), the
-# kind vLLM's and TensorRT-LLM's Medusa loaders run (`hf-bpd export`), shipped where they were trained
+# `load_packaged_drafter` drafts with (draft heads, or an EAGLE draft layer: its config says which); "medusa"
+# are hidden-state-only heads (no token input, no pointer), the kind vLLM's and TensorRT-LLM's Medusa loaders
+# run (`hf-bpd export`), shipped where they were trained
 HEAD_KINDS = {"default": "heads", "medusa": "medusa_heads"}
 
 
@@ -235,8 +236,9 @@ def packaged_rescorer(name: str, base_tokenizer=None, model: str | None = None):
 
 
 def load_packaged_drafter(rescorer=None, model: str | None = None, heads: str = "default", **drafter_kwargs):
-    """The shipped trained heads for a packaged model as a `BlockDrafter`, with the settings chosen by
-    measurement (`drafter.json` beside the heads); keyword arguments override them.
+    """The shipped drafting module (trained heads, or an EAGLE draft layer where that is what ships) for a
+    packaged model as a `BlockDrafter`, with the settings chosen by measurement (`drafter.json` beside it);
+    keyword arguments override them.
 
     model:        the packaged model the heads are for: None (SmolLM2-135M-Instruct, the default) or
                   "gemma-3-270m" (`load_packaged_model("gemma-3-270m")`).
@@ -253,7 +255,7 @@ def load_packaged_drafter(rescorer=None, model: str | None = None, heads: str = 
     import json
 
     from ..drafting.drafter import BlockDrafter
-    from ..drafting.files import with_files
+    from ..drafting.files import drafting_module, with_files
     from ..drafting.heads import BlockDraftHeads
 
     path = packaged_heads_dir(model, heads)
@@ -264,7 +266,7 @@ def load_packaged_drafter(rescorer=None, model: str | None = None, heads: str = 
     settings.update(drafter_kwargs)
     settings = with_files(settings, path.parent, BlockDrafter)
     context_copy = settings.pop("context_copy", True)
-    loaded = BlockDraftHeads.from_pretrained(path)
-    if not context_copy and loaded.context_copy is not None:
+    loaded = drafting_module(path)
+    if not context_copy and isinstance(loaded, BlockDraftHeads) and loaded.context_copy is not None:
         loaded = loaded.without_context_copy()
     return BlockDrafter(loaded, rescorer=rescorer, **settings)

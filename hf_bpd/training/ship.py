@@ -19,7 +19,8 @@ from pathlib import Path
 
 from hf_bpd.card import CHECKOUT_CARDS, bench_summary, load_json, precision_summary, render_card
 from hf_bpd.drafting.corpus import CorpusIndex
-from hf_bpd.drafting.files import CORPUS_FILE
+from hf_bpd.drafting.eagle import EagleDraftLayerConfig
+from hf_bpd.drafting.files import CORPUS_FILE, drafting_module
 from hf_bpd.drafting.heads import BlockDraftHeads, BlockDraftHeadsConfig, lm_head_identity
 from hf_bpd.io.packaged import HEAD_KINDS, SHIPPED_ASSETS
 from hf_bpd.training.distill import load_distilled
@@ -35,7 +36,7 @@ def shipped_card(name: str | None, assets: str | Path | None = None) -> str:
     settings = load_json(assets / "drafter.json") or {}
     settings.pop("num_heads", None)
     return render_card(
-        BlockDraftHeadsConfig.from_pretrained(assets / "heads"),
+        drafting_module_config(assets / "heads"),
         training_log=load_json(assets / "training_log.json"),
         bench=load_json(assets / "bench.json"),
         manifest=load_json(assets / "manifest.json"),
@@ -45,6 +46,15 @@ def shipped_card(name: str | None, assets: str | Path | None = None) -> str:
         settings=settings,
         precision=load_json(assets / "precision.json"),
     )
+
+
+def drafting_module_config(folder: Path) -> BlockDraftHeadsConfig | EagleDraftLayerConfig:
+    """The config of the drafting module saved in `folder`: an EAGLE draft layer's where its config says so,
+    else draft heads' (as `hf_bpd.drafting.files.drafting_module` loads the module itself)."""
+    config, _ = EagleDraftLayerConfig.get_config_dict(folder)
+    if config.get("model_type") == EagleDraftLayerConfig.model_type:
+        return EagleDraftLayerConfig.from_pretrained(folder)
+    return BlockDraftHeadsConfig.from_pretrained(folder)
 
 
 def shipped_head_sets() -> dict[str, Path]:
@@ -131,7 +141,7 @@ def packaged_name(dest: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_bpd.training.ship", description=__doc__.split("\n")[0])
-    parser.add_argument("--heads", help="train-heads output folder")
+    parser.add_argument("--heads", help="train-heads (or train-eagle) output folder")
     parser.add_argument("--distilled", nargs="+", help="the distill output folders the heads were trained on")
     parser.add_argument("--drafter", help="drafter.json from tune_drafter")
     parser.add_argument(
@@ -195,9 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"shipping heads needs {', '.join(missing)} (or only --check / --cards)")
 
     settings = json.loads(Path(args.drafter).read_text())
-    heads = BlockDraftHeads.from_pretrained(args.heads)
+    heads = drafting_module(args.heads)  # draft heads, or an EAGLE draft layer
     num_heads = settings.pop("num_heads", heads.num_heads)
-    if num_heads < heads.num_heads:
+    if isinstance(heads, BlockDraftHeads) and num_heads < heads.num_heads:
         heads = heads.first_heads(num_heads)
     dest = Path(args.to)
     # replace the heads and their records only: the rescorers shipped beside them (ngram/, rescorer/,
@@ -225,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     card.parent.mkdir(parents=True, exist_ok=True)
     card.write_text(shipped_card(name, dest), encoding="utf-8")
     size = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
-    print(f"shipped {num_heads} heads to {dest} ({size / 1e6:.1f} MB); model card {card}")
+    what = f"{num_heads} heads" if isinstance(heads, BlockDraftHeads) else "an EAGLE draft layer"
+    print(f"shipped {what} to {dest} ({size / 1e6:.1f} MB); model card {card}")
     return 0
 
 
