@@ -174,3 +174,16 @@ OMP_NUM_THREADS=1 nice -n 10 hf-bpd distill --model gemma-3-270m --prompt-templa
 #   runs/eagle_gemma/norms_all_fused_e1 --answers benchmarks/replay/gemma3_270m_spread40_greedy128_tf525.jsonl \
 #   --top-k 10 --max-tree-tokens 8 --context-lookup 0 10 --max-new-tokens 128 --no-progress \
 #   --output benchmarks/eagle/replay_gemma3_270m_all_fused_e1_spread40.json
+# 12d. the end of epoch 2 (step 5,086; session 79 resumed the run from step 2,543), copied to
+#     runs/eagle_gemma/norms_all_fused_e2 with the same drafter.json (committed as
+#     training/candidates/gemma3_270m_eagle_all_fused_e2): in decoding beside the shipped default on the 40 spread
+#     rows (an idle machine), then #59's acceptance replay on all of dev beside heads v1 (the package's heads before
+#     520f4c9, extracted to runs/gemma_v1_heads) and v2 (the shipped heads), with transformers 5.24.0 as the
+#     cached answers were
+# hf-bpd bench ../shared/data/spec_bench_dev.jsonl --spread 40 --model gemma-3-270m --heads packaged --max-new-tokens 128 \
+#   --methods greedy greedy_fast greedy_compiled hf_bpd hf_bpd@runs/eagle_gemma/norms_all_fused_e2 --no-progress \
+#   --output benchmarks/eagle/bench_gemma3_270m_all_fused_e2_spread40_amd.json
+# hf-bpd replay ../shared/data/spec_bench_dev.jsonl --model gemma-3-270m --heads runs/gemma_v1_heads packaged \
+#   runs/eagle_gemma/norms_all_fused_e2 --answers benchmarks/replay/gemma3_270m_dev_greedy128.jsonl --top-k 10 \
+#   --max-tree-tokens 4 8 16 64 --context-lookup 0 10 --max-new-tokens 128 --no-progress \
+#   --output benchmarks/eagle/replay_gemma3_270m_all_fused_e2_dev.json
