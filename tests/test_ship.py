@@ -79,6 +79,21 @@ def test_ship_replaces_heads_and_keeps_rescorers(tmp_path):
     assert not (dest / "corpus.npz").exists() and "corpus" not in json.loads((dest / "drafter.json").read_text())
 
 
+def one_run_argv(tmp_path, model, trained, settings: dict) -> list[str]:
+    """ship's arguments for the module saved in `trained`, one distilled run of 3 answers and `settings`."""
+    tiny_distilled(model, n=3).save_to_disk(str(tmp_path / "distill" / "dataset"))
+    (tmp_path / "distill" / "manifest.json").write_text(json.dumps({"num_prompts": 3, "prompts": "p.jsonl"}))
+    (tmp_path / "drafter.json").write_text(json.dumps(settings))
+    return [
+        "--heads",
+        str(trained),
+        "--distilled",
+        str(tmp_path / "distill"),
+        "--drafter",
+        str(tmp_path / "drafter.json"),
+    ]
+
+
 def test_ship_keeps_the_earlier_heads_runs_and_records_the_pointer_stage(tmp_path):
     from hf_bpd.card import data_recipe, render_card
 
@@ -87,20 +102,10 @@ def test_ship_keeps_the_earlier_heads_runs_and_records_the_pointer_stage(tmp_pat
     heads = random_heads(model, num_heads=2, token_input="previous").with_context_copy(8)
     heads.save_pretrained(trained)
     (trained / "training_log.json").write_text(json.dumps({"epochs": []}))
-    tiny_distilled(model, n=3).save_to_disk(str(tmp_path / "distill" / "dataset"))
-    (tmp_path / "distill" / "manifest.json").write_text(json.dumps({"num_prompts": 3, "prompts": "p.jsonl"}))
-    (tmp_path / "drafter.json").write_text(json.dumps({"top_k": 5}))
+    argv = one_run_argv(tmp_path, model, trained, {"top_k": 5})
     earlier = {"runs": [{"prompts": "a.jsonl", "num_samples": 7}, {"prompts": "b.jsonl", "num_samples": 5}]}
     (tmp_path / "earlier.json").write_text(json.dumps(earlier))
     dest = tmp_path / "assets"
-    argv = [
-        "--heads",
-        str(trained),
-        "--distilled",
-        str(tmp_path / "distill"),
-        "--drafter",
-        str(tmp_path / "drafter.json"),
-    ]
     argv += ["--earlier-manifest", str(tmp_path / "earlier.json"), "--stage", "context-copy pointer", "--to", str(dest)]
     (dest).mkdir()
     (dest / "bench.json").write_text("{}")  # measured with the heads shipped before: no longer theirs
@@ -132,18 +137,8 @@ def test_ship_takes_an_eagle_layer_and_the_packaged_loader_drafts_with_it(tmp_pa
     layer.save_pretrained(trained)
     log = {"steps": 100, "epochs_done": 2.0, "args": {"samples": 200, "depth": 3}, "loss_by_50_steps": [9.0, 4.5]}
     (trained / "training_log.json").write_text(json.dumps(log))
-    tiny_distilled(model, n=3).save_to_disk(str(tmp_path / "distill" / "dataset"))
-    (tmp_path / "distill" / "manifest.json").write_text(json.dumps({"num_prompts": 3, "prompts": "p.jsonl"}))
-    (tmp_path / "drafter.json").write_text(json.dumps({"top_k": 4, "max_tree_tokens": 8, "context_lookup": 10}))
+    argv = one_run_argv(tmp_path, model, trained, {"top_k": 4, "max_tree_tokens": 8, "context_lookup": 10})
     dest = tmp_path / "assets"
-    argv = [
-        "--heads",
-        str(trained),
-        "--distilled",
-        str(tmp_path / "distill"),
-        "--drafter",
-        str(tmp_path / "drafter.json"),
-    ]
     assert ship.main([*argv, "--to", str(dest)]) == 0
     card = (dest / "README.md").read_text()  # the layer's own card: what it reads, how it was trained
     assert "# EAGLE draft layer" in card and "## Per-head accuracy" not in card
