@@ -69,11 +69,7 @@ def layer_training_summary(training_log: dict | None) -> str:
         f"`hf-bpd train-eagle`: {training_log['steps']} steps ({training_log.get('epochs_done', '?')} epochs) over "
         f"{args.get('samples', '?')} distilled answers, batches of {args.get('batch_samples', '?')}, "
         f"learning rate {args.get('lr', '?')}, trained on its own drafts {args.get('depth', '?')} deep"
-        + (
-            f", reading the base model's layers {', '.join(str(i) for i in fusion if i >= 0)} and its final state fused"
-            if fusion
-            else ""
-        )
+        + (f", reading the base model's layers {fused_layers(fusion)} and its final state fused" if fusion else "")
         + (", continuing an earlier layer (`--init`)" if args.get("init") else "")
         + "."
     ]
@@ -235,12 +231,18 @@ def heads_description(cfg) -> str:
     )
 
 
+def fused_layers(feature_layers: list[int], sep: str = ", ") -> str:
+    """The decoder layers a fusion reads besides the final hidden state, as the card names them."""
+    from .drafting.heads import FINAL_HIDDEN_STATE
+
+    return sep.join(str(i) for i in feature_layers if i != FINAL_HIDDEN_STATE)
+
+
 def eagle_description(cfg) -> str:
     """The card's opening of an EAGLE draft layer of config `cfg`, up to "drafts are verified"."""
     fused = getattr(cfg, "feature_layers", None)
     features = (
-        f"hidden states there after layers {' and '.join(str(i) for i in fused if i >= 0)} and its final state, "
-        "fused as EAGLE-3 does,"
+        f"hidden states there after layers {fused_layers(fused, ' and ')} and its final state, fused as EAGLE-3 does,"
         if fused
         else "final hidden state there"
     )

@@ -65,18 +65,21 @@ def load_drafter(cls: type[BlockDrafter], path: str | Path, base_tokenizer=None,
     return cls(heads, **{**settings, **kwargs})
 
 
-def drafting_module(path: str | Path, **hub) -> BlockDraftHeads | EagleDraftLayer:
-    """The drafting module saved at `path`: an EAGLE draft layer where its config says so, else draft heads
-    (whose loader names a folder that is neither)."""
+def drafting_module_class(path: str | Path, **hub) -> type[BlockDraftHeads] | type[EagleDraftLayer]:
+    """The class of the drafting module saved at `path`: an EAGLE draft layer where its config says so, else
+    draft heads (whose loader names a folder that is neither)."""
     from .eagle import EagleDraftLayer, EagleDraftLayerConfig
 
     try:
         config, _ = EagleDraftLayerConfig.get_config_dict(path, **hub)
     except OSError:
         config = {}
-    if config.get("model_type") == EagleDraftLayerConfig.model_type:
-        return EagleDraftLayer.from_pretrained(path, **hub)
-    return BlockDraftHeads.from_pretrained(path, **hub)
+    return EagleDraftLayer if config.get("model_type") == EagleDraftLayerConfig.model_type else BlockDraftHeads
+
+
+def drafting_module(path: str | Path, **hub) -> BlockDraftHeads | EagleDraftLayer:
+    """The drafting module saved at `path` (`drafting_module_class` says which kind)."""
+    return drafting_module_class(path, **hub).from_pretrained(path, **hub)
 
 
 def save_drafter(drafter: BlockDrafter, path: str | Path, repo_id: str = "<repo_id>", **card_kwargs) -> Path:

@@ -19,9 +19,8 @@ from pathlib import Path
 
 from hf_bpd.card import CHECKOUT_CARDS, bench_summary, load_json, precision_summary, render_card
 from hf_bpd.drafting.corpus import CorpusIndex
-from hf_bpd.drafting.eagle import EagleDraftLayerConfig
-from hf_bpd.drafting.files import CORPUS_FILE, drafting_module
-from hf_bpd.drafting.heads import BlockDraftHeads, BlockDraftHeadsConfig, lm_head_identity
+from hf_bpd.drafting.files import CORPUS_FILE, drafting_module, drafting_module_class
+from hf_bpd.drafting.heads import BlockDraftHeads, lm_head_identity
 from hf_bpd.io.packaged import HEAD_KINDS, SHIPPED_ASSETS
 from hf_bpd.training.distill import load_distilled
 
@@ -36,7 +35,7 @@ def shipped_card(name: str | None, assets: str | Path | None = None) -> str:
     settings = load_json(assets / "drafter.json") or {}
     settings.pop("num_heads", None)
     return render_card(
-        drafting_module_config(assets / "heads"),
+        drafting_module_class(assets / "heads").config_class.from_pretrained(assets / "heads"),
         training_log=load_json(assets / "training_log.json"),
         bench=load_json(assets / "bench.json"),
         manifest=load_json(assets / "manifest.json"),
@@ -46,15 +45,6 @@ def shipped_card(name: str | None, assets: str | Path | None = None) -> str:
         settings=settings,
         precision=load_json(assets / "precision.json"),
     )
-
-
-def drafting_module_config(folder: Path) -> BlockDraftHeadsConfig | EagleDraftLayerConfig:
-    """The config of the drafting module saved in `folder`: an EAGLE draft layer's where its config says so,
-    else draft heads' (as `hf_bpd.drafting.files.drafting_module` loads the module itself)."""
-    config, _ = EagleDraftLayerConfig.get_config_dict(folder)
-    if config.get("model_type") == EagleDraftLayerConfig.model_type:
-        return EagleDraftLayerConfig.from_pretrained(folder)
-    return BlockDraftHeadsConfig.from_pretrained(folder)
 
 
 def shipped_head_sets() -> dict[str, Path]:
