@@ -233,9 +233,8 @@ def heads_description(cfg) -> str:
 
 def fused_layers(feature_layers: list[int], sep: str = ", ") -> str:
     """The decoder layers a fusion reads besides the final hidden state, as the card names them."""
-    from .drafting.heads import FINAL_HIDDEN_STATE
-
-    return sep.join(str(i) for i in feature_layers if i != FINAL_HIDDEN_STATE)
+    # A negative entry (heads.FINAL_HIDDEN_STATE) names the final state; this module imports nothing of the library.
+    return sep.join(str(i) for i in feature_layers if i >= 0)
 
 
 def eagle_description(cfg) -> str:
